@@ -1,0 +1,1 @@
+"""Trainer side clients: the autotune gRPC client and the Redis sample cache."""

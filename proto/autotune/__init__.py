@@ -1,0 +1,1 @@
+"""Versioned autotune protocol packages."""

@@ -1,0 +1,1 @@
+"""bagua_lightning.autotune.v1: generated messages and service stubs (see codegen.py)."""

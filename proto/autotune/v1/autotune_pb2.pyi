@@ -1,0 +1,137 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorDeclaration(_message.Message):
+    __slots__ = ("name", "num_elements", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_elements: int
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class Bucket(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorDeclaration]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorDeclaration, _Mapping]]] = ...) -> None: ...
+
+class Hyperparameters(_message.Message):
+    __slots__ = ("buckets", "bucket_size", "is_hierarchical_reduce", "plan_version")
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IS_HIERARCHICAL_REDUCE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedCompositeFieldContainer[Bucket]
+    bucket_size: int
+    is_hierarchical_reduce: bool
+    plan_version: int
+    def __init__(self, buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., bucket_size: _Optional[int] = ..., is_hierarchical_reduce: _Optional[bool] = ..., plan_version: _Optional[int] = ...) -> None: ...
+
+class BucketTiming(_message.Message):
+    __slots__ = ("bucket_index", "bytes", "ready_ms", "comm_ms", "wait_ms")
+    BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    READY_MS_FIELD_NUMBER: _ClassVar[int]
+    COMM_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    bucket_index: int
+    bytes: int
+    ready_ms: float
+    comm_ms: float
+    wait_ms: float
+    def __init__(self, bucket_index: _Optional[int] = ..., bytes: _Optional[int] = ..., ready_ms: _Optional[float] = ..., comm_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ...) -> None: ...
+
+class ExecutionSpan(_message.Message):
+    __slots__ = ("trace_id", "action", "tensor_name", "start_time", "end_time")
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_NAME_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    END_TIME_FIELD_NUMBER: _ClassVar[int]
+    trace_id: int
+    action: str
+    tensor_name: str
+    start_time: int
+    end_time: int
+    def __init__(self, trace_id: _Optional[int] = ..., action: _Optional[str] = ..., tensor_name: _Optional[str] = ..., start_time: _Optional[int] = ..., end_time: _Optional[int] = ...) -> None: ...
+
+class RegisterTensorsRequest(_message.Message):
+    __slots__ = ("model_name", "tensor_list", "whether_to_bucket", "world_size", "nproc_per_node")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_LIST_FIELD_NUMBER: _ClassVar[int]
+    WHETHER_TO_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NPROC_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    tensor_list: _containers.RepeatedCompositeFieldContainer[TensorDeclaration]
+    whether_to_bucket: bool
+    world_size: int
+    nproc_per_node: int
+    def __init__(self, model_name: _Optional[str] = ..., tensor_list: _Optional[_Iterable[_Union[TensorDeclaration, _Mapping]]] = ..., whether_to_bucket: _Optional[bool] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ...) -> None: ...
+
+class RegisterTensorsResponse(_message.Message):
+    __slots__ = ("recommended_hyperparameters",)
+    RECOMMENDED_HYPERPARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    recommended_hyperparameters: Hyperparameters
+    def __init__(self, recommended_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ...) -> None: ...
+
+class ReportMetricsRequest(_message.Message):
+    __slots__ = ("model_name", "rank", "train_iter", "hyperparameters", "speed", "bucket_timings", "backward_ms")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ITER_FIELD_NUMBER: _ClassVar[int]
+    HYPERPARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    rank: int
+    train_iter: int
+    hyperparameters: Hyperparameters
+    speed: float
+    bucket_timings: _containers.RepeatedCompositeFieldContainer[BucketTiming]
+    backward_ms: float
+    def __init__(self, model_name: _Optional[str] = ..., rank: _Optional[int] = ..., train_iter: _Optional[int] = ..., hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., speed: _Optional[float] = ..., bucket_timings: _Optional[_Iterable[_Union[BucketTiming, _Mapping]]] = ..., backward_ms: _Optional[float] = ...) -> None: ...
+
+class ReportMetricsResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class AskHyperparametersRequest(_message.Message):
+    __slots__ = ("model_name", "rank", "train_iter")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ITER_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    rank: int
+    train_iter: int
+    def __init__(self, model_name: _Optional[str] = ..., rank: _Optional[int] = ..., train_iter: _Optional[int] = ...) -> None: ...
+
+class AskHyperparametersResponse(_message.Message):
+    __slots__ = ("recommended_hyperparameters", "is_autotune_completed")
+    RECOMMENDED_HYPERPARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    IS_AUTOTUNE_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    recommended_hyperparameters: Hyperparameters
+    is_autotune_completed: bool
+    def __init__(self, recommended_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., is_autotune_completed: _Optional[bool] = ...) -> None: ...
+
+class ReportTensorExecutionOrderRequest(_message.Message):
+    __slots__ = ("spans", "model_name")
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    spans: _containers.RepeatedCompositeFieldContainer[ExecutionSpan]
+    model_name: str
+    def __init__(self, spans: _Optional[_Iterable[_Union[ExecutionSpan, _Mapping]]] = ..., model_name: _Optional[str] = ...) -> None: ...
+
+class ReportTensorExecutionOrderResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,1 @@
+"""The autotuning service: tuner (plain Python), servicer (gRPC adapter), server and CLI."""

@@ -1,0 +1,28 @@
+"""The project's exception hierarchy.
+
+One root, :class:`BaguaLightningError`, and a few subclasses by category. Input
+errors also derive from the matching builtin (``ValueError``/``TypeError``) so
+callers that catch those keep working.
+"""
+
+from __future__ import annotations
+
+
+class BaguaLightningError(Exception):
+    """Root of every error raised on purpose by bagua-lightning."""
+
+
+class ConfigurationError(BaguaLightningError, ValueError):
+    """A value given by the user is out of range or inconsistent; the message names it and the fix."""
+
+
+class ServiceUnavailableError(BaguaLightningError, ConnectionError):
+    """A network service (autotuner, Redis) could not be reached before its deadline."""
+
+
+class PlanMismatchError(BaguaLightningError, RuntimeError):
+    """Ranks disagree on the bucket plan; raised instead of letting a collective hang."""
+
+
+class CacheError(BaguaLightningError):
+    """The sample cache cannot store or decode an entry."""

@@ -1,0 +1,1 @@
+"""Trainer side: BaguaStrategy, its algorithms and bucket machinery (runs in every training rank)."""

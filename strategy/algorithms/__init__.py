@@ -1,0 +1,1 @@
+"""Bagua algorithms implemented natively on torch.distributed."""
