@@ -1,0 +1,42 @@
+"""MinMax uint8 compression: round trip within the documented bound, constant chunks exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bagua_lightning.strategy.compression import (
+    compress_chunks,
+    compressed_nbytes,
+    decompress_chunks,
+    max_quantisation_error,
+)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 4])
+def test_round_trip_error_is_within_half_a_level(num_chunks: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4096) * torch.linspace(0.1, 10, 4096)
+    packed = compress_chunks(x, num_chunks)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (num_chunks, compressed_nbytes(4096 // num_chunks))
+    y = decompress_chunks(packed)
+    err = (y - x).abs().max().item()
+    assert err <= max_quantisation_error(x, num_chunks)
+    assert err > 0  # it really is lossy: the test would catch a pass-through
+
+
+def test_each_chunk_keeps_its_own_range() -> None:
+    x = torch.cat([torch.full((8,), 5.0), torch.linspace(-1, 1, 8)])
+    y = decompress_chunks(compress_chunks(x, 2))
+    assert torch.equal(y[:8], x[:8])  # a constant chunk decodes exactly
+    assert y[8].item() == -1.0 and y[15].item() == pytest.approx(1.0)
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="equal chunks"):
+        compress_chunks(torch.zeros(10), 3)
+    with pytest.raises(ValueError, match="1-D"):
+        compress_chunks(torch.zeros(2, 2), 1)
+    with pytest.raises(ValueError, match="uint8"):
+        decompress_chunks(torch.zeros(2, 10))
