@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.procs import free_port  # noqa: F401  (re-exported for fixtures)
+from tests.procs import free_port
 
 
 @pytest.fixture
