@@ -1,0 +1,303 @@
+"""Real multi-process Gloo harness for the weight-averaging algorithms' tests.
+
+:func:`run_ranks` starts ``world_size`` processes (spawn), each initialises a Gloo
+process group on 127.0.0.1, builds a :class:`CommContext` and calls a scenario
+function; the results come back by rank. Processes are always stopped, also on
+failure or timeout. Scenario functions live here (importable by the children).
+
+The toy task: a small MLP fitting a fixed random teacher, each rank on its own
+shard of the data, so weights drift apart between rank unless averaged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration, split_into_buckets
+from bagua_lightning.strategy.algorithms.base import Algorithm, get_algorithm_class
+from bagua_lightning.strategy.comm import CommContext
+from tests.procs import free_port
+
+Scenario = Callable[..., Any]
+
+
+def run_ranks(
+    scenario: Scenario, world_size: int, *args: Any, local_size: int | None = None, timeout_s: float = 120.0
+) -> list[Any]:
+    """Run ``scenario(comm, *args)`` on ``world_size`` Gloo ranks; return the results by rank.
+
+    Raises ``RuntimeError`` with the failing rank's traceback, or ``TimeoutError``.
+    """
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(rank, world_size, local_size or world_size, port, scenario, args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(got))} did not finish in {timeout_s} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            got[rank] = torch.load(io.BytesIO(value), weights_only=True)
+        for p in procs:
+            p.join(timeout=30)
+        return [got[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
+def _entry(rank: int, world_size: int, local_size: int, port: int, scenario: Scenario,
+           args: tuple[Any, ...], results: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        comm = CommContext.build(local_size=local_size)
+        value = scenario(comm, *args)
+        dist.barrier()
+        # Plain bytes through the queue: tensors shared by file descriptor die with the child.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# --- the toy task ---------------------------------------------------------------------------------
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)  # identical initial weights on every rank
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def make_plan(model: nn.Module, bucket_size: int = 300) -> BucketPlan:
+    """A plan with several small buckets (exercises the multi-bucket paths)."""
+    decls = [TensorDeclaration(n, p.numel()) for n, p in model.named_parameters()]
+    return BucketPlan(buckets=split_into_buckets(decls, bucket_size), bucket_size=bucket_size)
+
+
+def shard(rank: int, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    teacher = torch.Generator().manual_seed(1234)
+    w = torch.randn(8, 1, generator=teacher)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(n, 8, generator=g)
+    return x, torch.tanh(x @ w) + 0.01 * torch.randn(n, 1, generator=g)
+
+
+def eval_loss(model: nn.Module) -> float:
+    xs, ys = zip(*(shard(r) for r in range(8)), strict=True)
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)))
+
+
+def flat_weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def build(name: str, comm: CommContext, model: nn.Module, **kwargs: Any) -> Algorithm:
+    algo = get_algorithm_class(name).from_kwargs(**kwargs)
+    algo.setup(model, comm, make_plan(model))
+    return algo
+
+
+def train_step(algo: Algorithm, model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int,
+               on_averaged: Callable[[], None] | None = None) -> None:
+    """One training step driven exactly as the module wrapper drives the hooks."""
+    x, y = shard(rank)
+    algo.on_forward_start(step)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    algo.on_backward_end(step)
+    if on_averaged is not None:
+        on_averaged()
+    opt.step()
+    algo.on_optimizer_step_end(step)
+    opt.zero_grad()
+
+
+# --- scenarios: decentralized ---------------------------------------------------------------------
+
+def decentralized_trace(comm: CommContext, kwargs: dict[str, Any], steps: int, lr: float = 0.1) -> dict[str, Any]:
+    """Train ``steps`` steps; record weights at forward start (before) and after the averaging."""
+    model = make_model()
+    algo = build("decentralized", comm, model, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    before: list[torch.Tensor] = []
+    after: list[torch.Tensor] = []
+    peers: list[int | None] = []
+    start = eval_loss(model)
+    for step in range(steps):
+        before.append(flat_weights(model))
+        peers.append(algo.peer_at(step))  # type: ignore[attr-defined]
+        train_step(algo, model, opt, step, comm.rank, on_averaged=lambda: after.append(flat_weights(model)))
+    algo.teardown()
+    return {"before": before, "after": after, "peers": peers, "start_loss": start, "end_loss": eval_loss(model)}
+
+
+def decentralized_traces(comm: CommContext, configs: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """:func:`decentralized_trace` for several configurations in one launch (saves process start-ups)."""
+    return [decentralized_trace(comm, kwargs, steps) for kwargs in configs]
+
+
+# --- scenarios: low precision decentralized -------------------------------------------------------
+
+def low_precision_trace(comm: CommContext, kwargs: dict[str, Any], steps: int, lr: float = 0.1) -> dict[str, Any]:
+    """Train ``steps`` steps and check the DCD-PSGD update of every communicating step on this rank."""
+    from bagua_lightning.strategy.compression import max_quantisation_error
+
+    model = make_model()
+    algo: Any = build("low_precision_decentralized", comm, model, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    start = eval_loss(model)
+    worst_excess = 0.0  # how far the new weights land outside the quantisation bound of the target
+    model_equals_replica = True
+    for step in range(steps):
+        x, y = shard(comm.rank)
+        algo.on_forward_start(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        algo.on_backward_end(step)
+        opt.step()
+        reps = {k: [t.clone() for t in v] for k, v in algo.replicas.items()}
+        local = [f.clone() for f in algo._buckets.flatten()]
+        algo.on_optimizer_step_end(step)
+        opt.zero_grad()
+        if algo.communicates_at(step) and algo.neighbours is not None and not algo._scope.uses_hierarchy:
+            for i, x_local in enumerate(local):
+                w, left, right = reps["weight"][i], reps["left"][i], reps["right"][i]
+                diff = x_local + (left + right) / 3 - 5 / 3 * w
+                target = x_local + (left + right) / 3 - 2 / 3 * w
+                new = algo.replicas["weight"][i]
+                excess = (new - target).abs().max().item() - max_quantisation_error(diff, 1)
+                worst_excess = max(worst_excess, excess)
+            model_equals_replica &= all(
+                torch.equal(a, b) for a, b in zip(algo._buckets.flatten(), algo.replicas["weight"], strict=True)
+            )
+    replicas = {k: [t.clone() for t in v] for k, v in algo.replicas.items()}
+    neighbours = algo.neighbours
+    end = eval_loss(model)
+    # A restore loads the same weights on every rank; the replicas must then be rebuilt from them.
+    common = make_model()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), common.parameters(), strict=True):
+            p.copy_(q)
+    algo.load_state_dict(algo.state_dict())
+    algo.on_forward_start(steps)
+    restored_ok = all(
+        torch.equal(t, f) for k in ("weight", "left", "right")
+        for t, f in zip(algo.replicas[k], algo._buckets.flatten(), strict=True)
+    )
+    algo.teardown()
+    return {
+        "start_loss": start, "end_loss": end, "worst_excess": worst_excess,
+        "model_equals_replica": model_equals_replica, "replicas": replicas, "neighbours": neighbours,
+        "weights": flat_weights(model), "restored_ok": restored_ok,
+    }
+
+
+# --- scenarios: async -----------------------------------------------------------------------------
+
+def _thread_alive() -> bool:
+    import threading
+
+    return any(t.name == "bagua-async-model-average" for t in threading.enumerate())
+
+
+def _train_until(algo: Any, model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int,
+                 rounds: int, deadline_s: float = 60.0, pause_s: float = 0.002) -> int:
+    deadline = time.monotonic() + deadline_s
+    while algo.averaging_rounds < rounds:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"averaging reached {algo.averaging_rounds} rounds, wanted {rounds}")
+        train_step(algo, model, opt, step, rank)
+        step += 1
+        time.sleep(pause_s * (1 + rank))  # ranks run at different paces
+    return step
+
+
+def async_lifecycle(comm: CommContext, warmup_steps: int) -> dict[str, Any]:
+    """Warm-up identity, training with background averaging, abort/resume, clean stop."""
+    model = make_model()
+    algo: Any = build("async", comm, model, sync_interval_ms=20, warmup_steps=warmup_steps)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = eval_loss(model)
+    for step in range(warmup_steps):
+        train_step(algo, model, opt, step, comm.rank)
+    warm = flat_weights(model)
+    thread_during_warmup = _thread_alive()
+    step = _train_until(algo, model, opt, comm.rank, warmup_steps, rounds=3)
+    averaging = algo.is_averaging
+    algo.abort()
+    aborted_rounds = algo.averaging_rounds
+    for _ in range(5):
+        train_step(algo, model, opt, step, comm.rank)
+        step += 1
+    after_abort = {"rounds": algo.averaging_rounds, "alive": _thread_alive()}
+    algo.resume()
+    step = _train_until(algo, model, opt, comm.rank, step, rounds=aborted_rounds + 2)
+    end = eval_loss(model)
+    if comm.rank == 0:
+        algo.on_forward_start(step)  # teardown must not hang on a step left half-way (lock held)
+    algo.teardown()
+    algo.teardown()  # idempotent
+    return {
+        "warm": warm, "thread_during_warmup": thread_during_warmup, "averaging": averaging,
+        "aborted_rounds": aborted_rounds, "after_abort": after_abort, "steps": step,
+        "start_loss": start, "end_loss": end, "alive_after_teardown": _thread_alive(),
+    }
+
+
+def async_average_exact(comm: CommContext) -> dict[str, Any]:
+    """With no local progress, one round sets every rank's weights to the mean of all ranks' weights."""
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(comm.rank + 1))
+    algo: Any = build("async", comm, model, sync_interval_ms=10)
+    algo.on_forward_start(0)  # starts the thread (no warm-up) and takes the lock
+    algo.on_optimizer_step_end(0)  # releases it; no optimizer step: weights change only by averaging
+    deadline = time.monotonic() + 60
+    while algo.averaging_rounds < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    algo.abort()
+    algo.teardown()
+    return {"weights": flat_weights(model), "rounds": algo.averaging_rounds}
