@@ -1,0 +1,185 @@
+"""``bagua-lightning autotune serve | simulate``.
+
+``serve`` runs the service (options match Bagua's autotune service);
+``simulate`` starts one in-process (or uses ``--target``) and drives it with
+simulated ranks of a few simulated models through :class:`AutotuneClient`,
+printing every plan handed back as it tunes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration, plan_from_proto
+
+from .config import TUNERS, ServiceConfig
+from .server import DEFAULT_PORT, TlsFiles, serve
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("autotune", help="the autotuning gRPC service")
+    sub = parser.add_subparsers(dest="autotune_command", metavar="ACTION", required=True)
+
+    s = sub.add_parser("serve", help="run the autotune service until SIGTERM")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks one)")
+    _add_tuning_options(s, warmup_time_s=30.0, sampling_confidence_time_s=5.0, max_samples=60)
+    s.add_argument("--state", default=None,
+                   help="where best plans persist: a directory, or a redis:// URL (default: memory only)")
+    s.add_argument("--log-dir", default=None, help="directory for one JSONL sample log per model")
+    s.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain (enables TLS, with --tls-key)")
+    s.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    s.add_argument("--max-workers", type=int, default=32, help="server threads (default 32)")
+    s.set_defaults(func=_serve)
+
+    m = sub.add_parser("simulate", help="drive the service with simulated ranks and print the plans it hands back")
+    m.add_argument("--target", default=None, help="use this running service (host:port) instead of starting one")
+    m.add_argument("--ranks", type=int, default=4, help="simulated ranks per model (default 4)")
+    m.add_argument("--reports", type=int, default=12, help="report rounds per model (default 12)")
+    m.add_argument("--steps-per-report", type=int, default=50, help="train_iter advance per round (default 50)")
+    m.add_argument("--speed-only", action="store_true", help="report speed only: the Bayesian baseline tunes")
+    m.add_argument("--service-logs", action="store_true", help="also show the service's own log lines")
+    _add_tuning_options(m, warmup_time_s=0.0, sampling_confidence_time_s=0.0, max_samples=10)
+    m.set_defaults(func=_simulate)
+
+
+def _add_tuning_options(p: argparse.ArgumentParser, *, warmup_time_s: float, sampling_confidence_time_s: float,
+                        max_samples: int) -> None:
+    p.add_argument("--world-size", type=int, default=1, help="ranks per job when a registration leaves it 0")
+    p.add_argument("--autotune-level", type=int, default=1, choices=(0, 1), help="0: default plan only; 1: tune")
+    p.add_argument("--max-samples", type=int, default=max_samples,
+                   help=f"plans measured before tuning completes (default {max_samples})")
+    p.add_argument("--warmup-time-s", type=float, default=warmup_time_s,
+                   help=f"seconds of reports ignored after registration (default {warmup_time_s})")
+    p.add_argument("--sampling-confidence-time-s", type=float, default=sampling_confidence_time_s,
+                   help=f"seconds each plan is held at least (default {sampling_confidence_time_s})")
+    p.add_argument("--default-bucket-size", type=int, default=DEFAULT_BUCKET_SIZE,
+                   help=f"bucket size of the initial plan, bytes (default {DEFAULT_BUCKET_SIZE})")
+    p.add_argument("--tuner", choices=TUNERS, default="auto",
+                   help="auto: model-based planner when reports carry bucket timings, else Bayesian")
+    p.add_argument("--no-early-stop", action="store_true", help="always measure --max-samples plans")
+    p.add_argument("--max-tensors", type=int, default=100_000, help="tensors per model / spans per request")
+    p.add_argument("--max-models", type=int, default=1024, help="models tuned at once")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024**2, help="largest gRPC message, bytes")
+
+
+def _config(args: argparse.Namespace) -> ServiceConfig:
+    return ServiceConfig(
+        world_size=args.world_size, autotune_level=args.autotune_level, max_samples=args.max_samples,
+        warmup_time_s=args.warmup_time_s, sampling_confidence_time_s=args.sampling_confidence_time_s,
+        default_bucket_size=args.default_bucket_size, tuner=args.tuner, early_stop=not args.no_early_stop,
+        max_tensors=args.max_tensors, max_models=args.max_models, max_request_bytes=args.max_request_bytes)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SystemExit("--tls-cert and --tls-key go together: give both to enable TLS, or neither")
+    tls = TlsFiles(cert=args.tls_cert, key=args.tls_key) if args.tls_cert else None
+    return serve(_config(args), host=args.host, port=args.port, state=args.state, log_dir=args.log_dir, tls=tls,
+                 max_workers=args.max_workers)
+
+
+# -- simulate ------------------------------------------------------------------------------------------
+
+@dataclass
+class _SimModel:
+    name: str
+    description: str
+    job: Any  # SimulatedJob
+    world_size: int
+    nproc_per_node: int
+
+
+def _sim_models(seed: int) -> list[_SimModel]:
+    from .simulator import (
+        SimulatedJob,
+        bandwidth_scenario,
+        compute_proportional,
+        resnet_like,
+        transformer_like,
+    )
+
+    tf = transformer_like(layers=12, hidden=768)
+    flat, _ = bandwidth_scenario(1.25, 0.3)
+    rn = resnet_like()
+    flat2, hier2 = bandwidth_scenario(3.0, 0.2, nodes=2)
+    return [
+        _SimModel("gpt-small", "transformer 12x768 (f32, 390 MB), 1 node, 10 Gb/s",
+                  SimulatedJob(tensors=tf, compute_ms=compute_proportional(tf, 150.0), flat=flat, seed=seed),
+                  world_size=4, nproc_per_node=4),
+        _SimModel("resnet", "resnet-like (f32, 95 MB), 2 nodes, 24 Gb/s, hierarchical possible",
+                  SimulatedJob(tensors=rn, compute_ms=compute_proportional(rn, 40.0), flat=flat2,
+                               hierarchical=hier2, forward_ms=15.0, seed=seed + 1),
+                  world_size=4, nproc_per_node=2),
+    ]
+
+
+def _describe(plan: BucketPlan) -> str:
+    mib = sorted(b / 1024**2 for b in plan.bucket_bytes)
+    return (f"{len(plan.buckets):3d} buckets  {mib[0]:6.1f} / {mib[len(mib) // 2]:6.1f} / {mib[-1]:6.1f} MiB"
+            f"  {'hier' if plan.is_hierarchical_reduce else 'flat'}")
+
+
+def _drive(client: Any, model: _SimModel, args: argparse.Namespace, lock: threading.Lock) -> None:
+    from .simulator import oracle_plan
+
+    job = model.job
+    tensors: list[TensorDeclaration] = list(job.tensors)
+    best_ms = job.step_ms(oracle_plan(job))
+    client.register_tensors(model.name, [t.to_dict() for t in tensors], world_size=model.world_size,
+                            nproc_per_node=model.nproc_per_node)
+    order = job.ready_order
+    client.report_tensor_execution_order(
+        [{"trace_id": 1, "action": "tensor_ready", "tensor_name": t.name, "start_time": i, "end_time": i}
+         for i, t in enumerate(order)], model_name=model.name)
+    with lock:
+        print(f"[{model.name}] {model.description}; best possible step {best_ms:.1f} ms")
+    for round_ in range(args.reports):
+        train_iter = round_ * args.steps_per_report
+        reply = client.ask_hyperparameters(model.name, rank=0, train_iter=train_iter)
+        plan = plan_from_proto(reply.recommended_hyperparameters)
+        step = job.step_ms(plan)
+        with lock:
+            print(f"[{model.name}] iter {train_iter:5d}  v{plan.version:<2d} {_describe(plan)}  step {step:6.1f} ms"
+                  f"  (+{100 * (step / best_ms - 1):4.1f}% vs best)"
+                  f"{'  completed' if reply.is_autotune_completed else ''}")
+        if reply.is_autotune_completed:
+            break
+        for rank in range(model.world_size):
+            speed, timings, backward_ms = job.measure(plan)
+            client.report_metrics(model.name, rank, train_iter, reply.recommended_hyperparameters, speed,
+                                  None if args.speed_only else timings, backward_ms=backward_ms)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from bagua_lightning.client.autotune import AutotuneClient
+
+    from .server import create_server
+    from .service import AutotuneService
+
+    if not args.service_logs:
+        logging.getLogger("bagua_lightning.services").setLevel(logging.WARNING)
+    server = None
+    target = args.target
+    if target is None:
+        server, port = create_server("127.0.0.1:0", AutotuneService(_config(args)))
+        server.start()
+        target = f"127.0.0.1:{port}"
+        print(f"started an autotune service on {target} (max_samples={args.max_samples}, tuner={args.tuner})")
+    lock = threading.Lock()
+    models = _sim_models(seed=0)
+    try:
+        with AutotuneClient(target=target) as client, ThreadPoolExecutor(len(models)) as pool:
+            client.wait_until_ready(timeout_s=30.0)
+            for future in [pool.submit(_drive, client, m, args, lock) for m in models]:
+                future.result()
+    finally:
+        if server is not None:
+            server.stop(grace=1.0).wait()
+    return 0

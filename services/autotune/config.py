@@ -1,0 +1,77 @@
+"""Configuration of the autotuning service (the ``autotune serve`` options), validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE
+
+TUNERS = ("auto", "bayes", "planner")
+
+
+@dataclass(kw_only=True, slots=True)
+class ServiceConfig:
+    """How the service tunes; defaults follow Bagua's autotune service.
+
+    Attributes:
+        world_size: ranks per job when ``RegisterTensors`` leaves ``world_size`` at 0.
+        autotune_level: 0 hands back the default plan only (tuning off); 1 tunes.
+        max_samples: measured plans per model after which tuning completes and the
+            best plan is handed back for good.
+        warmup_time_s: seconds after a model's registration during which reports are
+            accepted but not used (speeds are unstable at start-up), in seconds.
+        sampling_confidence_time_s: minimum time each plan is held before the next
+            one is chosen, in seconds.
+        default_bucket_size: bucket size of the initial plan, in bytes.
+        tuner: ``"auto"`` (model-based planner when reports carry bucket timings,
+            Bayesian baseline otherwise), ``"bayes"`` or ``"planner"``.
+        early_stop: let the model-based planner complete before ``max_samples`` once
+            its model predicts no better plan than the best one measured.
+        min_log2_bucket_size: lower end of the Bayesian search space, log2 of bytes.
+        max_log2_bucket_size: upper end of the Bayesian search space, log2 of bytes.
+        seed: seed of the Bayesian baseline's random initial points.
+        max_models: models tuned at once; more registrations get RESOURCE_EXHAUSTED.
+        max_tensors: tensors per model / spans per request; more get RESOURCE_EXHAUSTED.
+        max_request_bytes: largest accepted gRPC message, in bytes.
+    """
+
+    world_size: int = 1
+    autotune_level: int = 1
+    max_samples: int = 60
+    warmup_time_s: float = 30.0
+    sampling_confidence_time_s: float = 5.0
+    default_bucket_size: int = DEFAULT_BUCKET_SIZE
+    tuner: str = "auto"
+    early_stop: bool = True
+    min_log2_bucket_size: float = 16.0
+    max_log2_bucket_size: float = 30.0
+    seed: int = 0
+    max_models: int = 1024
+    max_tensors: int = 100_000
+    max_request_bytes: int = 16 * 1024**2
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigurationError(f"world_size must be >= 1, got {self.world_size}")
+        if self.autotune_level not in (0, 1):
+            raise ConfigurationError(
+                f"autotune_level must be 0 (default plan only) or 1 (tune), got {self.autotune_level}")
+        if self.max_samples < 1:
+            raise ConfigurationError(f"max_samples must be >= 1, got {self.max_samples}")
+        for name in ("warmup_time_s", "sampling_confidence_time_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigurationError(f"{name} must be a finite number of seconds >= 0, got {value}")
+        if self.default_bucket_size <= 0:
+            raise ConfigurationError(f"default_bucket_size must be > 0 bytes, got {self.default_bucket_size}")
+        if self.tuner not in TUNERS:
+            raise ConfigurationError(f"tuner must be one of {TUNERS}, got {self.tuner!r}")
+        if not 0 < self.min_log2_bucket_size < self.max_log2_bucket_size <= 40:
+            raise ConfigurationError(
+                "the Bayesian search space needs 0 < min_log2_bucket_size < max_log2_bucket_size <= 40, got "
+                f"{self.min_log2_bucket_size}, {self.max_log2_bucket_size}")
+        for name in ("max_models", "max_tensors", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"{name} must be >= 1, got {getattr(self, name)}")

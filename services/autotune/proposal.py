@@ -1,0 +1,40 @@
+"""What a tuner hands back: the next plan to measure, and whether it has nothing better to try."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from bagua_lightning.proto.plan import BucketPlan
+
+from .costmodel import Sample
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """The next plan to measure.
+
+    Attributes:
+        plan: the plan (its version is assigned by the session).
+        converged: True when the tuner expects nothing better than what it measured;
+            the session may then complete early and hand back the best measured plan.
+        reason: short tag for logs ("explore", "model", "initial", "ei", ...).
+        predicted_ms: the planner's predicted communication finish time (ms from the
+            start of backward), when it has a model; None otherwise.
+    """
+
+    plan: BucketPlan
+    converged: bool = False
+    reason: str = ""
+    predicted_ms: float | None = None
+
+
+class Tuner(Protocol):
+    """A tuner is a function of the measured history: the session owns all state."""
+
+    def propose(self, samples: Sequence[Sample]) -> Proposal: ...
+
+    def final(self, samples: Sequence[Sample]) -> Sample:
+        """The measured sample whose plan is handed back for good once tuning completes."""
+        ...

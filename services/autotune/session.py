@@ -1,0 +1,432 @@
+"""One model's tuning session: registration, reports, one plan per train_iter, completion.
+
+Every method holds the session's lock, so ranks of one model are serialised
+while different models proceed concurrently. The protocol:
+
+* ``ReportMetrics`` adds to the statistics of the plan that was measured
+  (identified by its layout); duplicates of a (rank, train_iter) are ignored.
+* ``AskHyperparameters(train_iter)`` decides the plan for that iteration once
+  and caches it, so every rank asking for the same iteration gets the identical
+  plan. A new plan is chosen only for an iteration newer than every one decided
+  so far, once the current plan has been held ``sampling_confidence_time_s``,
+  the warm-up is over, and at least one report measured it.
+* After ``max_samples`` measured plans (or when the planner converged), the best
+  measured plan is handed back for good and persisted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from bagua_lightning.proto.plan import (
+    BucketPlan,
+    BucketTimingRecord,
+    TensorDeclaration,
+    split_into_buckets,
+    tensor_list_fingerprint,
+)
+
+from .bayes import BayesianTuner
+from .config import ServiceConfig
+from .costmodel import Sample
+from .errors import FailedPreconditionError, InvalidArgumentError
+from .persistence import PlanStore, StoredPlan, plan_key
+from .planner import ModelBasedPlanner
+from .proposal import Tuner
+from .samplelog import SampleLog
+
+logger = logging.getLogger(__name__)
+
+_MAX_ITERS_PER_RANK = 65536  # remembered (rank, train_iter) pairs per rank before the oldest are dropped
+_MAX_DECISIONS = 65536  # cached train_iter -> plan decisions before the oldest are dropped
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What ``RegisterTensors`` declared for a model."""
+
+    model_name: str
+    tensors: tuple[TensorDeclaration, ...]
+    whether_to_bucket: bool
+    world_size: int
+    nproc_per_node: int
+
+    @property
+    def fingerprint(self) -> str:
+        return tensor_list_fingerprint(self.tensors)
+
+    @property
+    def hierarchical_allowed(self) -> bool:
+        """Hierarchical reduce only differs from flat when the job spans more than one node."""
+        return self.nproc_per_node < self.world_size
+
+    @property
+    def store_key(self) -> str:
+        return plan_key(self.fingerprint, self.world_size, self.nproc_per_node)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRef:
+    """A plan as reported back by a trainer, decoded only when it is not one this service issued.
+
+    Attributes:
+        version: the reported plan_version.
+        bucket_names: first and last tensor name of each bucket, for a cheap identity check.
+        bucket_lengths: number of tensors of each bucket.
+        decode: builds the full, validated plan (raises ValueError/TypeError when malformed).
+    """
+
+    version: int
+    bucket_names: tuple[tuple[str, str], ...]
+    bucket_lengths: tuple[int, ...]
+    decode: Callable[[], BucketPlan]
+
+
+@dataclass(slots=True)
+class _LayoutStats:
+    """Running sums of the reports that measured one layout."""
+
+    plan: BucketPlan
+    reports: int = 0
+    speed_sum: float = 0.0
+    backward_sum: float = 0.0
+    backward_n: int = 0
+    max_iter: int = -1
+    timing_sums: dict[int, list[float]] = field(default_factory=dict)  # index -> [bytes, ready, comm, wait, n]
+
+    def add(self, speed: float, backward_ms: float, timings: Sequence[BucketTimingRecord], train_iter: int) -> None:
+        self.reports += 1
+        self.speed_sum += speed
+        if backward_ms > 0:
+            self.backward_sum += backward_ms
+            self.backward_n += 1
+        self.max_iter = max(self.max_iter, train_iter)
+        for t in timings:
+            sums = self.timing_sums.setdefault(t.bucket_index, [0.0, 0.0, 0.0, 0.0, 0.0])
+            sums[0] += t.bytes
+            sums[1] += t.ready_ms
+            sums[2] += t.comm_ms
+            sums[3] += t.wait_ms
+            sums[4] += 1
+
+    def sample(self, plan: BucketPlan) -> Sample:
+        timings = tuple(
+            BucketTimingRecord(bucket_index=i, bytes=round(s[0] / s[4]), ready_ms=s[1] / s[4],
+                               comm_ms=s[2] / s[4], wait_ms=s[3] / s[4])
+            for i, s in sorted(self.timing_sums.items())
+        )
+        return Sample(plan=plan, speed=self.speed_sum / max(1, self.reports),
+                      backward_ms=self.backward_sum / self.backward_n if self.backward_n else 0.0,
+                      bucket_timings=timings, reports=self.reports, train_iter=self.max_iter)
+
+
+def _layout_key(plan: BucketPlan) -> tuple[str, bool]:
+    return plan.fingerprint(), plan.is_hierarchical_reduce
+
+
+class ModelSession:
+    """The tuning state of one model (see the module docstring for the protocol)."""
+
+    def __init__(self, registration: Registration, config: ServiceConfig, *, store: PlanStore | None = None,
+                 sample_log: SampleLog | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registration = registration
+        self.config = config
+        self._store = store
+        self._sample_log = sample_log
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._names = {t.name: t for t in registration.tensors}
+        self._order: tuple[TensorDeclaration, ...] = registration.tensors
+        self._order_changed = False
+        self._tuner: Tuner | None = None
+        self._tuner_kind = ""
+        self._history: list[Sample] = []
+        self._stats: dict[tuple[str, bool], _LayoutStats] = {}
+        self._seen: dict[int, set[int]] = {}
+        self._seen_floor: dict[int, int] = {}
+        self._decisions: dict[int, tuple[BucketPlan, bool]] = {}
+        self._decided_iters: list[int] = []
+        self._issued: dict[int, BucketPlan] = {}
+        self._fresh_reports = 0
+        self._best: Sample | None = None
+        self.completed = config.autotune_level == 0
+        self.started_at = clock()
+        self.reports_accepted = 0
+        self.reports_ignored = 0
+
+        initial = BucketPlan(buckets=split_into_buckets(self._order, config.default_bucket_size,
+                                                        whether_to_bucket=registration.whether_to_bucket),
+                             bucket_size=config.default_bucket_size)
+        remembered = self._load_remembered()
+        if remembered is not None:
+            initial = dataclasses.replace(remembered.plan, version=0)
+            self.completed = self.completed or remembered.completed
+            logger.info("event=plan_restored model=%s key=%s completed=%s score=%.4g buckets=%d",
+                        registration.model_name, registration.store_key, remembered.completed,
+                        remembered.score, len(initial.buckets))
+        self._current = initial
+        self._issued[0] = initial
+        self._issued_at = self.started_at
+
+    # -- persistence -------------------------------------------------------------------------------
+    def _load_remembered(self) -> StoredPlan | None:
+        if self._store is None:
+            return None
+        try:
+            stored = self._store.load(self.registration.store_key)
+        except Exception as exc:  # a broken store must not stop registration: fall back to the default plan
+            logger.warning("event=store_load_failed model=%s error=%r", self.registration.model_name, exc)
+            return None
+        if stored is None:
+            return None
+        flat = [t for b in stored.plan.buckets for t in b]
+        if sorted(flat, key=lambda t: t.name) != sorted(self.registration.tensors, key=lambda t: t.name):
+            logger.warning("event=plan_mismatch model=%s key=%s; the stored plan does not cover the tensor "
+                           "list, ignoring it", self.registration.model_name, self.registration.store_key)
+            return None
+        return stored
+
+    def _persist(self, sample: Sample, completed: bool) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.save(self.registration.store_key, StoredPlan(
+                plan=sample.plan, score=sample.score, completed=completed,
+                model_name=self.registration.model_name, saved_at=time.time()))
+        except Exception as exc:  # losing persistence must not fail the trainer's call
+            logger.warning("event=store_save_failed model=%s error=%r", self.registration.model_name, exc)
+
+    # -- public API (each takes the lock) ----------------------------------------------------------
+    @property
+    def current_plan(self) -> BucketPlan:
+        with self._lock:
+            return self._current
+
+    @property
+    def samples(self) -> list[Sample]:
+        with self._lock:
+            return list(self._history)
+
+    @property
+    def best(self) -> Sample | None:
+        with self._lock:
+            return self._best
+
+    def check_same_registration(self, other: Registration) -> None:
+        """Raise FailedPreconditionError when ``other`` re-registers this model differently."""
+        mine = self.registration
+        if other.fingerprint != mine.fingerprint:
+            raise FailedPreconditionError(
+                f"model_name {mine.model_name!r} is already registered with a different tensor_list "
+                f"({len(mine.tensors)} tensors, fingerprint {mine.fingerprint}; got {len(other.tensors)} "
+                f"tensors, fingerprint {other.fingerprint}); use a new model_name for a different model")
+        for name in ("whether_to_bucket", "world_size", "nproc_per_node"):
+            if getattr(other, name) != getattr(mine, name):
+                raise FailedPreconditionError(
+                    f"model_name {mine.model_name!r} is already registered with {name}="
+                    f"{getattr(mine, name)!r}, got {getattr(other, name)!r}; use a new model_name per job setup")
+
+    def _check_rank_iter(self, rank: int, train_iter: int) -> None:
+        if not 0 <= rank < self.registration.world_size:
+            raise InvalidArgumentError(
+                f"rank must be in [0, world_size={self.registration.world_size}) for model "
+                f"{self.registration.model_name!r}, got {rank}")
+        if train_iter < 0:
+            raise InvalidArgumentError(f"train_iter must be >= 0, got {train_iter}")
+
+    def _resolve_plan(self, ref: PlanRef | None, train_iter: int) -> BucketPlan:
+        if ref is None or not ref.bucket_lengths:
+            return self._plan_at(train_iter)
+        issued = self._issued.get(ref.version)
+        if issued is not None and ref.bucket_lengths == tuple(len(b) for b in issued.buckets) \
+                and ref.bucket_names == tuple((b[0].name, b[-1].name) for b in issued.buckets):
+            return issued
+        try:
+            plan = ref.decode()
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgumentError(f"hyperparameters.buckets is not a valid plan: {exc}") from exc
+        for bucket in plan.buckets:
+            for t in bucket:
+                if self._names.get(t.name) != t:
+                    raise InvalidArgumentError(
+                        f"hyperparameters.buckets holds tensor {t.to_dict()} which model "
+                        f"{self.registration.model_name!r} did not register; report the plan the service handed back")
+        if sum(len(b) for b in plan.buckets) != len(self._names):
+            raise InvalidArgumentError(
+                f"hyperparameters.buckets covers {sum(len(b) for b in plan.buckets)} of the "
+                f"{len(self._names)} registered tensors of model {self.registration.model_name!r}")
+        return plan
+
+    def report(self, rank: int, train_iter: int, plan_ref: PlanRef | None, speed: float,
+               bucket_timings: Sequence[BucketTimingRecord] = (), backward_ms: float = 0.0) -> bool:
+        """Record one rank's measurement; False when (rank, train_iter) was already recorded."""
+        self._check_rank_iter(rank, train_iter)
+        if not math.isfinite(speed) or speed < 0:
+            raise InvalidArgumentError(f"speed must be a finite number >= 0 samples/s, got {speed}")
+        if not math.isfinite(backward_ms) or backward_ms < 0:
+            raise InvalidArgumentError(f"backward_ms must be a finite number >= 0, got {backward_ms}")
+        for i, t in enumerate(bucket_timings):
+            for name in ("bytes", "ready_ms", "comm_ms", "wait_ms"):
+                value = getattr(t, name)
+                if not math.isfinite(value) or value < 0:
+                    raise InvalidArgumentError(f"bucket_timings[{i}].{name} must be finite and >= 0, got {value}")
+        with self._lock:
+            plan = self._resolve_plan(plan_ref, train_iter)
+            for i, t in enumerate(bucket_timings):
+                if not 0 <= t.bucket_index < len(plan.buckets):
+                    raise InvalidArgumentError(
+                        f"bucket_timings[{i}].bucket_index must be in [0, {len(plan.buckets)}) for the reported "
+                        f"plan, got {t.bucket_index}")
+            seen = self._seen.setdefault(rank, set())
+            if train_iter in seen or train_iter <= self._seen_floor.get(rank, -1):
+                self.reports_ignored += 1
+                return False
+            seen.add(train_iter)
+            if len(seen) > _MAX_ITERS_PER_RANK:
+                keep = sorted(seen)[len(seen) // 2:]
+                self._seen_floor[rank] = keep[0] - 1
+                self._seen[rank] = set(keep)
+            self.reports_accepted += 1
+            if self._clock() - self.started_at < self.config.warmup_time_s:
+                return True  # accepted, but start-up speeds are not representative
+            key = _layout_key(plan)
+            stats = self._stats.get(key)
+            if stats is None:
+                stats = self._stats[key] = _LayoutStats(plan=plan)
+            stats.add(speed, backward_ms, bucket_timings, train_iter)
+            if key == _layout_key(self._current):
+                self._fresh_reports += 1
+            return True
+
+    def ask(self, rank: int, train_iter: int) -> tuple[BucketPlan, bool]:
+        """The plan to use from ``train_iter`` on, identical for every rank; and whether tuning completed."""
+        self._check_rank_iter(rank, train_iter)
+        with self._lock:
+            decided = self._decisions.get(train_iter)
+            if decided is not None:
+                return decided
+            if self._decided_iters and train_iter < self._decided_iters[-1]:
+                decision = (self._plan_at(train_iter), self._completed_at(train_iter))
+            else:
+                self._maybe_advance(train_iter)
+                decision = (self._current, self.completed)
+            self._decisions[train_iter] = decision
+            bisect.insort(self._decided_iters, train_iter)
+            if len(self._decided_iters) > _MAX_DECISIONS:
+                for old in self._decided_iters[: _MAX_DECISIONS // 2]:
+                    self._decisions.pop(old, None)
+                del self._decided_iters[: _MAX_DECISIONS // 2]
+            return decision
+
+    def set_execution_order(self, names: Sequence[str]) -> None:
+        """Tensors first reported ready come first; the rest keep registration order."""
+        with self._lock:
+            first = list(dict.fromkeys(names))
+            rest = [t.name for t in self.registration.tensors if t.name not in set(first)]
+            order = tuple(self._names[n] for n in first + rest)
+            if order != self._order:
+                self._order = order
+                self._order_changed = True
+                self._tuner = None  # tuners cut in ready order: rebuild with the new one
+                logger.info("event=execution_order model=%s first=%s", self.registration.model_name, first[:3])
+
+    # -- internals (lock held) ---------------------------------------------------------------------
+    def _plan_at(self, train_iter: int) -> BucketPlan:
+        index = bisect.bisect_right(self._decided_iters, train_iter) - 1
+        if index < 0:
+            return self._issued[min(self._issued)] if self._issued else self._current
+        return self._decisions[self._decided_iters[index]][0]
+
+    def _completed_at(self, train_iter: int) -> bool:
+        index = bisect.bisect_right(self._decided_iters, train_iter) - 1
+        return index >= 0 and self._decisions[self._decided_iters[index]][1]
+
+    def _make_tuner(self, sample: Sample) -> Tuner:
+        reg = self.registration
+        kind = self.config.tuner
+        if kind == "auto":
+            kind = "planner" if sample.bucket_timings else "bayes"
+        self._tuner_kind = kind
+        if kind == "planner":
+            return ModelBasedPlanner(self._order, hierarchical_allowed=reg.hierarchical_allowed,
+                                     whether_to_bucket=reg.whether_to_bucket)
+        return BayesianTuner(self._order, hierarchical_allowed=reg.hierarchical_allowed,
+                             whether_to_bucket=reg.whether_to_bucket, min_log2=self.config.min_log2_bucket_size,
+                             max_log2=self.config.max_log2_bucket_size, seed=self.config.seed)
+
+    def _issue(self, plan: BucketPlan, reason: str, predicted_ms: float | None = None) -> None:
+        current = self._current
+        if not (plan.same_layout(current) and plan.bucket_size == current.bucket_size):
+            version = max(self._issued) + 1
+            plan = dataclasses.replace(plan, version=version)
+            self._issued[version] = plan
+            self._current = plan
+            logger.info(
+                "event=plan_issued model=%s version=%d reason=%s buckets=%d bucket_size=%d hierarchical=%s%s",
+                self.registration.model_name, version, reason, len(plan.buckets), plan.bucket_size,
+                plan.is_hierarchical_reduce, "" if predicted_ms is None else f" predicted_ms={predicted_ms:.3f}")
+        self._fresh_reports = 0
+        self._issued_at = self._clock()
+
+    def _maybe_advance(self, train_iter: int) -> None:
+        if self.completed:
+            return
+        if self._order_changed:
+            self._order_changed = False
+            self._issue(BucketPlan(buckets=split_into_buckets(self._order, self._current.bucket_size,
+                                                              whether_to_bucket=self.registration.whether_to_bucket),
+                                   bucket_size=self._current.bucket_size,
+                                   is_hierarchical_reduce=self._current.is_hierarchical_reduce), "execution-order")
+            return
+        now = self._clock()
+        if self._fresh_reports == 0 or now - self._issued_at < self.config.sampling_confidence_time_s \
+                or now - self.started_at < self.config.warmup_time_s:
+            return
+        sample = self._stats[_layout_key(self._current)].sample(self._current)
+        self._history.append(sample)
+        if self._best is None or sample.score > self._best.score:
+            self._best = sample
+            self._persist(sample, completed=False)
+        if self._tuner is None:
+            self._tuner = self._make_tuner(sample)
+        proposal = self._tuner.propose(self._history)
+        self._log_sample(sample, train_iter, proposal.reason)
+        done = len(self._history) >= self.config.max_samples or (proposal.converged and self.config.early_stop)
+        if done:
+            final = self._tuner.final(self._history)
+            self._best = final
+            self.completed = True
+            self._issue(final.plan, "best")
+            self._persist(dataclasses.replace(final, plan=self._current), completed=True)
+            logger.info("event=autotune_completed model=%s samples=%d tuner=%s score=%.4g version=%d",
+                        self.registration.model_name, len(self._history), self._tuner_kind, final.score,
+                        self._current.version)
+        else:
+            self._issue(proposal.plan, proposal.reason, proposal.predicted_ms)
+
+    def _log_sample(self, sample: Sample, train_iter: int, next_reason: str) -> None:
+        if self._sample_log is None:
+            return
+        self._sample_log.write(self.registration.model_name, {
+            "time": time.time(),
+            "model_name": self.registration.model_name,
+            "sample": len(self._history),
+            "train_iter": train_iter,
+            "tuner": self._tuner_kind,
+            "plan_version": sample.plan.version,
+            "buckets": sample.plan.tensor_names,
+            "bucket_size": sample.plan.bucket_size,
+            "is_hierarchical_reduce": sample.plan.is_hierarchical_reduce,
+            "score": sample.score,
+            "speed": sample.speed,
+            "exposed_ms": sample.exposed_ms,
+            "reports": sample.reports,
+            "next": next_reason,
+        })
