@@ -1,0 +1,253 @@
+"""CacheLoader: values computed by an expensive function, cached in a key-value store by key."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing.util
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from bagua_lightning.errors import ConfigurationError
+
+from . import catalog, codec
+from .faults import OutagePolicy, OutageTracker
+from .stats import CacheStats, SharedCounters
+from .store import STORE_ERRORS, RedisStore, Store
+
+log = logging.getLogger("bagua_lightning.client.cache")
+
+BACKENDS = ("redis",)
+SERIALIZERS = ("safe", "pickle")
+DEFAULT_VERSION = "0"
+
+
+class CacheLoader:
+    """Caches values of an expensive ``load_fn`` by key in Redis, so later reads skip the computation.
+
+    Entries are stored under ``"{dataset_name}:{version}:{key}"``: loaders with the same name and version
+    share entries (also across jobs), a new version never sees the old ones. Values go through the safe codec
+    (:mod:`.codec`), each entry carrying a checksum bound to its key; a corrupt entry is a miss that is
+    reloaded, rewritten and counted. When the store is unreachable values come from ``load_fn``, a warning is
+    logged once per outage, and caching resumes when the store is back.
+
+    Args:
+        backend: key-value store implementation; only ``"redis"``.
+        dataset_name: name of the dataset (letters, digits and ``._/+=@-``; ``""`` is shared by every
+            unnamed loader, as in Bagua).
+        writer_buffer_size: number of new entries to collect before writing them in one pipelined call.
+        version: the dataset's version (user-chosen, or a fingerprint such as
+            :func:`bagua_lightning.client.cache.fingerprint`); default ``"0"``.
+        serializer: ``"safe"`` (default) or ``"pickle"``, which stores any picklable value but runs code
+            from the cache when reading it: only for a Redis that nobody untrusted can write to.
+        store: an existing :class:`Store` to use instead of creating a ``RedisStore``.
+        outage_policy: back-off while the store is unavailable.
+        record_catalog: keep the datasets catalog up to date on writes.
+        **kwargs: :class:`RedisStore` arguments (``hosts``, ``cluster_mode``, ``capacity_per_node``,
+            ``password``, ``username``, ``ssl``, timeouts).
+    """
+
+    def __init__(self, backend: str = "redis", dataset_name: str = "", writer_buffer_size: int = 1, *,
+                 version: str = DEFAULT_VERSION, serializer: str = "safe", store: Store | None = None,
+                 outage_policy: OutagePolicy | None = None, record_catalog: bool = True, **kwargs: Any) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not supported; use one of {list(BACKENDS)}.")
+        if serializer not in SERIALIZERS:
+            raise ValueError(f"serializer={serializer!r} is not supported; use 'safe' or 'pickle'.")
+        if not isinstance(writer_buffer_size, int) or writer_buffer_size < 1:
+            raise ConfigurationError(f"writer_buffer_size={writer_buffer_size!r}; use an integer >= 1.")
+        self.dataset_name = catalog.check_name("dataset_name", dataset_name, allow_empty=True)
+        self.version = catalog.check_name("version", str(version), allow_empty=False)
+        self.writer_buffer_size = writer_buffer_size
+        self.serializer = serializer
+        if serializer == "pickle":
+            warnings.warn(
+                'CacheLoader(serializer="pickle"): entries are unpickled when read, so anyone who can write to '
+                "this Redis can run code in every training process. Use it only with a trusted, "
+                "password-protected Redis.", UserWarning, stacklevel=2)
+        self.store: Store = store if store is not None else RedisStore(**kwargs)
+        self.record_catalog = record_catalog and isinstance(self.store, RedisStore)
+        self._prefix = catalog.entry_prefix(self.dataset_name, self.version)
+        self._allow_pickle = serializer == "pickle"
+        self._outage = OutageTracker(f"the sample cache ({self.store!r})", outage_policy)
+        self._counters = SharedCounters()
+        self._buffer: dict[str, tuple[memoryview, bool]] = {}  # redis key -> (entry, overwrite)
+        self._lock = threading.Lock()
+        _register_exit_flush(self)
+
+    # The write buffer and the lock are per process; a pickled loader starts empty.
+    def __getstate__(self) -> dict[str, Any]:
+        if self._buffer:
+            self.flush()
+        state = self.__dict__.copy()
+        state["_buffer"] = {}
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        _register_exit_flush(self)
+
+    def redis_key(self, key: Hashable) -> str:
+        """The store key of ``key``: ``"{dataset_name}:{version}:{key}"``."""
+        return f"{self._prefix}{key}"
+
+    def get(self, key: Any, load_fn: Callable[[Any], Any]) -> Any:
+        """The cached value of ``key``, or ``load_fn(key)`` (then cached) on a miss."""
+        return self.get_many([key], lambda keys: [load_fn(k) for k in keys])[0]
+
+    def get_many(self, keys: Sequence[Any], load_many_fn: Callable[[list[Any]], Sequence[Any]]) -> list[Any]:
+        """Values of ``keys`` in order, fetched in one batched read; misses come from ``load_many_fn(missing)``.
+
+        Raises:
+            TypeError: a loaded value the codec cannot store (the message names it and the opt-in).
+        """
+        if _registered_pid[0] != os.getpid():  # first use in a forked DataLoader worker
+            _register_exit_flush(self)
+        rkeys = [self.redis_key(k) for k in keys]
+        out: list[Any] = [None] * len(keys)
+        found = [False] * len(keys)
+        overwrite = [False] * len(keys)
+        counters = self._counters
+        to_fetch = list(range(len(keys)))
+        if self._buffer:
+            to_fetch = self._from_buffer(rkeys, out, found, to_fetch)
+        if to_fetch and self._outage.available():
+            values, error = self._fetch([rkeys[j] for j in to_fetch])
+            nbytes = 0
+            for j, value in zip(to_fetch, values, strict=True):
+                if value is None:
+                    continue
+                try:
+                    out[j] = codec.decode(value, rkeys[j].encode(), allow_pickle=self._allow_pickle)
+                except codec.CorruptEntryError as exc:
+                    counters.add("corrupt")
+                    overwrite[j] = True
+                    log.debug("cache entry %s is invalid (%s); reloading it", rkeys[j], exc)
+                    continue
+                found[j] = True
+                nbytes += len(value)
+            if error is not None:
+                counters.add("errors")
+                self._outage.failure(error)
+            else:
+                self._outage.success()
+            counters.add("bytes_read", nbytes)
+        missing = [j for j in range(len(keys)) if not found[j]]
+        counters.add("hits", len(keys) - len(missing))
+        if missing:
+            counters.add("misses", len(missing))
+            loaded = load_many_fn([keys[j] for j in missing])
+            if len(loaded) != len(missing):
+                raise ValueError(f"load function returned {len(loaded)} values for {len(missing)} keys")
+            for j, value in zip(missing, loaded, strict=True):
+                out[j] = value
+                entry = codec.encode(value, rkeys[j].encode(), allow_pickle=self._allow_pickle)
+                self._buffer[rkeys[j]] = (entry, overwrite[j])
+            if len(self._buffer) >= self.writer_buffer_size:
+                self.flush()
+        return out
+
+    def _from_buffer(self, rkeys: list[str], out: list[Any], found: list[bool], to_fetch: list[int]) -> list[int]:
+        rest = []
+        for j in to_fetch:
+            pending = self._buffer.get(rkeys[j])
+            if pending is None:
+                rest.append(j)
+            else:
+                out[j] = codec.decode(pending[0], rkeys[j].encode(), allow_pickle=self._allow_pickle)
+                found[j] = True
+        return rest
+
+    def _fetch(self, rkeys: list[str]) -> tuple[list[bytes | None], BaseException | None]:
+        if isinstance(self.store, RedisStore):
+            return self.store.fetch(rkeys)
+        try:
+            return self.store.mget(rkeys), None
+        except STORE_ERRORS as exc:
+            return [None] * len(rkeys), exc
+
+    def flush(self) -> None:
+        """Write the buffered entries now (a store failure drops them and is counted, never raised)."""
+        if self._lock is None or not self._buffer:
+            return
+        with self._lock:
+            items, self._buffer = self._buffer, {}
+        if not self._outage.available():
+            self._counters.add("write_errors", len(items))
+            return
+        new = [(k, v) for k, (v, ow) in items.items() if not ow]
+        rewrite = [(k, v) for k, (v, ow) in items.items() if ow]
+        created_n = created_bytes = 0
+        failed = 0
+        for batch, overwrite in ((new, False), (rewrite, True)):
+            if not batch:
+                continue
+            done, error = self._put(batch, overwrite)
+            if error is not None:
+                failed += len(batch)
+                self._counters.add("errors")
+                self._outage.failure(error)
+                continue
+            for (_, v), ok in zip(batch, done, strict=True):
+                if ok or overwrite:
+                    self._counters.add("writes")
+                    self._counters.add("bytes_written", v.nbytes)
+                if ok and not overwrite:
+                    created_n += 1
+                    created_bytes += v.nbytes
+        if failed:
+            self._counters.add("write_errors", failed)
+        elif self.record_catalog and isinstance(self.store, RedisStore):
+            try:
+                catalog.record_writes(self.store, self.dataset_name, self.version, created_n, created_bytes)
+            except STORE_ERRORS as exc:
+                log.debug("catalog update failed: %s", exc)
+
+    def _put(self, items: list[tuple[str, memoryview]], overwrite: bool) -> tuple[list[bool], BaseException | None]:
+        if isinstance(self.store, RedisStore):
+            return self.store.put(items, overwrite=overwrite)
+        try:
+            self.store.mset(dict(items))
+            return [True] * len(items), None
+        except STORE_ERRORS as exc:
+            return [False] * len(items), exc
+
+    def num_keys(self) -> int:
+        """Number of keys in the backing store (all datasets, as in Bagua)."""
+        return self.store.num_keys()
+
+    @property
+    def stats(self) -> CacheStats:
+        """Counters of this loader, summed over this process and its DataLoader workers."""
+        return self._counters.snapshot()
+
+    def reset_stats(self) -> None:
+        self._counters.reset()
+
+
+# Flush every live loader when the process exits. DataLoader workers leave through multiprocessing, which
+# skips atexit but runs its own finalizers, so both hooks are registered (a second flush finds nothing).
+_live: weakref.WeakSet[CacheLoader] = weakref.WeakSet()
+_registered_pid: list[int] = [-1]
+
+
+def _flush_all() -> None:
+    for loader in list(_live):
+        try:
+            loader.flush()
+        except Exception as exc:
+            log.debug("flush at exit failed: %s", exc)
+
+
+def _register_exit_flush(loader: CacheLoader) -> None:
+    _live.add(loader)
+    if _registered_pid[0] != os.getpid():
+        _registered_pid[0] = os.getpid()
+        atexit.register(_flush_all)
+        multiprocessing.util.Finalize(None, _flush_all, exitpriority=100)

@@ -1,0 +1,106 @@
+"""Connection options of the Redis stores and the parsing of ``hosts``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.services_file import ENV_REDIS_PASSWORD
+
+
+@dataclass(kw_only=True)
+class RedisOptions:
+    """Connection options of :class:`RedisStore` (its ``**options``).
+
+    Attributes:
+        password: AUTH password; None reads ``BAGUA_LIGHTNING_REDIS_PASSWORD``.
+        username: ACL user (Redis 6+); None: the default user.
+        ssl: connect with TLS.
+        ssl_ca_certs: CA bundle to verify the servers (TLS).
+        ssl_certfile: client certificate (mutual TLS).
+        ssl_keyfile: client key (mutual TLS).
+        ssl_cert_reqs: ``"required"`` (default), ``"optional"`` or ``"none"``.
+        socket_timeout_s: deadline of one read or write on a connection, in seconds.
+        connect_timeout_s: deadline of a TCP connect, in seconds.
+        retries: retries of a failed network call (exponential backoff), 0 for none.
+        backoff_cap_s: longest wait between retries, in seconds.
+        start_timeout_s: deadline for a spawned local server to answer, in seconds.
+    """
+
+    password: str | None = None
+    username: str | None = None
+    ssl: bool = False
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_cert_reqs: str = "required"
+    socket_timeout_s: float = 5.0
+    connect_timeout_s: float = 2.0
+    retries: int = 2
+    backoff_cap_s: float = 0.5
+    start_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.password is None:
+            self.password = os.environ.get(ENV_REDIS_PASSWORD) or None
+        if self.ssl_cert_reqs not in ("required", "optional", "none"):
+            raise ConfigurationError(f"ssl_cert_reqs={self.ssl_cert_reqs!r}; use 'required', 'optional' or 'none'.")
+        for name in ("socket_timeout_s", "connect_timeout_s", "start_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigurationError(f"{name}={getattr(self, name)} must be > 0 seconds.")
+        if self.retries < 0 or self.backoff_cap_s < 0:
+            raise ConfigurationError(f"retries={self.retries}, backoff_cap_s={self.backoff_cap_s} must be >= 0.")
+
+    @classmethod
+    def from_kwargs(cls, options: Mapping[str, Any]) -> RedisOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown RedisStore option(s) {unknown}; valid options are {sorted(known)}.")
+        return cls(**options)
+
+    def retry(self) -> Retry:
+        return Retry(ExponentialBackoff(cap=self.backoff_cap_s, base=0.01), self.retries)
+
+    def connection_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "password": self.password, "username": self.username,
+            "socket_timeout": self.socket_timeout_s, "socket_connect_timeout": self.connect_timeout_s,
+        }
+        if self.ssl:
+            kw.update(ssl=True, ssl_ca_certs=self.ssl_ca_certs, ssl_certfile=self.ssl_certfile,
+                      ssl_keyfile=self.ssl_keyfile, ssl_cert_reqs=self.ssl_cert_reqs)
+        return kw
+
+
+def parse_hosts(hosts: Sequence[Any]) -> list[tuple[str, int]]:
+    """``[{"host": h, "port": p}]`` (Bagua's form, port may be a str) or ``"h:p"`` strings -> ``[(h, p)]``."""
+    out = []
+    for item in hosts:
+        if isinstance(item, Mapping):
+            host, port = item.get("host"), item.get("port")
+        elif isinstance(item, str):
+            host, _, port = item.rpartition(":")
+        else:
+            host = port = None
+        try:
+            port_i = int(port)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            port_i = -1
+        if not host or not 0 < port_i < 65536:
+            raise ConfigurationError(
+                f"hosts item {item!r} is not a Redis address; give {{'host': '10.0.0.1', 'port': 7000}} "
+                "or '10.0.0.1:7000'."
+            )
+        out.append((str(host), port_i))
+    if not out:
+        raise ConfigurationError("hosts is empty; pass None to spawn a local Redis, or list at least one server.")
+    if len(set(out)) != len(out):
+        raise ConfigurationError(f"hosts lists a server twice: {hosts!r}")
+    return out

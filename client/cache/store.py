@@ -1,0 +1,209 @@
+"""Key-value stores for the sample cache: the :class:`Store` interface and :class:`RedisStore`.
+
+``RedisStore`` picks its topology from what it finds:
+
+* ``hosts`` that form a Redis Cluster: redis-py's ``RedisCluster`` (slot map, MOVED/ASK, failover to a
+  promoted replica, retries with backoff). Batched reads group keys by the node that serves their slot and
+  pipeline one GET per key on every node at once; a redirected key is re-read through ``RedisCluster``.
+* ``hosts`` that are independent servers: with ``cluster_mode=True`` keys are sharded client side with
+  rendezvous hashing (:mod:`.hashing`), one MGET per server per batch, all servers queried at once; with
+  ``cluster_mode=False`` the ranks of node n use only host ``n % m`` (Bagua's behaviour).
+* ``hosts=None``: ``BAGUA_LIGHTNING_REDIS_HOSTS`` or the services file when they name servers, else a
+  node-local server shared by the jobs of the node (:mod:`.local_server`).
+
+Connections are opened lazily and per process: after a ``fork`` (DataLoader workers) the child opens its own,
+and a pickled store (``spawn``) carries only its configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import redis
+
+from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.services_file import resolve_redis_hosts
+
+from .backends import STORE_ERRORS, Backend, Value, ClusterBackend, NodesBackend, probe_is_cluster
+from .options import RedisOptions, parse_hosts
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAPACITY = 100 * 1024**3  # bytes per node, as in Bagua
+# Keys the project keeps next to the samples; not counted by num_keys().
+RESERVED_KEYS = ("__bagua_lightning_catalog__",)
+
+
+class Store(ABC):
+    """A key-value store of ``bytes`` values: Bagua's ``Store`` interface."""
+
+    @abstractmethod
+    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values of ``keys`` in the same order; None for a missing key."""
+
+    @abstractmethod
+    def mset(self, dictionary: Mapping[str, Value]) -> None:
+        """Set every key of ``dictionary``."""
+
+    def get(self, key: str) -> bytes | None:
+        """The value of ``key``, or None."""
+        return self.mget([key])[0]
+
+    def set(self, key: str, value: Value) -> None:
+        self.mset({key: value})
+
+    @abstractmethod
+    def num_keys(self) -> int:
+        """Number of keys in the store."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Delete every key."""
+
+    @abstractmethod
+    def status(self) -> bool:
+        """True when every node answers."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Close connections and stop the servers this store started; servers it found keep running."""
+
+
+def node_index() -> int:
+    """Index of this machine among the job's nodes (``GROUP_RANK``/``NODE_RANK``, else rank // local size)."""
+    for name in ("GROUP_RANK", "NODE_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    rank, local = os.environ.get("RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if rank.isdigit() and local.isdigit() and int(local) > 0:
+        return int(rank) // int(local)
+    return 0
+
+
+class RedisStore(Store):
+    """A Redis-backed store: a Redis Cluster, independent servers, or a node-local server.
+
+    Args:
+        hosts: servers as ``[{"host": "10.0.0.1", "port": 7000}, ...]`` (or ``"host:port"`` strings).
+            None: ``BAGUA_LIGHTNING_REDIS_HOSTS``, the services file, else a local server shared by the jobs
+            of this node.
+        cluster_mode: for independent servers: shard keys over all of them (True) or use host ``n % m`` on
+            the n-th node (False). A real Redis Cluster is always used as a cluster.
+        capacity_per_node: ``maxmemory`` in bytes of a spawned local server (no effect on existing servers).
+        **options: :class:`RedisOptions` fields (``password``, ``username``, ``ssl``, timeouts, retries).
+    """
+
+    def __init__(self, hosts: Sequence[Any] | None = None, cluster_mode: bool = True,
+                 capacity_per_node: int = DEFAULT_CAPACITY, **options: Any) -> None:
+        if not isinstance(capacity_per_node, int) or capacity_per_node <= 0:
+            raise ConfigurationError(f"capacity_per_node={capacity_per_node!r}; give a positive number of bytes.")
+        self.options = RedisOptions.from_kwargs(options)
+        self.cluster_mode = bool(cluster_mode)
+        self.capacity_per_node = capacity_per_node
+        self.managed_pid: int | None = None  # a local server this store started
+        self.local = False
+        if hosts is None:
+            resolved = resolve_redis_hosts()
+            if resolved is not None:
+                hosts = resolved[0]
+            else:
+                from .local_server import find_or_start
+
+                server = find_or_start(capacity_per_node, self.options.start_timeout_s)
+                hosts = [{"host": server.host, "port": server.port}]
+                self.options.password = server.password
+                self.local = True
+                self.managed_pid = server.pid if server.started_here else None
+        self.hosts = parse_hosts(hosts)
+        self._backend_obj: Backend | None = None
+        self._pid = os.getpid()
+        self._creator_pid = self._pid
+
+    # Connections belong to one process: drop them when pickled or inherited through fork.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_backend_obj"] = None
+        state["managed_pid"] = None  # only the creating process stops the server it started
+        return state
+
+    @property
+    def backend(self) -> Backend:
+        """The connected backend, created on first use in this process (raises a Redis error if unreachable)."""
+        if self._backend_obj is None or self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._backend_obj = self._connect()
+        return self._backend_obj
+
+    def _connect(self) -> Backend:
+        if (len(self.hosts) > 1 or not self.local) and probe_is_cluster(self.hosts, self.options):
+            return ClusterBackend(self.hosts, self.options)
+        if self.cluster_mode or len(self.hosts) == 1:
+            return NodesBackend(self.hosts, self.options)
+        return NodesBackend([self.hosts[node_index() % len(self.hosts)]], self.options)
+
+    @property
+    def is_cluster(self) -> bool:
+        return isinstance(self.backend, ClusterBackend)
+
+    def fetch(self, keys: Sequence[str]) -> tuple[list[bytes | None], BaseException | None]:
+        """Like :meth:`mget` but never raises for the store: values of the reachable nodes plus the first error."""
+        try:
+            return self.backend.fetch(keys)
+        except STORE_ERRORS as exc:
+            self._backend_obj = None  # reconnect (and re-probe the topology) next time
+            return [None] * len(keys), exc
+
+    def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> tuple[list[bool], BaseException | None]:
+        """Write ``items``; with ``overwrite=False`` existing keys are kept. Never raises for the store."""
+        try:
+            return self.backend.put(items, overwrite)
+        except STORE_ERRORS as exc:
+            self._backend_obj = None
+            return [False] * len(items), exc
+
+    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        values, error = self.fetch(list(keys))
+        if error is not None:
+            raise error
+        return values
+
+    def mset(self, dictionary: Mapping[str, Value]) -> None:
+        _, error = self.put(list(dictionary.items()), overwrite=True)
+        if error is not None:
+            raise error
+
+    def _each_primary(self, fn: Callable[[redis.Redis], Any]) -> list[Any]:
+        return [fn(c) for c in self.backend.primaries()]
+
+    def num_keys(self) -> int:
+        """Keys on every master, not counting the project's own bookkeeping keys."""
+        total = sum(self._each_primary(lambda c: int(c.dbsize())))
+        reserved = sum(int(self.backend.client_for_key(k).exists(k)) for k in RESERVED_KEYS)
+        return total - reserved
+
+    def clear(self) -> None:
+        self._each_primary(lambda c: c.flushdb())
+
+    def status(self) -> bool:
+        try:
+            return all(self._each_primary(lambda c: bool(c.ping())))
+        except STORE_ERRORS:
+            return False
+
+    def shutdown(self) -> None:
+        if self._backend_obj is not None:
+            self._backend_obj.close()
+            self._backend_obj = None
+        if self.managed_pid is not None and os.getpid() == self._creator_pid:
+            from bagua_lightning.services.redis_cluster import stop_pid
+
+            stop_pid(self.managed_pid)
+            self.managed_pid = None
+
+    def __repr__(self) -> str:
+        hosts = ",".join(f"{h}:{p}" for h, p in self.hosts)
+        return f"RedisStore(hosts={hosts!r}, cluster_mode={self.cluster_mode}, local={self.local})"
