@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.strategy.compression import compress_chunks, decompress_chunks
 
 
 @dataclass(kw_only=True)
@@ -31,6 +33,7 @@ class CommContext:
         group: the world group (None means the default group).
         intra_group: ranks of this node.
         inter_group: the ranks with this local rank on every node (node leaders for local rank 0).
+        backend: the world group's backend ("gloo", "nccl", ...); "" when unknown.
     """
 
     rank: int
@@ -40,6 +43,20 @@ class CommContext:
     group: dist.ProcessGroup | None = None
     intra_group: dist.ProcessGroup | None = None
     inter_group: dist.ProcessGroup | None = None
+    backend: str = ""
+
+    @property
+    def is_nccl(self) -> bool:
+        return self.backend == "nccl"
+
+    def destroy_groups(self) -> None:
+        """Destroy the hierarchical groups this context created (not the world group); idempotent."""
+        for g in {id(g): g for g in (self.intra_group, self.inter_group) if g is not None}.values():
+            try:
+                dist.destroy_process_group(g)
+            except (ValueError, RuntimeError):  # already destroyed, or the world group went first
+                pass
+        self.intra_group = self.inter_group = None
 
     @property
     def num_nodes(self) -> int:
@@ -91,4 +108,101 @@ class CommContext:
             group=backend_group,
             intra_group=intra_group,
             inter_group=inter_group,
+            backend=str(dist.get_backend(backend_group)),
         )
+
+
+# Collectives used by the algorithms. Each issues asynchronous operations and waits
+# on them: with NCCL the wait only orders the *current CUDA stream* after the
+# collective (the host does not block; algorithms call these under a side stream);
+# with Gloo the wait blocks the calling thread (algorithms call these from their
+# communication thread). Every rank must call them in the same order.
+
+
+def _wait(work: dist.Work | None) -> None:
+    if work is not None:
+        work.wait()
+
+
+def all_reduce_(tensor: torch.Tensor, comm: CommContext, *, average: bool = True) -> None:
+    """Flat allreduce of ``tensor`` in place over all ranks: sum, or mean when ``average``."""
+    if comm.world_size == 1:
+        return
+    if average and comm.is_nccl:
+        _wait(dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=comm.group, async_op=True))
+        return
+    if average:
+        # As DDP does: scale before a SUM (Gloo has no AVG on every torch version).
+        tensor.mul_(1.0 / comm.world_size)
+    _wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=comm.group, async_op=True))
+
+
+def hierarchical_all_reduce_(tensor: torch.Tensor, comm: CommContext, *, average: bool = True) -> None:
+    """Intra-node reduce to the leader, allreduce among node leaders, intra-node broadcast.
+
+    With one node (or one rank per node) this is :func:`all_reduce_`.
+    """
+    if not comm.is_hierarchical_possible:
+        all_reduce_(tensor, comm, average=average)
+        return
+    if average:
+        tensor.mul_(1.0 / comm.world_size)
+    leader = comm.node_leader()
+    _wait(dist.reduce(tensor, dst=leader, group=comm.intra_group, async_op=True))
+    if comm.local_rank == 0:
+        _wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=comm.inter_group, async_op=True))
+    _wait(dist.broadcast(tensor, src=leader, group=comm.intra_group, async_op=True))
+
+
+def compressed_exchange_(
+    flat: torch.Tensor, group: dist.ProcessGroup | None, group_size: int, *, scale: float = 1.0
+) -> None:
+    """ByteGrad's compressed reduction of ``flat`` in place over ``group`` (``group_size`` ranks).
+
+    ``flat`` (1-D, ``numel`` divisible by ``group_size``) is cut into one chunk per
+    rank; each chunk is MinMax-uint8 compressed, chunks go all-to-all, each rank
+    decompresses and sums the chunk it owns (times ``scale``), recompresses it, and
+    an all-gather brings every reduced chunk to every rank, which decompresses them
+    into ``flat``. Every rank ends with the same values.
+    """
+    if flat.numel() % group_size != 0:
+        raise ValueError(
+            f"compressed exchange needs a length divisible by {group_size} ranks, got {flat.numel()}; "
+            "pad the buffer (BucketEngine(pad_multiple=...))"
+        )
+    packed = compress_chunks(flat, group_size)  # (group_size, 8 + chunk)
+    received = torch.empty_like(packed)
+    _wait(dist.all_to_all_single(received, packed, group=group, async_op=True))
+    mine = decompress_chunks(received).view(group_size, -1).sum(dim=0)
+    if scale != 1.0:
+        mine.mul_(scale)
+    gathered = torch.empty_like(packed)
+    _wait(dist.all_gather_into_tensor(gathered, compress_chunks(mine, 1), group=group, async_op=True))
+    flat.copy_(decompress_chunks(gathered, dtype=flat.dtype))
+
+
+def compressed_all_reduce_(
+    flat: torch.Tensor, comm: CommContext, *, average: bool = True, hierarchical: bool = False
+) -> None:
+    """Compressed allreduce (ByteGrad) of ``flat`` in place.
+
+    ``hierarchical`` (and more than one node): plain intra-node reduce to the leader,
+    compressed exchange among node leaders, intra-node broadcast. ``flat.numel()``
+    must be divisible by the number of ranks taking part in the exchange.
+    """
+    if comm.world_size == 1:
+        return
+    if hierarchical and comm.is_hierarchical_possible:
+        leader = comm.node_leader()
+        _wait(dist.reduce(flat, dst=leader, group=comm.intra_group, async_op=True))
+        if comm.local_rank == 0:
+            scale = 1.0 / comm.world_size if average else 1.0
+            compressed_exchange_(flat, comm.inter_group, comm.num_nodes, scale=scale)
+        _wait(dist.broadcast(flat, src=leader, group=comm.intra_group, async_op=True))
+        return
+    compressed_exchange_(flat, comm.group, comm.world_size, scale=1.0 / comm.world_size if average else 1.0)
+
+
+def exchange_size(comm: CommContext, *, hierarchical: bool) -> int:
+    """How many ranks a compressed exchange splits a buffer between (its padding multiple)."""
+    return comm.num_nodes if hierarchical and comm.is_hierarchical_possible else comm.world_size

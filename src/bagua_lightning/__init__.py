@@ -32,10 +32,7 @@ def _register() -> None:
 
 
 if os.environ.get("BAGUA_LIGHTNING_NO_STRATEGY", "0") != "1" and _lightning_available():
-    try:
-        _register()
-    except ImportError:  # the strategy subpackage is still being built
-        pass
+    _register()
 
 
 def __getattr__(name: str) -> Any:

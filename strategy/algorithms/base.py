@@ -1,12 +1,21 @@
 """The interface every algorithm implements, and the registry that maps Bagua's names to classes.
 
+Note for algorithm authors (issue 4 part A, extensions; nothing was removed or renamed):
+new optional hooks ``on_backward_start(step)`` and ``bind_optimizers(optimizers)``,
+class attribute ``flatten`` (set by the wrapper before ``setup``), and
+``on_forward_start`` is not called under ``no_sync()`` or without grad.
+``get_algorithm_class`` tolerates builtin modules that do not exist yet.
+
 Life cycle, driven by :class:`~bagua_lightning.strategy.ddp.BaguaDistributedDataParallel`
 (the module wrapper the strategy installs) and by the strategy's hooks::
 
     algo = AlgorithmClass.from_kwargs(**bagua_kwargs)   # validates kwargs (ValueError names them)
+    algo.flatten = flatten                              # set by the wrapper (BaguaStrategy(flatten=...))
     algo.setup(module, comm, plan)                      # once, after the module is on its device
+    algo.bind_optimizers(optimizers)                    # once the optimizers exist
     per training step:
         algo.on_forward_start(step)                     # before the wrapped forward
+        algo.on_backward_start(step)                    # first thing in backward (autograd's thread)
         ... backward: algo.on_grad_ready(param) for every parameter as autograd finishes its grad
         algo.on_backward_end(step)                      # queued on autograd's engine: runs before backward() returns
         algo.on_optimizer_step_end(step)                # after optimizer.step()
@@ -19,14 +28,27 @@ decision that could differ between ranks (e.g. "is it time to sync?") must depen
 only on ``step`` and on values every rank agrees on.
 
 Gradient accumulation: while the wrapper's ``no_sync()`` is active, the wrapper
-does not call ``on_grad_ready``/``on_backward_end``; gradients accumulate locally.
+does not call ``on_forward_start``/``on_backward_start``/``on_grad_ready``/
+``on_backward_end``; gradients accumulate locally. ``on_forward_start`` is also
+skipped for forwards without gradients (validation, ``torch.no_grad``).
+
+Optimizers: ``algo.bind_optimizers(optimizers)`` is called once the training
+optimizers exist (after ``setup``, before the first step; again if they are
+replaced). The wrapper calls ``on_optimizer_step_end`` from a step post-hook it
+registers on each of them, so it also runs outside Lightning.
+
+Shared machinery for gradient-bucket algorithms lives in
+:mod:`bagua_lightning.strategy.buckets` (``BucketEngine``: flat buckets, in-order
+launch as buckets become ready, per-bucket timings, plan re-application) and the
+collectives in :mod:`bagua_lightning.strategy.comm` (``all_reduce_``,
+``hierarchical_all_reduce_``, ``compressed_all_reduce_``).
 """
 
 from __future__ import annotations
 
 import abc
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from bagua_lightning.errors import ConfigurationError
@@ -53,6 +75,8 @@ class Algorithm(abc.ABC):
     uses_gradient_buckets: ClassVar[bool] = False
     #: True when parameters stay identical on all ranks after every step.
     keeps_replicas_identical: ClassVar[bool] = True
+    #: Flat buckets with tensors as views (BaguaStrategy(flatten=...)); set before setup.
+    flatten: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Algorithm:
@@ -71,11 +95,17 @@ class Algorithm(abc.ABC):
     def on_forward_start(self, step: int) -> None:  # noqa: B027
         """Before the forward of training step ``step``."""
 
+    def on_backward_start(self, step: int) -> None:  # noqa: B027
+        """A communicating backward started (called from autograd's thread, before any on_grad_ready)."""
+
     def on_grad_ready(self, param: torch.nn.Parameter) -> None:  # noqa: B027
         """Autograd finished accumulating ``param.grad`` in this backward."""
 
     def on_backward_end(self, step: int) -> None:  # noqa: B027
         """All gradients of this backward are ready; finish (wait for) gradient communication."""
+
+    def bind_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:  # noqa: B027
+        """The training optimizers (unwrapped torch optimizers); may raise ConfigurationError."""
 
     def on_optimizer_step_end(self, step: int) -> None:  # noqa: B027
         """After ``optimizer.step()`` of step ``step``."""
@@ -133,4 +163,10 @@ def _import_builtin_algorithms(importer: Callable[[str], Any] | None = None) -> 
 
     load = importer or importlib.import_module
     for module in _BUILTIN_MODULES:
-        load(module)
+        try:
+            load(module)
+        except ModuleNotFoundError as exc:
+            # Tolerate a builtin module that does not exist (yet); a module that
+            # exists but fails to import on a missing dependency still raises.
+            if exc.name != module:
+                raise

@@ -1,0 +1,30 @@
+"""Bagua's ``gradient_allreduce``: gradients summed or averaged over all ranks, bucket by bucket."""
+
+from __future__ import annotations
+
+from bagua_lightning.strategy.algorithms.base import register_algorithm
+from bagua_lightning.strategy.algorithms.bucketed import GradientBucketAlgorithm
+from bagua_lightning.strategy.buckets import Bucket
+from bagua_lightning.strategy.comm import CommContext, all_reduce_, hierarchical_all_reduce_
+
+
+@register_algorithm
+class GradientAllReduceAlgorithm(GradientBucketAlgorithm):
+    """Allreduce of gradient buckets, overlapped with backward (what DDP does).
+
+    Args:
+        hierarchical: reduce within each node to its leader, allreduce among leaders,
+            broadcast within the node (flat with one node).
+        average: average the gradients (True) or sum them.
+    """
+
+    name = "gradient_allreduce"
+
+    def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
+        super().__init__(hierarchical=hierarchical, average=average)
+
+    def reduce_bucket(self, bucket: Bucket, comm: CommContext, hierarchical: bool) -> None:
+        if hierarchical:
+            hierarchical_all_reduce_(bucket.flat, comm, average=self.average)
+        else:
+            all_reduce_(bucket.flat, comm, average=self.average)

@@ -1,0 +1,524 @@
+"""Flat communication buckets built from a :class:`~bagua_lightning.proto.plan.BucketPlan`.
+
+:class:`BucketEngine` is the machinery every gradient-bucket algorithm shares:
+
+* one contiguous buffer per bucket (``flatten=True``): each parameter's gradient
+  is re-pointed to a view of it, so the collective runs on the buffer with no copy
+  (as DDP's ``gradient_as_bucket_view``). When ``zero_grad(set_to_none=True)`` left
+  autograd a fresh gradient, the gradient hook copies it into its view once and
+  re-points ``.grad``;
+* buckets are launched strictly in plan order as soon as they and every earlier
+  bucket are complete, so collectives match on every rank whatever order autograd
+  finishes gradients in;
+* communication runs off the critical path: on CUDA under a side stream (the host
+  never waits), on CPU on one communication thread;
+* per-bucket timings (bytes, ready offset from backward start, communication time,
+  exposed wait) from CUDA events read lazily, or ``time.monotonic`` on CPU;
+* :meth:`BucketEngine.rebuild` applies a new plan between steps, keeping values.
+
+The default plan (:func:`default_plan`) cuts Bagua-style at a bucket size, first in
+reverse registration order (as DDP), then, after the first communicating
+backward, in the order gradients became ready (rank 0's order, broadcast).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bagua_lightning.errors import PlanMismatchError
+from bagua_lightning.proto.plan import (
+    DEFAULT_BUCKET_SIZE,
+    BucketPlan,
+    BucketTimingRecord,
+    StepTimings,
+    TensorDeclaration,
+    split_into_buckets,
+)
+
+TORCH_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.uint8: "u8",
+    torch.int64: "i64",
+    torch.int32: "i32",
+}
+
+
+def declare(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[TensorDeclaration]:
+    """Tensor declarations (name, numel, dtype) of ``named_params``, in the given order."""
+    decls = []
+    for name, p in named_params:
+        if p.dtype not in TORCH_DTYPES:
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}, which buckets do not support")
+        decls.append(TensorDeclaration(name=name, num_elements=p.numel(), dtype=TORCH_DTYPES[p.dtype]))
+    return decls
+
+
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every parameter that requires a gradient, in registration order."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def default_plan(
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    *,
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+    hierarchical: bool = False,
+    order: Sequence[str] | None = None,
+) -> BucketPlan:
+    """Bagua's cut at ``bucket_size`` bytes.
+
+    Args:
+        named_params: the communicated tensors, in registration order.
+        bucket_size: bytes at which a bucket closes.
+        hierarchical: the plan's ``is_hierarchical_reduce``.
+        order: names in gradient-ready order; names missing from it follow in
+            reverse registration order. None: reverse registration order (DDP's first guess).
+    """
+    decls = {d.name: d for d in declare(named_params)}
+    names = list(order or [])
+    seen = set(names)
+    unknown = seen - set(decls)
+    if unknown:
+        raise PlanMismatchError(f"gradient-ready order names unknown tensors {sorted(unknown)}")
+    names += [n for n in reversed(list(decls)) if n not in seen]
+    buckets = split_into_buckets([decls[n] for n in names], bucket_size)
+    return BucketPlan(buckets=buckets, bucket_size=bucket_size, is_hierarchical_reduce=hierarchical)
+
+
+def check_plan(plan: BucketPlan, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Raise :class:`PlanMismatchError` unless ``plan`` covers exactly ``named_params`` with their sizes."""
+    have = {d.name: d for d in declare(named_params)}
+    planned = {t.name: t for bucket in plan.buckets for t in bucket}
+    missing = sorted(set(have) - set(planned))
+    extra = sorted(set(planned) - set(have))
+    wrong = sorted(n for n in set(have) & set(planned) if have[n] != planned[n])
+    if missing or extra or wrong:
+        raise PlanMismatchError(
+            f"bucket plan does not match the model: missing {missing}, unknown {extra}, "
+            f"size/dtype differs for {wrong}; build it from the model's trainable parameters"
+        )
+
+
+@dataclass(slots=True)
+class Bucket:
+    """One bucket: a flat buffer (padded to ``pad_multiple``) and a view of it per tensor.
+
+    Attributes:
+        index: position in the plan (launch order).
+        names: tensor names, in buffer order.
+        params: the parameters, in buffer order.
+        flat: the contiguous buffer the collective runs on.
+        views: one view of ``flat`` per parameter, shaped like it.
+        numel: elements in use (``flat`` may be longer by padding, kept zero).
+    """
+
+    index: int
+    names: tuple[str, ...]
+    params: tuple[nn.Parameter, ...]
+    flat: torch.Tensor
+    views: tuple[torch.Tensor, ...]
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.flat.element_size()
+
+
+def _make_bucket(index: int, names: Sequence[str], params: Sequence[nn.Parameter], pad_multiple: int) -> Bucket:
+    numel = sum(p.numel() for p in params)
+    padded = math.ceil(numel / pad_multiple) * pad_multiple
+    first = params[0]
+    flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return Bucket(index=index, names=tuple(names), params=tuple(params), flat=flat, views=tuple(views),
+                  numel=numel)
+
+
+class _CudaRunner:
+    """Runs bucket jobs under a side stream: launched from autograd's thread, the host never waits."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device=device)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            job()
+
+    def wait_all(self) -> None:
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def close(self) -> None:
+        pass
+
+
+class _ThreadRunner:
+    """Runs bucket jobs in submission order on one thread (Gloo collectives block their caller)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future[None]] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bagua-comm")
+        self._futures.append(self._pool.submit(job))
+
+    def wait_all(self) -> None:
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        self.wait_all()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class _Timer:
+    """Per-bucket timings; CUDA events double-buffered so reading never forces a sync."""
+
+    def __init__(self, num_buckets: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.n = num_buckets
+        self.step_id = -1
+        if self.cuda:
+            def ev() -> torch.cuda.Event:
+                return torch.cuda.Event(enable_timing=True)
+
+            # [parity] -> (bw_start, bw_end, ready[n], start[n], end[n])
+            self._events = [
+                (ev(), ev(), [ev() for _ in range(self.n)], [ev() for _ in range(self.n)],
+                 [ev() for _ in range(self.n)])
+                for _ in range(2)
+            ]
+            self._recorded: list[int] = [-1, -1]  # step id held by each parity
+        else:
+            self._t0 = 0.0
+            self._t_end = 0.0
+            self._ready = [0.0] * self.n
+            self._start = [0.0] * self.n
+            self._stop = [0.0] * self.n
+            self._last: StepTimings | None = None
+
+    def begin(self) -> None:
+        self.step_id += 1
+        if self.cuda:
+            p = self.step_id % 2
+            self._recorded[p] = -1
+            self._events[p][0].record()
+        else:
+            self._t0 = time.monotonic()
+
+    def ready(self, i: int) -> None:
+        if self.cuda:
+            self._events[self.step_id % 2][2][i].record()
+        else:
+            self._ready[i] = time.monotonic()
+
+    def comm_start(self, i: int) -> None:  # on the side stream / communication thread
+        if self.cuda:
+            self._events[self.step_id % 2][3][i].record()
+        else:
+            self._start[i] = time.monotonic()
+
+    def comm_end(self, i: int) -> None:
+        if self.cuda:
+            self._events[self.step_id % 2][4][i].record()
+        else:
+            self._stop[i] = time.monotonic()
+
+    def backward_end(self) -> None:
+        if self.cuda:
+            self._events[self.step_id % 2][1].record()
+        else:
+            self._t_end = time.monotonic()
+
+    def finished(self, nbytes: Sequence[int]) -> None:
+        if self.cuda:
+            self._recorded[self.step_id % 2] = self.step_id
+            self._nbytes = list(nbytes)
+            return
+        ms = 1000.0
+        self._last = StepTimings(
+            buckets=[
+                BucketTimingRecord(
+                    bucket_index=i,
+                    bytes=nbytes[i],
+                    ready_ms=(self._ready[i] - self._t0) * ms,
+                    comm_ms=(self._stop[i] - self._start[i]) * ms,
+                    wait_ms=max(0.0, self._stop[i] - self._t_end) * ms,
+                )
+                for i in range(self.n)
+            ],
+            backward_ms=(self._t_end - self._t0) * ms,
+        )
+
+    def last(self) -> StepTimings | None:
+        if not self.cuda:
+            return self._last
+        # Newest fully recorded step whose events have completed; never synchronises.
+        for step in sorted((s for s in self._recorded if s >= 0), reverse=True):
+            bw0, bw1, ready, start, end = self._events[step % 2]
+            if not all(e.query() for e in (bw1, *end)):
+                continue
+            return StepTimings(
+                buckets=[
+                    BucketTimingRecord(
+                        bucket_index=i,
+                        bytes=self._nbytes[i],
+                        ready_ms=bw0.elapsed_time(ready[i]),
+                        comm_ms=start[i].elapsed_time(end[i]),
+                        wait_ms=max(0.0, bw1.elapsed_time(end[i])),
+                    )
+                    for i in range(self.n)
+                ],
+                backward_ms=bw0.elapsed_time(bw1),
+            )
+        return None
+
+
+class BucketEngine:
+    """Flat buckets over a set of parameters, communicated in plan order as they become ready.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs the plan refers to.
+        plan: the bucket partition to build.
+        communicate: ``communicate(bucket)`` reduces ``bucket.flat`` in place; it runs
+            under a side CUDA stream or on the communication thread and must issue the
+            same collectives in the same order on every rank.
+        bind_grads: True: the buckets hold the parameters' gradients (``.grad`` becomes
+            a view when ``flatten``). False: the caller owns what the views hold (e.g.
+            optimizer state) and writes into :meth:`view` before :meth:`mark_ready`.
+        flatten: gradients are views into the buffers (no copy). False: gradients stay
+            separate tensors, copied into the buffer before and back after the collective.
+        pad_multiple: buffer lengths are rounded up to a multiple of this (chunked collectives).
+    """
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        plan: BucketPlan,
+        *,
+        communicate: Callable[[Bucket], None],
+        bind_grads: bool = True,
+        flatten: bool = True,
+        pad_multiple: int = 1,
+    ) -> None:
+        if not named_params:
+            raise ValueError("BucketEngine needs at least one parameter")
+        self.named_params = list(named_params)
+        self.communicate = communicate
+        self.bind_grads = bind_grads
+        self.flatten = flatten or not bind_grads
+        self.pad_multiple = max(1, pad_multiple)
+        device = self.named_params[0][1].device
+        self.device = device
+        self._runner: _CudaRunner | _ThreadRunner = (
+            _CudaRunner(device) if device.type == "cuda" else _ThreadRunner()
+        )
+        self._lock = threading.Lock()
+        self.observed_order: list[str] = []
+        self._observe = True
+        self.plan_is_default = True
+        self._build(plan)
+
+    # ---------------------------------------------------------------- building
+
+    def _build(self, plan: BucketPlan) -> None:
+        check_plan(plan, self.named_params)
+        by_name = dict(self.named_params)
+        self.plan = plan
+        self.buckets = [
+            _make_bucket(i, names, [by_name[n] for n in names], self.pad_multiple)
+            for i, names in enumerate(plan.tensor_names)
+        ]
+        # id(param) -> (bucket index, position in bucket)
+        self._slot = {
+            id(p): (b.index, j) for b in self.buckets for j, p in enumerate(b.params)
+        }
+        self._sizes = [len(b.params) for b in self.buckets]
+        self._nbytes = [b.nbytes for b in self.buckets]
+        self._timer = _Timer(len(self.buckets), self.device)
+        self._active = False
+        self._marked = [bytearray(n) for n in self._sizes]
+        self._pending = list(self._sizes)
+        self._next = 0
+        self._any_ready = False
+        if self.bind_grads and self.flatten:
+            for b in self.buckets:
+                for p, v in zip(b.params, b.views, strict=True):
+                    if p.grad is not None:
+                        v.copy_(p.grad)
+                        p.grad = v
+
+    def rebuild(self, plan: BucketPlan, *, is_default: bool = False) -> None:
+        """Re-bucket with ``plan`` between steps; values held in the old buffers are kept."""
+        if self._active:
+            raise RuntimeError("cannot apply a bucket plan during backward; apply it between steps")
+        old_views = {name: v for b in self.buckets for name, v in zip(b.names, b.views, strict=True)}
+        self._runner.wait_all()
+        self._build(plan)
+        self.plan_is_default = is_default
+        if not self.bind_grads:
+            for b in self.buckets:
+                for name, v in zip(b.names, b.views, strict=True):
+                    v.copy_(old_views[name])
+
+    def view(self, param: nn.Parameter) -> torch.Tensor:
+        """The view of ``param``'s slot in its bucket buffer."""
+        i, j = self._slot[id(param)]
+        return self.buckets[i].views[j]
+
+    def views_by_name(self) -> dict[str, torch.Tensor]:
+        return {n: v for b in self.buckets for n, v in zip(b.names, b.views, strict=True)}
+
+    # ---------------------------------------------------------------- per backward
+
+    def begin(self) -> None:
+        """Start of a communicating backward (idempotent within one backward)."""
+        if self._active:
+            return
+        self._active = True
+        self._any_ready = False
+        for m in self._marked:
+            m[:] = bytes(len(m))
+        self._pending = list(self._sizes)
+        self._next = 0
+        self._timer.begin()
+
+    def mark_ready(self, param: nn.Parameter) -> None:
+        """``param``'s tensor for this backward is final; launch every bucket that can go."""
+        if not self._active:
+            self.begin()
+        slot = self._slot.get(id(param))
+        if slot is None:
+            return
+        i, j = slot
+        if self._marked[i][j]:
+            return
+        self._marked[i][j] = 1
+        self._any_ready = True
+        if self._observe:
+            self.observed_order.append(self.buckets[i].names[j])
+        if self.bind_grads and self.flatten:
+            view = self.buckets[i].views[j]
+            grad = param.grad
+            if grad is not view:
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+                param.grad = view
+        self._pending[i] -= 1
+        if self._pending[i] == 0:
+            self._timer.ready(i)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            bucket = self.buckets[self._next]
+            self._next += 1
+            self._runner.submit(self._job(bucket))
+
+    def _job(self, bucket: Bucket) -> Callable[[], None]:
+        timer, communicate = self._timer, self.communicate
+        gather = self.bind_grads and not self.flatten
+
+        def run() -> None:
+            timer.comm_start(bucket.index)
+            if gather:
+                for p, v in zip(bucket.params, bucket.views, strict=True):
+                    if p.grad is None:
+                        v.zero_()
+                    else:
+                        v.copy_(p.grad)
+            communicate(bucket)
+            if gather:
+                for p, v in zip(bucket.params, bucket.views, strict=True):
+                    if p.grad is None:
+                        p.grad = v.clone()
+                    else:
+                        p.grad.copy_(v)
+            timer.comm_end(bucket.index)
+
+        return run
+
+    def finish(self) -> bool:
+        """End of backward: launch what is left (unused parameters count as zero), wait for all.
+
+        Returns False (and communicates nothing) when no tensor became ready in this
+        backward, e.g. for ``torch.autograd.grad`` calls that accumulate no gradient.
+        """
+        if not self._active:
+            return False
+        self._active = False
+        if self._observe and self._any_ready:
+            self._observe = False
+        if not self._any_ready:
+            return False
+        self._timer.backward_end()
+        for b in self.buckets:
+            if self._pending[b.index] == 0:
+                continue
+            for j, p in enumerate(b.params):
+                if not self._marked[b.index][j]:
+                    self._marked[b.index][j] = 1
+                    if self.bind_grads and self.flatten:
+                        b.views[j].zero_() if p.grad is None else b.views[j].copy_(p.grad)
+                        p.grad = b.views[j]
+                    elif not self.bind_grads:
+                        pass  # caller-owned values stay as they are
+            self._pending[b.index] = 0
+            self._timer.ready(b.index)
+        self._launch_ready()
+        self._runner.wait_all()
+        self._timer.finished(self._nbytes)
+        return True
+
+    # ---------------------------------------------------------------- plan from ready order
+
+    @property
+    def wants_ready_order_plan(self) -> bool:
+        """True once the first communicating backward was observed and the plan is still the default."""
+        return self.plan_is_default and not self._observe and bool(self.observed_order)
+
+    def adopt_ready_order(self, group: dist.ProcessGroup | None = None) -> None:
+        """Rebuild the default plan in rank 0's gradient-ready order (a collective: every rank calls it)."""
+        order: list[object] = [self.observed_order]
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.broadcast_object_list(order, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        names = [str(n) for n in order[0]]  # type: ignore[attr-defined]
+        plan = default_plan(
+            self.named_params,
+            bucket_size=self.plan.bucket_size,
+            hierarchical=self.plan.is_hierarchical_reduce,
+            order=names,
+        )
+        self.observed_order = []
+        if plan.same_layout(self.plan):
+            self.plan_is_default = False  # nothing to change; stop asking
+            return
+        self.rebuild(plan, is_default=False)
+
+    def last_step_timings(self) -> StepTimings | None:
+        return self._timer.last()
+
+    def close(self) -> None:
+        self._runner.close()

@@ -1,0 +1,13 @@
+"""Registers ``"bagua"`` in Lightning's strategy registry (Lightning 2.x no longer knows it by itself)."""
+
+from __future__ import annotations
+
+
+def register_bagua_strategy() -> None:
+    """Make ``Trainer(strategy="bagua")`` resolve to :class:`BaguaStrategy`; idempotent."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from bagua_lightning.strategy.strategy import BaguaStrategy
+
+    if BaguaStrategy.strategy_name not in StrategyRegistry:
+        BaguaStrategy.register_strategies(StrategyRegistry)

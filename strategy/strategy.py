@@ -1,0 +1,233 @@
+"""``BaguaStrategy``: Bagua's algorithms as a Lightning 2.x strategy, on plain ``torch.distributed``.
+
+A thin subclass of Lightning's ``DDPStrategy``: launching, process-group set-up,
+``reduce``/``broadcast``/``barrier`` and checkpoint plumbing are DDP's; the model is
+wrapped in :class:`~bagua_lightning.strategy.ddp.BaguaDistributedDataParallel`
+instead of ``DistributedDataParallel``, which drives the chosen algorithm.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
+from bagua_lightning.strategy.algorithms.base import Algorithm, get_algorithm_class
+from bagua_lightning.strategy.algorithms.q_adam import QADAM_OPTIMIZER_ERROR
+from bagua_lightning.strategy.comm import CommContext
+from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+
+log = logging.getLogger(__name__)
+
+#: Key under which a checkpoint stores the algorithm's own state (when it has any).
+CHECKPOINT_KEY = "bagua_algorithm_state"
+
+
+class BaguaStrategy(DDPStrategy):
+    """Distributed training with one of Bagua's algorithms.
+
+    Args:
+        algorithm: ``"gradient_allreduce"``, ``"bytegrad"``, ``"decentralized"``,
+            ``"low_precision_decentralized"``, ``"qadam"`` or ``"async"``.
+        flatten: communicate flat buckets with gradients as views of them (no copy).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            as for ``DDPStrategy``.
+        autotune: tune the bucket plan with the autotune service (hook point:
+            :meth:`apply_plan` at step boundaries and :meth:`last_step_timings`).
+        start_method: ``"popen"`` (scripts, torchrun), ``"spawn"``, ``"fork"``: as ``DDPStrategy``.
+        process_group_backend: ``"nccl"``/``"gloo"``; None picks by device.
+        timeout: collective timeout.
+        bucket_size: bytes per bucket of the default plan (Bagua's default: 10 MiB).
+        **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``,
+            ``average``, ``peer_selection_mode``, ``sync_interval_ms``); unknown ones
+            raise :class:`~bagua_lightning.errors.ConfigurationError` listing the accepted ones.
+    """
+
+    strategy_name = "bagua"
+
+    def __init__(
+        self,
+        algorithm: str = "gradient_allreduce",
+        flatten: bool = True,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        autotune: bool = False,
+        *,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        **bagua_kwargs: Any,
+    ) -> None:
+        if not isinstance(flatten, bool):
+            raise ConfigurationError(f"flatten must be a bool, got {flatten!r}")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
+            raise ConfigurationError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
+        self._algorithm_class = get_algorithm_class(algorithm)
+        self._algorithm_class.from_kwargs(**bagua_kwargs)  # validate now, not at fit
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.algorithm_name = algorithm
+        self.flatten = flatten
+        self.autotune = autotune
+        self.bucket_size = bucket_size
+        self._bagua_kwargs = dict(bagua_kwargs)
+        self._comm: CommContext | None = None
+        if autotune:
+            log.warning("BaguaStrategy(autotune=True): the autotune client is not wired yet; using the default plan")
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def comm(self) -> CommContext | None:
+        """Process groups of this job (None before the process group exists)."""
+        return self._comm
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        if self._comm is None:
+            self._comm = CommContext.build(local_size=max(1, self.num_processes))
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if (
+            trainer.state.fn == TrainerFn.FITTING
+            and self.algorithm_name == "qadam"
+            and getattr(self.precision_plugin, "precision", None) == "16-mixed"
+        ):
+            raise MisconfigurationException(
+                    "Bagua QAdam does not support precision='16-mixed' (the loss-scaled gradient would enter "
+                    "the momentum); use precision='bf16-mixed' or '32-true'."
+                )
+        super().setup(trainer)
+        wrapper = self.bagua_module
+        if wrapper is not None:
+            try:
+                wrapper.attach_optimizers([self._unwrap(o) for o in self.optimizers])
+            except ConfigurationError as exc:
+                if str(exc).startswith(QADAM_OPTIMIZER_ERROR):
+                    raise MisconfigurationException(str(exc)) from exc
+                raise
+
+    @staticmethod
+    def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+        return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+    @override
+    def configure_ddp(self) -> None:
+        assert isinstance(self.model, pl.LightningModule)
+        if self._comm is None:
+            raise RuntimeError("BaguaStrategy: the process group is not set up; setup_environment must run first")
+        algorithm: Algorithm = self._algorithm_class.from_kwargs(**self._bagua_kwargs)
+        self.model = BaguaDistributedDataParallel(
+            self.model, algorithm, self._comm, flatten=self.flatten, bucket_size=self.bucket_size
+        )
+
+    @property
+    def bagua_module(self) -> BaguaDistributedDataParallel | None:
+        """The wrapper installed for fitting (None outside ``fit``)."""
+        return self.model if isinstance(self.model, BaguaDistributedDataParallel) else None
+
+    @property
+    def algorithm(self) -> Algorithm | None:
+        """The running algorithm instance (None outside ``fit``)."""
+        module = self.bagua_module
+        return module.algorithm if module is not None else None
+
+    # ------------------------------------------------------------------ autotune hook points
+
+    @property
+    def bucket_plan(self) -> BucketPlan | None:
+        module = self.bagua_module
+        return module.bucket_plan if module is not None else None
+
+    def apply_plan(self, plan: BucketPlan) -> None:
+        """Re-bucket with ``plan``; call at a step boundary with the same plan on every rank."""
+        module = self.bagua_module
+        if module is None:
+            raise RuntimeError("apply_plan needs a running fit (the model is not wrapped)")
+        module.apply_plan(plan)
+
+    def last_step_timings(self) -> StepTimings | None:
+        """Per-bucket timings of the latest measured step (None when not available)."""
+        module = self.bagua_module
+        return module.last_step_timings() if module is not None else None
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        module = self.bagua_module
+        if module is None:
+            yield None
+            return
+        with module.no_sync():
+            yield None
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        algorithm = self.algorithm
+        if algorithm is not None:
+            state = algorithm.state_dict()
+            if state:
+                checkpoint[CHECKPOINT_KEY] = {"algorithm": self.algorithm_name, "state": state}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        algorithm = self.algorithm
+        if saved and algorithm is not None and saved.get("algorithm") == self.algorithm_name:
+            algorithm.load_state_dict(saved["state"])
+
+    @override
+    def teardown(self) -> None:
+        module = self.bagua_module
+        if module is not None:
+            module.teardown()
+            self.model = module.module
+        if self._comm is not None:
+            self._comm.destroy_groups()
+            self._comm = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Bagua's algorithms on torch.distributed (bagua-lightning)"
+        )
