@@ -200,8 +200,7 @@ def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | 
                 raw = client.execute_command("CLUSTER INFO")
         except (redis.RedisError, OSError) as exc:
             return Health(False, f"{where} not answering ({exc})")
-        text = raw.decode() if isinstance(raw, bytes) else str(raw)
-        fields = dict(line.split(":", 1) for line in text.strip().splitlines() if ":" in line)
+        fields = _cluster_info_fields(raw)
         slots_ok = int(fields.get("cluster_slots_ok", "0") or 0)
         if fields.get("cluster_state") != "ok" or slots_ok != CLUSTER_SLOTS:
             return Health(False, f"{where}: cluster_state {fields.get('cluster_state')}, "
@@ -209,6 +208,14 @@ def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | 
     if cluster:
         return Health(True, f"cluster ok, {CLUSTER_SLOTS}/{CLUSTER_SLOTS} slots served by {len(hosts)} masters")
     return Health(True, f"{len(hosts)} server(s) answering")
+
+
+def _cluster_info_fields(raw: Any) -> dict[str, str]:
+    # redis-py parses CLUSTER INFO into a dict; a raw reply is "field:value" lines.
+    if isinstance(raw, dict):
+        return {str(k): str(v) for k, v in raw.items()}
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return dict(line.split(":", 1) for line in text.strip().splitlines() if ":" in line)
 
 
 # ------------------------------------------------------------------------------------------- processes

@@ -362,7 +362,7 @@ def test_service_extra_covers_what_the_image_imports() -> None:
     dists = importlib.metadata.packages_distributions()
     files = [*sorted((ROOT / "src" / "bagua_lightning").glob("*.py")), *sorted((ROOT / "services").rglob("*.py")),
              *sorted((ROOT / "proto").rglob("*.py"))]
-    missing = {}
+    missing: dict[str, list[str]] = {}
     for file in files:
         for module in _module_level_imports(file):
             top = module.split(".")[0]
