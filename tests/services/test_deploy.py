@@ -1,0 +1,150 @@
+"""``bagua-lightning up | down | status`` (services/deploy.py) on real processes in a temporary state folder.
+
+The shared end-to-end bodies live in tests/integration/test_services.py; here: settings validation, the
+standalone (``--single``) path, recovery from dead recorded services, and the error paths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.services import deploy
+from bagua_lightning.services_file import ENV_FILE, read_services_file
+from tests.integration.conftest import _recorded_pids, free_port_block
+from tests.procs import free_port, wait_until
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private state folder; whatever `up` recorded there is stopped after the test."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setenv(ENV_FILE, str(tmp_path / "services.json"))
+    for name in ("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", "BAGUA_LIGHTNING_REDIS_HOSTS", "BAGUA_LIGHTNING_REDIS_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        yield tmp_path
+    finally:
+        info = read_services_file()
+        deploy.down(timeout_s=5)
+        for pid in _recorded_pids(info) if info is not None else []:
+            assert not deploy.pid_alive(pid), f"pid {pid} outlived down()"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, BAGUA_LIGHTNING_NO_STRATEGY="1")
+    return subprocess.run([sys.executable, "-m", "bagua_lightning.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+# ----------------------------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize(("text", "expected"), [("0", 0), ("1073741824", 1024**3), ("1gb", 1024**3),
+                                                ("512MB", 512 * 1024**2), ("64k", 64 * 1024), (7, 7)])
+def test_parse_bytes(text: str | int, expected: int) -> None:
+    assert deploy.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "1 tb", "-5", "1.5gb", "lots"])
+def test_parse_bytes_rejects_with_the_value(text: str) -> None:
+    with pytest.raises(ConfigurationError, match=repr(text).replace("[", r"\[")):
+        deploy.parse_bytes(text)
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [
+    ({"autotune_port": 0}, "autotune_port 0"),
+    ({"redis_port": 70000}, "redis_port 70000"),
+    ({"nodes": 0}, "nodes=0"),
+    ({"replicas": -1}, "replicas=-1"),
+    ({"single": True, "nodes": 5}, "--nodes 5"),
+    ({"autotune_port": 7001, "redis_port": 7000}, "collides with the Redis ports 7000..7002"),
+    ({"maxmemory": -1}, "maxmemory -1"),
+    ({"timeout_s": 0}, "timeout_s 0"),
+])
+def test_up_config_errors_name_the_value(kwargs: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConfigurationError, match=fragment.replace(".", r"\.")):
+        deploy.UpConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_autotune_args_are_the_cli_the_service_parses() -> None:
+    from bagua_lightning.cli import build_parser
+
+    argv = deploy.autotune_service_args(host="127.0.0.1", port=29601, state=deploy.redis_state_url("::1", 7000))
+    args = build_parser().parse_args(argv)
+    assert (args.host, args.port, args.state) == ("127.0.0.1", 29601, "redis://[::1]:7000")
+
+
+# --------------------------------------------------------------------------------------------- processes
+
+
+def test_single_redis_up_status_down(state: Path) -> None:
+    autotune_port, redis_port = free_port(), free_port()
+    cfg = deploy.UpConfig(autotune_port=autotune_port, redis_port=redis_port, single=True, maxmemory=32 * 1024**2)
+    info = deploy.up(cfg)
+    assert info.autotune == f"127.0.0.1:{autotune_port}"
+    assert info.redis_hosts == [{"host": "127.0.0.1", "port": redis_port}] and info.redis_cluster is False
+    assert read_services_file() == info
+    assert (state / "bagua-lightning" / deploy.AUTOTUNE_LOG).is_file()
+    health = deploy.running_services(info)
+    assert health["autotune"].healthy and health["redis"].healthy, health
+
+    status = _cli("status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert {k: v["healthy"] for k, v in json.loads(status.stdout).items()} == {"autotune": True, "redis": True}
+
+    pids = _recorded_pids(info)
+    assert deploy.down() == sorted(pids)
+    assert not [p for p in pids if deploy.pid_alive(p)]
+    assert read_services_file() is None
+
+
+def test_dead_service_is_reported_and_up_restarts_it(state: Path) -> None:
+    cfg = deploy.UpConfig(autotune_port=free_port(), redis_port=free_port(), single=True, maxmemory=32 * 1024**2)
+    first = deploy.up(cfg)
+    old_pid = first.pids["autotune"]
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: not deploy.pid_alive(old_pid) or _reap(old_pid), 10, "the killed autotune service")
+
+    status = _cli("status")
+    assert status.returncode == 1
+    assert "autotune: UNHEALTHY" in status.stdout and "redis: healthy" in status.stdout
+
+    second = deploy.up(cfg)  # not all healthy: stop what is left, start afresh
+    assert second.pids["autotune"] != old_pid
+    assert all(h.healthy for h in deploy.running_services(second).values())
+
+
+def _reap(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return not deploy.pid_alive(pid)
+
+
+def test_taken_port_fails_before_starting_anything(state: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigurationError, match=rf"port {port} on 127\.0\.0\.1 is not free.*--autotune-port"):
+            deploy.up(deploy.UpConfig(autotune_port=port, redis_port=free_port_block(3)))
+    assert read_services_file() is None
+    assert not (state / "bagua-lightning" / "redis").exists() or not any((state / "bagua-lightning" / "redis").iterdir())
+
+
+def test_down_and_status_without_services(state: Path) -> None:
+    result = _cli("down")
+    assert result.returncode == 0 and "nothing to stop" in result.stdout
+    result = _cli("status")
+    assert result.returncode == 1 and "bagua-lightning up" in result.stdout
