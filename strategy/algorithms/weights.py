@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from bagua_lightning.proto.plan import BucketPlan
 from bagua_lightning.strategy.comm import CommContext
@@ -60,9 +60,10 @@ class WeightBuckets:
         return self.groups[0][0].device if self.groups else torch.device("cpu")
 
     def flatten(self) -> list[torch.Tensor]:
-        """A fresh flat copy of every bucket's current weights."""
+        """A fresh flat copy of every bucket's current weights (never a view of a parameter)."""
         with torch.no_grad():
-            return [_flatten_dense_tensors([p.detach() for p in g]) for g in self.groups]
+            # torch.cat always allocates; _flatten_dense_tensors returns a *view* for a one-tensor bucket.
+            return [torch.cat([p.detach().reshape(-1) for p in g]) for g in self.groups]
 
     def copy_in(self, flats: Sequence[torch.Tensor]) -> None:
         """Overwrite the parameters with the flat buffers (one per bucket, as :meth:`flatten` returns)."""
