@@ -161,6 +161,8 @@ def _poll(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
         try:
             if predicate():
                 return
+        except ServiceUnavailableError:
+            raise  # the predicate knows it will never become true (the process exited)
         except (redis.RedisError, OSError) as exc:
             last = exc
         if time.monotonic() > deadline:

@@ -1,0 +1,90 @@
+"""``bagua-lightning cache ls | rm NAME[:VERSION]``: the datasets cached in Redis. No torch is imported."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from bagua_lightning.errors import BaguaLightningError
+from bagua_lightning.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, resolve_redis_hosts
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("cache", help="datasets cached in Redis by CachedDataset")
+    sub = parser.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+    ls = sub.add_parser("ls", help="list cached datasets: name, version, samples, bytes, creation time")
+    _connection_options(ls)
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.set_defaults(func=_ls)
+    rm = sub.add_parser("rm", help="delete a cached dataset (every version, or NAME:VERSION)")
+    rm.add_argument("target", metavar="NAME[:VERSION]")
+    _connection_options(rm)
+    rm.set_defaults(func=_rm)
+
+
+def _connection_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hosts", default=None,
+                   help=f"Redis servers host:port,host:port (default: ${ENV_REDIS_HOSTS}, the services file, "
+                        "or the node-local cache server)")
+    p.add_argument("--password", default=None, help=f"password (default: ${ENV_REDIS_PASSWORD})")
+    p.add_argument("--username", default=None, help="ACL user")
+    p.add_argument("--ssl", action="store_true", help="connect with TLS")
+
+
+def _store(args: argparse.Namespace) -> Any:
+    from bagua_lightning.client.cache.local_server import _alive, _read, local_dir
+    from bagua_lightning.client.cache.store import RedisStore
+
+    options: dict[str, Any] = {"password": args.password, "username": args.username, "ssl": args.ssl,
+                               "socket_timeout_s": 10.0}
+    if args.hosts:
+        return RedisStore(hosts=[h.strip() for h in args.hosts.split(",") if h.strip()], **options)
+    if resolve_redis_hosts() is not None:
+        return RedisStore(hosts=None, **options)
+    server = _read(local_dir())
+    if server is not None and _alive(server):
+        options["password"] = args.password or server.password
+        return RedisStore(hosts=[f"{server.host}:{server.port}"], **options)
+    raise BaguaLightningError(f"no Redis to look in: pass --hosts host:port or set {ENV_REDIS_HOSTS}")
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from bagua_lightning.client.cache import catalog
+
+    try:
+        store = _store(args)
+        entries = catalog.list_datasets(store)
+    except (BaguaLightningError, OSError, ValueError) as exc:
+        print(f"cache ls failed: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # redis errors: name them, no traceback
+        print(f"cache ls failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([e.to_json() for e in entries], indent=2))
+        return 0
+    if not entries:
+        print("no cached datasets")
+        return 0
+    print(f"{'NAME':<24} {'VERSION':<20} {'SAMPLES':>10} {'BYTES':>14}  CREATED")
+    for e in entries:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created)) if e.created else "-"
+        print(f"{e.name or repr(''):<24} {e.version:<20} {e.samples:>10} {e.bytes:>14}  {created}")
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from bagua_lightning.client.cache import catalog
+
+    name, sep, version = args.target.partition(":")
+    try:
+        store = _store(args)
+        deleted = catalog.remove_dataset(store, name, version if sep else None)
+    except Exception as exc:  # configuration and redis errors alike: one line, no traceback
+        print(f"cache rm failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"deleted {deleted} entries of {args.target}")
+    return 0
