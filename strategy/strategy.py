@@ -9,7 +9,7 @@ instead of ``DistributedDataParallel``, which drives the chosen algorithm.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -207,7 +207,7 @@ class BaguaStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
         saved = checkpoint.get(CHECKPOINT_KEY)
         algorithm = self.algorithm

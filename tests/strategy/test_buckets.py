@@ -1,0 +1,126 @@
+"""BucketEngine in one process: launch order, views, unused parameters, re-bucketing, timings; QAdam args."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from bagua_lightning.errors import PlanMismatchError
+from bagua_lightning.proto.plan import BucketPlan
+from bagua_lightning.strategy import QAdamOptimizer
+from bagua_lightning.strategy.buckets import (
+    Bucket,
+    BucketEngine,
+    check_plan,
+    declare,
+    default_plan,
+    trainable_parameters,
+)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_default_plan_is_reverse_registration_order_cut_at_bucket_size() -> None:
+    named = trainable_parameters(_model())
+    plan = default_plan(named, bucket_size=100)
+    flat_names = [n for bucket in plan.tensor_names for n in bucket]
+    assert flat_names == [n for n, _ in reversed(named)]
+    assert all(b >= 100 for b in plan.bucket_bytes[:-1])  # every bucket but the last reached the size
+    ordered = default_plan(named, bucket_size=100, order=["0.weight", "4.bias"])
+    assert [n for b in ordered.tensor_names for n in b][:2] == ["0.weight", "4.bias"]
+    with pytest.raises(PlanMismatchError, match="unknown tensors"):
+        default_plan(named, order=["nope"])
+
+
+def test_check_plan_names_what_is_wrong() -> None:
+    named = trainable_parameters(_model())
+    decls = declare(named)
+    with pytest.raises(PlanMismatchError, match=r"missing \['4.bias'\]"):
+        check_plan(BucketPlan(buckets=(tuple(decls[:-1]),)), named)
+
+
+def test_engine_launches_in_plan_order_whatever_the_ready_order() -> None:
+    model = _model()
+    named = trainable_parameters(model)
+    launched: list[int] = []
+
+    def communicate(bucket: Bucket) -> None:
+        launched.append(bucket.index)
+        bucket.flat.mul_(2)  # stands in for a reduction
+
+    engine = BucketEngine(named, default_plan(named, bucket_size=64), communicate=communicate)
+    try:
+        nb = len(engine.buckets)
+        assert nb >= 3
+        shuffled = [p for _, p in named]
+        random.Random(1).shuffle(shuffled)
+        unused = shuffled.pop()  # no gradient, never becomes ready: counts as zero
+        for p in shuffled:
+            p.grad = torch.ones_like(p)
+        engine.begin()
+        for p in shuffled:
+            engine.mark_ready(p)
+        assert engine.finish()
+        assert launched == list(range(nb))
+        for _, p in named:
+            assert p.grad is engine.view(p)  # gradients are views of the flat buffers
+            expected = 0.0 if p is unused else 2.0
+            assert torch.all(p.grad == expected)
+        timings = engine.last_step_timings()
+        assert timings is not None and [b.bucket_index for b in timings.buckets] == list(range(nb))
+        assert sum(b.bytes for b in timings.buckets) == sum(p.numel() * 4 for _, p in named)
+        # A backward with no gradient at all (torch.autograd.grad) communicates nothing.
+        engine.begin()
+        assert not engine.finish() and launched == list(range(nb))
+        # Re-bucketing keeps the values and re-points the gradients.
+        before = {n: p.grad.clone() for n, p in named if p.grad is not None}
+        engine.rebuild(BucketPlan(buckets=(tuple(declare(named)),), bucket_size=1))
+        assert len(engine.buckets) == 1
+        for n, p in named:
+            assert p.grad is engine.view(p) and torch.equal(p.grad, before[n])
+    finally:
+        engine.close()
+
+
+def test_padding_is_a_multiple_and_stays_zero() -> None:
+    named = trainable_parameters(_model())
+    engine = BucketEngine(named, default_plan(named), communicate=lambda b: None, pad_multiple=7)
+    try:
+        (bucket,) = engine.buckets
+        assert bucket.flat.numel() % 7 == 0 and bucket.flat.numel() >= bucket.numel
+        assert torch.all(bucket.flat[bucket.numel:] == 0)
+    finally:
+        engine.close()
+
+
+def test_qadam_optimizer_validates_its_arguments() -> None:
+    params = list(_model().parameters())
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 1, got 0"):
+        QAdamOptimizer(params, warmup_steps=0)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        QAdamOptimizer(params, lr=0)
+    with pytest.raises(ValueError, match="betas"):
+        QAdamOptimizer(params, betas=(0.9, 1.0))
+
+
+def test_qadam_optimizer_alone_is_adam_during_warmup() -> None:
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 1), nn.Linear(3, 1)
+    b.load_state_dict(a.state_dict())
+    qa = QAdamOptimizer(a.parameters(), lr=0.1, warmup_steps=5)
+    ref = torch.optim.Adam(b.parameters(), lr=0.1)
+    x = torch.randn(8, 3)
+    for _ in range(5):
+        for model, opt in ((a, qa), (b, ref)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    assert qa.completed_steps == 5 and not qa.in_warmup
