@@ -234,7 +234,7 @@ def low_precision_trace(comm: CommContext, kwargs: dict[str, Any], steps: int, l
     }
 
 
-# --- scenarios: async -----------------------------------------------------------------------------
+# --- scenarios: async (through the module wrapper, which drives every hook) ------------------------
 
 def _thread_alive() -> bool:
     import threading
@@ -242,62 +242,83 @@ def _thread_alive() -> bool:
     return any(t.name == "bagua-async-model-average" for t in threading.enumerate())
 
 
-def _train_until(algo: Any, model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int,
-                 rounds: int, deadline_s: float = 60.0, pause_s: float = 0.002) -> int:
+def _wrapped(comm: CommContext, lr: float, **kwargs: Any) -> tuple[Any, Any, torch.optim.Optimizer]:
+    from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+
+    model = make_model()
+    algo = get_algorithm_class("async").from_kwargs(**kwargs)
+    ddp = BaguaDistributedDataParallel(model, algo, comm, bucket_size=300)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ddp.attach_optimizers([opt])
+    return ddp, algo, opt
+
+
+def _wrapped_step(ddp: Any, opt: torch.optim.Optimizer, rank: int) -> None:
+    x, y = shard(rank)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _train_until(algo: Any, ddp: Any, opt: torch.optim.Optimizer, rank: int, rounds: int,
+                 deadline_s: float = 60.0, pause_s: float = 0.002) -> None:
     deadline = time.monotonic() + deadline_s
     while algo.averaging_rounds < rounds:
         if time.monotonic() > deadline:
             raise TimeoutError(f"averaging reached {algo.averaging_rounds} rounds, wanted {rounds}")
-        train_step(algo, model, opt, step, rank)
-        step += 1
+        _wrapped_step(ddp, opt, rank)
         time.sleep(pause_s * (1 + rank))  # ranks run at different paces
-    return step
 
 
 def async_lifecycle(comm: CommContext, warmup_steps: int) -> dict[str, Any]:
     """Warm-up identity, training with background averaging, abort/resume, clean stop."""
-    model = make_model()
-    algo: Any = build("async", comm, model, sync_interval_ms=20, warmup_steps=warmup_steps)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    start = eval_loss(model)
-    for step in range(warmup_steps):
-        train_step(algo, model, opt, step, comm.rank)
-    warm = flat_weights(model)
+    ddp, algo, opt = _wrapped(comm, 0.05, sync_interval_ms=20, warmup_steps=warmup_steps)
+    start = eval_loss(ddp.module)
+    warm_spread = []
+    for _ in range(warmup_steps):
+        _wrapped_step(ddp, opt, comm.rank)
+        w = flat_weights(ddp.module)
+        lo, hi = w.clone(), w.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        warm_spread.append(float((hi - lo).abs().max()))
     thread_during_warmup = _thread_alive()
-    step = _train_until(algo, model, opt, comm.rank, warmup_steps, rounds=3)
+    _train_until(algo, ddp, opt, comm.rank, rounds=3)
     averaging = algo.is_averaging
-    algo.abort()
+    algo.abort(ddp)
     aborted_rounds = algo.averaging_rounds
     for _ in range(5):
-        train_step(algo, model, opt, step, comm.rank)
-        step += 1
+        _wrapped_step(ddp, opt, comm.rank)
     after_abort = {"rounds": algo.averaging_rounds, "alive": _thread_alive()}
-    algo.resume()
-    step = _train_until(algo, model, opt, comm.rank, step, rounds=aborted_rounds + 2)
-    end = eval_loss(model)
+    algo.resume(ddp)
+    _train_until(algo, ddp, opt, comm.rank, rounds=aborted_rounds + 2)
+    end = eval_loss(ddp.module)
     if comm.rank == 0:
-        algo.on_forward_start(step)  # teardown must not hang on a step left half-way (lock held)
-    algo.teardown()
+        ddp(shard(0)[0])  # a forward left without its step (weights lock held): teardown must not hang
+    steps = ddp.step
+    ddp.teardown()
     algo.teardown()  # idempotent
     return {
-        "warm": warm, "thread_during_warmup": thread_during_warmup, "averaging": averaging,
-        "aborted_rounds": aborted_rounds, "after_abort": after_abort, "steps": step,
+        "warm_spread": warm_spread, "thread_during_warmup": thread_during_warmup, "averaging": averaging,
+        "aborted_rounds": aborted_rounds, "after_abort": after_abort, "steps": steps,
         "start_loss": start, "end_loss": end, "alive_after_teardown": _thread_alive(),
     }
 
 
 def async_average_exact(comm: CommContext) -> dict[str, Any]:
-    """With no local progress, one round sets every rank's weights to the mean of all ranks' weights."""
-    model = make_model()
+    """With no local progress (lr=0), averaging rounds set every rank's weights to the mean over ranks."""
+    ddp, algo, opt = _wrapped(comm, 0.0, sync_interval_ms=10)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in ddp.module.parameters():
             p.fill_(float(comm.rank + 1))
-    algo: Any = build("async", comm, model, sync_interval_ms=10)
-    algo.on_forward_start(0)  # starts the thread (no warm-up) and takes the lock
-    algo.on_optimizer_step_end(0)  # releases it; no optimizer step: weights change only by averaging
+    _wrapped_step(ddp, opt, comm.rank)  # starts the averaging thread
     deadline = time.monotonic() + 60
     while algo.averaging_rounds < 1 and time.monotonic() < deadline:
         time.sleep(0.005)
-    algo.abort()
-    algo.teardown()
-    return {"weights": flat_weights(model), "rounds": algo.averaging_rounds}
+    ddp.teardown()
+    return {"weights": flat_weights(ddp.module), "rounds": algo.averaging_rounds,
+            "alive_after_teardown": _thread_alive()}
+
+
+def async_scenarios(comm: CommContext, warmup_steps: int) -> dict[str, Any]:
+    return {"lifecycle": async_lifecycle(comm, warmup_steps), "exact": async_average_exact(comm)}
