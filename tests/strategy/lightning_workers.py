@@ -119,8 +119,16 @@ class ManualModel(Model):
         return loss
 
 
+ACCELERATOR = "cpu"
+
+
+def comm_device() -> torch.device:
+    """Where collectives of the test itself run (NCCL needs CUDA tensors; Lightning moves models to CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if ACCELERATOR == "gpu" else torch.device("cpu")
+
+
 def spread(tensors: list[Any]) -> float:
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]).to(comm_device())
     lo, hi = flat.clone(), flat.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
@@ -133,7 +141,7 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def trainer(strategy: Any, out: Path, **kw: Any) -> L.Trainer:
     args: dict[str, Any] = dict(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=6, logger=False, enable_checkpointing=False,
+        accelerator=ACCELERATOR, devices=2, strategy=strategy, max_steps=6, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2, num_sanity_val_steps=0,
         default_root_dir=str(out), deterministic=True,
     )
@@ -207,6 +215,8 @@ def torchrun_mode(out: Path) -> dict[str, Any]:
         ("bytegrad", BaguaStrategy("bytegrad", bucket_size=SMALL_BUCKET), "sgd", {}),
         ("qadam", BaguaStrategy("qadam", bucket_size=SMALL_BUCKET), "qadam", {}),
         ("bf16", BaguaStrategy(bucket_size=SMALL_BUCKET), "sgd", {"precision": "bf16-mixed"}),
+        *([("fp16", BaguaStrategy(bucket_size=SMALL_BUCKET), "sgd", {"precision": "16-mixed"})]
+          if ACCELERATOR == "gpu" else []),
     ):
         m = Model(optimizer)
         trainer(strategy, out, max_steps=30, **extra).fit(m)
@@ -228,7 +238,7 @@ def torchrun_mode(out: Path) -> dict[str, Any]:
     preds = t.predict(m)
     res["predict_batches"] = len(preds) if preds else 0
     s = t.strategy
-    rank = torch.tensor(float(dist.get_rank() + 1))
+    rank = torch.tensor(float(dist.get_rank() + 1), device=comm_device())
     res["reduce"] = {op: float(s.reduce(rank.clone(), reduce_op=op))
                      for op in ("sum", "mean", "avg", "min", "max", "product")}
     res["broadcast"] = s.broadcast({"from": dist.get_rank()}, src=1)
@@ -273,7 +283,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--mode", choices=["torchrun", "nodes"], required=True)
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     args = parser.parse_args()
+    global ACCELERATOR
+    ACCELERATOR = args.accelerator
     out = Path(args.out)
     torch.set_num_threads(1)
     rc = 0

@@ -12,6 +12,7 @@ import pytest
 
 from bagua_lightning.errors import ConfigurationError
 from tests.procs import free_port
+from tests.strategy.conftest import backend_params
 from tests.strategy.launch import run_commands
 
 WORKER = str(Path(__file__).with_name("lightning_workers.py"))
@@ -44,9 +45,11 @@ def test_bagua_is_registered_and_kwargs_are_checked_at_construction() -> None:
 
 
 @pytest.mark.slow
-def test_lightning_features_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", backend_params(2))
+def test_lightning_features_under_torchrun(tmp_path: Path, backend: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), WORKER, str(tmp_path), "--mode", "torchrun"]
+           str(free_port()), WORKER, str(tmp_path), "--mode", "torchrun",
+           "--accelerator", "gpu" if backend == "nccl" else "cpu"]
     run_commands([cmd], log_dir=tmp_path)
     for res in _results(tmp_path, "torchrun", 2):
         assert res["strategy_class"] == "BaguaStrategy"
@@ -61,7 +64,7 @@ def test_lightning_features_under_torchrun(tmp_path: Path) -> None:
         for name in ("resume_adam", "resume_qadam"):
             assert res[name]["diff"] < 1e-6 < res[name]["moved"], (name, res[name])
             assert res[name]["spread"] == 0.0
-        for name in ("bytegrad", "qadam", "bf16"):
+        for name in ("bytegrad", "qadam", "bf16") + (("fp16",) if backend == "nccl" else ()):
             assert res[name]["loss_last"] < 0.5 * res[name]["loss_first"], (name, res[name])
             assert res[name]["spread"] == 0.0, name
         assert len(res["qadam_errors"]) == 2

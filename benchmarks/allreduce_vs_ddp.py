@@ -1,0 +1,164 @@
+"""Training throughput of Bagua's algorithms against PyTorch DDP, in one run, on the same batches.
+
+Launch with torchrun (NCCL on GPUs, Gloo on CPU)::
+
+    torchrun --nproc_per_node 2 benchmarks/allreduce_vs_ddp.py                 # ~110M-param transformer
+    torchrun --nproc_per_node 2 benchmarks/allreduce_vs_ddp.py --model tiny    # CPU smoke check
+
+Every variant trains a fresh copy of the same model (same initial weights, same
+batches, same AdamW) for ``--warmup`` untimed then ``--steps`` timed steps; the
+variants take turns for ``--rounds`` rounds so that drift of the machine hits all of
+them alike, and the median samples/s per variant is reported with its ratio to DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.strategy.algorithms.base import get_algorithm_class
+from bagua_lightning.strategy.comm import CommContext
+from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+
+SIZES = {  # vocab, width, layers, heads
+    "100m": (32000, 768, 12, 12),
+    "tiny": (1000, 64, 2, 4),
+}
+
+
+class Transformer(nn.Module):
+    """A GPT-style stack (pre-norm encoder layers, tied embedding) built in code: no downloads."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, seq_len: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.zeros(seq_len, width))
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.embed(tokens) + self.pos)
+        return self.norm(h) @ self.embed.weight.t()
+
+
+def build(variant: str, args: argparse.Namespace, device: torch.device, comm: CommContext) -> tuple[nn.Module, Any]:
+    vocab, width, layers, heads = SIZES[args.model]
+    torch.manual_seed(0)
+    model = Transformer(vocab, width, layers, heads, args.seq_len).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if variant == "ddp":
+        wrapped: nn.Module = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        algo = get_algorithm_class(variant).from_kwargs()
+        wrapped = BaguaDistributedDataParallel(model, algo, comm, bucket_size=args.bucket_size, optimizers=[opt])
+    return wrapped, opt
+
+
+def run(variant: str, args: argparse.Namespace, device: torch.device, comm: CommContext,
+        batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    model, opt = build(variant, args, device, comm)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        with amp:
+            logits = model(x)
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for i in range(args.warmup):
+        step(i)
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        step(i)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    if isinstance(model, BaguaDistributedDataParallel):
+        model.teardown()
+    return args.steps * args.batch_size * comm.world_size / elapsed  # samples/s, all ranks
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(SIZES), default="100m")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 16 GPU, 4 CPU)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512 GPU, 32 CPU)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--bucket-size", type=int, default=10 * 1024**2, help="bytes per Bagua bucket")
+    p.add_argument("--variants", default="ddp,gradient_allreduce,bytegrad,decentralized")
+    p.add_argument("--json", default=None, help="also write the results here (rank 0)")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    args.batch_size = args.batch_size or (16 if cuda else 4)
+    args.seq_len = args.seq_len or (512 if cuda else 32)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    comm = CommContext.build(local_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    variants = []
+    for v in args.variants.split(","):
+        try:
+            if v != "ddp":
+                get_algorithm_class(v)
+            variants.append(v)
+        except ConfigurationError:
+            if comm.rank == 0:
+                print(f"skipping {v!r}: not available")
+    vocab = SIZES[args.model][0]
+    g = torch.Generator().manual_seed(1 + comm.rank)
+    batches = [(torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device),
+                torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device)) for _ in range(4)]
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v in variants:
+            samples[v].append(run(v, args, device, comm, batches))
+            if cuda:
+                torch.cuda.empty_cache()  # the variant's model and optimizer are gone
+    if comm.rank == 0:
+        n_params = sum(p.numel() for p in Transformer(*SIZES[args.model], args.seq_len).parameters())
+        name = torch.cuda.get_device_name(device) if cuda else "cpu"
+        print(f"model {args.model} ({n_params / 1e6:.1f}M params), {comm.world_size} x {name}, "
+              f"batch {args.batch_size}x{args.seq_len} per rank, {args.steps} steps x {args.rounds} rounds")
+        base = statistics.median(samples["ddp"]) if "ddp" in samples else None
+        result = {}
+        for v in variants:
+            med = statistics.median(samples[v])
+            ratio = med / base if base else float("nan")
+            result[v] = {"samples_per_s": med, "ratio_vs_ddp": ratio, "all": samples[v]}
+            print(f"{v:>28}: {med:10.1f} samples/s  x{ratio:.3f} vs DDP  (rounds: "
+                  + ", ".join(f"{s:.1f}" for s in samples[v]) + ")")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"world_size": comm.world_size, "device": name, "params": n_params,
+                           "args": vars(args), "results": result}, fh, indent=1)
+    comm.destroy_groups()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
