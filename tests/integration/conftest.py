@@ -83,10 +83,10 @@ class Deployment:
         else:
             _cli(["down"], self.env)
 
-    def processes(self) -> list[str]:
-        """Identifiers of what runs: container ids (docker) or live pids (native) of this deployment."""
+    def processes(self, *, exited_too: bool = False) -> list[str]:
+        """What runs: container ids (docker; with ``exited_too`` also the one-shot init's) or live pids."""
         if self.kind == "docker":
-            return self.compose.execute("ps -aq").decode().split()
+            return self.compose.execute("ps -aq" if exited_too else "ps -q").decode().split()
         info = self.recorded()
         pids = _recorded_pids(info) if info is not None else []
         return [str(p) for p in pids if deploy.pid_alive(p)]

@@ -191,6 +191,17 @@ def test_references_between_services_resolve(services: dict[str, dict[str, Any]]
     _assert_acyclic(services)
 
 
+def test_one_shot_services_are_awaited_by_a_long_running_one(services: dict[str, dict[str, Any]]) -> None:
+    # `docker compose up --wait` counts an exited container as a failure unless a running service waits
+    # for it with `service_completed_successfully`; that service must run whatever profiles are active.
+    one_shot = [n for n, s in services.items() if s.get("restart") == "no"]
+    assert one_shot == ["redis-init"]
+    for name in one_shot:
+        adopters = [n for n, s in services.items() if not s.get("profiles") and n not in one_shot
+                    and s.get("depends_on", {}).get(name, {}).get("condition") == "service_completed_successfully"]
+        assert adopters, f"no always-on service waits for the one-shot {name}"
+
+
 def _assert_acyclic(services: dict[str, dict[str, Any]]) -> None:
     state: dict[str, int] = {}
 
