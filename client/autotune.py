@@ -132,7 +132,10 @@ class AutotuneClient:
         self.retry = retry or default_retry()
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.enable_http_proxy", 0)]
+                   ("grpc.enable_http_proxy", 0),
+                   # Reconnect quickly to a service that is (re)starting; the Retry object paces the calls.
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
         if tls_root_cert is not None:
             credentials = grpc.ssl_channel_credentials(Path(tls_root_cert).read_bytes())
             self._channel = grpc.secure_channel(self.target, credentials, options=options)

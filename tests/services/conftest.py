@@ -1,0 +1,64 @@
+"""Fixtures of the autotune service tests: the real server as its own OS process, on a free port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from bagua_lightning.client.autotune import AutotuneClient
+from bagua_lightning.client.retry import ExponentialBackoff, Retry
+from tests.procs import free_port, running, wait_until
+
+FAST = ["--warmup-time-s", "0", "--sampling-confidence-time-s", "0"]
+
+
+@contextlib.contextmanager
+def autotune_service(*args: str, port: int | None = None, log_path: Path | None = None
+                     ) -> Iterator[tuple[str, object]]:
+    """Run ``bagua-lightning autotune serve`` on a free port; yields (target, process); always stopped."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--port", str(port), *args]
+    # The service needs no Lightning: skip registering the strategy (seconds of imports on a small VM).
+    env = {**os.environ, "BAGUA_LIGHTNING_NO_STRATEGY": "1"}
+    with running(cmd, env=env, log_path=str(log_path) if log_path else None) as proc:
+        target = f"127.0.0.1:{port}"
+        with AutotuneClient(target=target) as probe:
+            wait_until(lambda: proc.poll() is None and probe.health_check(timeout_s=0.5), 30.0,
+                       f"the autotune service on {target}")
+        yield target, proc
+
+
+def no_retry_client(target: str) -> AutotuneClient:
+    """A client that surfaces every status code at once (no retries), with a short deadline."""
+    return AutotuneClient(target=target, timeout_s=5.0,
+                          retry=Retry(backoff=ExponentialBackoff(), retries=0, retryable=lambda e: False))
+
+
+@pytest.fixture
+def start_service(tmp_path: Path) -> Callable[..., contextlib.AbstractContextManager[tuple[str, object]]]:
+    """``with start_service(*args) as (target, proc)``: a real service process, logs under tmp_path."""
+    counter = iter(range(1000))
+
+    def start(*args: str, port: int | None = None) -> contextlib.AbstractContextManager[tuple[str, object]]:
+        return autotune_service(*args, port=port, log_path=tmp_path / f"service-{next(counter)}.log")
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def shared_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One service for a whole module (bad-input tests): small limits, fast sampling."""
+    log = tmp_path_factory.mktemp("svc") / "service.log"
+    with autotune_service(*FAST, "--world-size", "4", "--max-tensors", "64", "--max-request-bytes", "65536",
+                          log_path=log) as (target, _):
+        yield target
+
+
+def rpc_code(excinfo: pytest.ExceptionInfo[grpc.RpcError]) -> grpc.StatusCode:
+    return excinfo.value.code()  # type: ignore[attr-defined,no-any-return]
