@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from bagua_lightning.errors import ConfigurationError, ServiceUnavailableError
 from bagua_lightning.services_file import ENV_REDIS_PASSWORD, state_dir
@@ -148,8 +150,9 @@ def launch_node(config: NodeConfig) -> subprocess.Popen[bytes]:
 
 def client_for(host: str, port: int, password: str | None = None, timeout_s: float = 2.0) -> redis.Redis:
     """A plain connection to one node (no cluster routing), for administration."""
+    # No client-side retries: callers poll with their own deadline.
     return redis.Redis(host=host, port=port, password=password, socket_timeout=timeout_s,
-                       socket_connect_timeout=timeout_s)
+                       socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
 
 
 def _poll(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

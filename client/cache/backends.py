@@ -215,8 +215,10 @@ def probe_is_cluster(hosts: list[tuple[str, int]], options: RedisOptions) -> boo
     last: BaseException | None = None
     for h, p in hosts:
         try:
-            with redis.Redis(host=h, port=p, **options.connection_kwargs()) as c:
+            with redis.Redis(host=h, port=p, retry=options.retry(), **options.connection_kwargs()) as c:
                 return bool(int(c.info("cluster").get("cluster_enabled", 0)))
+        except (redis.AuthenticationError, redis.exceptions.NoPermissionError):
+            raise  # the same credentials fail on every host; say so instead of "unreachable"
         except STORE_ERRORS as exc:
             last = exc
     raise redis.ConnectionError(f"no Redis host of {hosts} is reachable: {last}")

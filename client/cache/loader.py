@@ -8,7 +8,6 @@ import multiprocessing.util
 import os
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -149,6 +148,7 @@ class CacheLoader:
                 out[j] = value
                 entry = codec.encode(value, rkeys[j].encode(), allow_pickle=self._allow_pickle)
                 self._buffer[rkeys[j]] = (entry, overwrite[j])
+            _pending[id(self)] = self  # kept alive until flushed, at the latest at exit
             if len(self._buffer) >= self.writer_buffer_size:
                 self.flush()
         return out
@@ -178,6 +178,7 @@ class CacheLoader:
             return
         with self._lock:
             items, self._buffer = self._buffer, {}
+            _pending.pop(id(self), None)
         if not self._outage.available():
             self._counters.add("write_errors", len(items))
             return
@@ -231,14 +232,15 @@ class CacheLoader:
         self._counters.reset()
 
 
-# Flush every live loader when the process exits. DataLoader workers leave through multiprocessing, which
-# skips atexit but runs its own finalizers, so both hooks are registered (a second flush finds nothing).
-_live: weakref.WeakSet[CacheLoader] = weakref.WeakSet()
+# Flush every loader with pending entries when the process exits. DataLoader workers leave through
+# multiprocessing, which skips atexit but runs its own finalizers, so both hooks are registered (a second
+# flush finds nothing). Loaders with pending entries are held here so that they outlive their dataset.
+_pending: dict[int, CacheLoader] = {}
 _registered_pid: list[int] = [-1]
 
 
 def _flush_all() -> None:
-    for loader in list(_live):
+    for loader in list(_pending.values()):
         try:
             loader.flush()
         except Exception as exc:
@@ -246,7 +248,6 @@ def _flush_all() -> None:
 
 
 def _register_exit_flush(loader: CacheLoader) -> None:
-    _live.add(loader)
     if _registered_pid[0] != os.getpid():
         _registered_pid[0] = os.getpid()
         atexit.register(_flush_all)
