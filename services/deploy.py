@@ -40,6 +40,8 @@ from bagua_lightning.services_file import (
     ServicesInfo,
     read_services_file,
     remove_services_file,
+    resolve_autotune_address,
+    resolve_redis_hosts,
     services_file_path,
     state_dir,
     write_services_file,
@@ -53,11 +55,12 @@ DEFAULT_REDIS_PORT = 7000  # first node of the local cluster; the trainer's docu
 DEFAULT_MAXMEMORY = 1024**3  # bytes per Redis node; docker-compose.yml uses the same default ("1gb")
 CLUSTER_SLOTS = 16384
 AUTOTUNE_LOG = "autotune.log"
+AUTOTUNE_SAMPLES = "autotune-samples"  # folder of the service's per-model sample logs
 _SIZE = re.compile(r"^\s*(\d+)\s*(b|k|kb|m|mb|g|gb)?\s*$", re.IGNORECASE)
 _UNITS = {None: 1, "b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2, "g": 1024**3, "gb": 1024**3}
 
 
-def autotune_service_args(*, host: str, port: int, state: str) -> list[str]:
+def autotune_service_args(*, host: str, port: int, state: str, log_dir: str) -> list[str]:
     """The autotune service's arguments after the program name (``bagua-lightning``).
 
     The single source of truth for how the service is run: ``up`` prefixes it with
@@ -68,8 +71,9 @@ def autotune_service_args(*, host: str, port: int, state: str) -> list[str]:
         host: address to bind.
         port: gRPC port.
         state: where persisted plans live: a directory or a ``redis://host:port`` URL.
+        log_dir: folder for the per-model JSONL log of every tuning sample.
     """
-    return ["autotune", "serve", "--host", host, "--port", str(port), "--state", state]
+    return ["autotune", "serve", "--host", host, "--port", str(port), "--state", state, "--log-dir", log_dir]
 
 
 def redis_state_url(host: str, port: int) -> str:
@@ -304,7 +308,8 @@ def start_autotune(cfg: UpConfig, state: str, folder: Path) -> subprocess.Popen[
     """Start the autotune service detached (own session, stdin closed), logging to ``folder/autotune.log``."""
     folder.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "bagua_lightning.cli",
-            *autotune_service_args(host=cfg.host, port=cfg.autotune_port, state=state)]
+            *autotune_service_args(host=cfg.host, port=cfg.autotune_port, state=state,
+                                   log_dir=str(folder / AUTOTUNE_SAMPLES))]
     env = dict(os.environ, BAGUA_LIGHTNING_NO_STRATEGY="1")
     with open(folder / AUTOTUNE_LOG, "ab") as log_file:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
@@ -348,6 +353,12 @@ def up(cfg: UpConfig) -> ServicesInfo:
     existing = read_services_file()
     health = running_services(existing, password)
     if existing is not None and health and all(h.healthy for h in health.values()):
+        differences = _differences(existing, cfg)
+        if differences:
+            raise ConfigurationError(
+                f"services are already running with other settings ({'; '.join(differences)}); stop them with "
+                "`bagua-lightning down` first, or run `up` with the same options."
+            )
         log.info("services already running and healthy (%s)", services_file_path())
         return existing
     if existing is not None:
@@ -384,6 +395,33 @@ def up(cfg: UpConfig) -> ServicesInfo:
             stop_pid(proc.pid, lambda p: proc.poll() is None)
         redis_cluster.stop_cluster(cfg.redis_port, folder)
         raise
+
+
+def ensure_up(cfg: UpConfig | None = None) -> ServicesInfo:
+    """The recorded services when they are healthy, whatever their settings; else :func:`up` with ``cfg``.
+
+    For callers that only need services to exist (the demo), not particular ports.
+    """
+    existing = read_services_file()
+    health = running_services(existing, os.environ.get(ENV_REDIS_PASSWORD) or None)
+    if existing is not None and health and all(h.healthy for h in health.values()):
+        return existing
+    return up(cfg or UpConfig())
+
+
+def _differences(info: ServicesInfo, cfg: UpConfig) -> list[str]:
+    found = []
+    if info.autotune != cfg.autotune_address:
+        found.append(f"autotune on {info.autotune}, asked {cfg.autotune_address}")
+    first = info.redis_hosts[0] if info.redis_hosts else {}
+    if (first.get("host"), first.get("port")) != (cfg.host, cfg.redis_port):
+        found.append(f"Redis from {first.get('host')}:{first.get('port')}, asked {cfg.host}:{cfg.redis_port}")
+    if info.redis_cluster == cfg.single:
+        found.append("a cluster, asked --single" if info.redis_cluster else "--single, asked a cluster")
+    nodes = len(info.pids.get("redis") or [])
+    if nodes and nodes != cfg.redis_node_count:
+        found.append(f"{nodes} Redis nodes, asked {cfg.redis_node_count}")
+    return found
 
 
 def down(timeout_s: float = 10.0) -> list[int]:
@@ -496,8 +534,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         report = running_services(read_services_file(), password)
         if not report:
-            print(f"no services recorded at {services_file_path()}; start them with `bagua-lightning up`")
-            return 1
+            # Nothing recorded (e.g. `docker compose up`): check where trainers would look.
+            autotune = resolve_autotune_address()
+            resolved = resolve_redis_hosts()
+            hosts, cluster = resolved if resolved is not None else (
+                [{"host": DEFAULT_HOST, "port": DEFAULT_REDIS_PORT + i} for i in range(3)], True)
+            print(f"no services recorded at {services_file_path()} (`bagua-lightning up` records them); "
+                  "checking the environment's or the default addresses", file=sys.stderr)
+            report = {"autotune": check_autotune(autotune, args.timeout),
+                      "redis": check_redis(hosts, cluster, password, args.timeout)}
     if args.json:
         print(json.dumps({k: {"healthy": h.healthy, "detail": h.detail} for k, h in report.items()}))
     else:

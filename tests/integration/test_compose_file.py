@@ -254,14 +254,22 @@ def test_redis_nodes_listen_where_published(services: dict[str, dict[str, Any]])
 
 def test_autotune_command_is_the_native_launchers(services: dict[str, dict[str, Any]]) -> None:
     svc = services["autotune"]
+    samples = "/var/lib/bagua-lightning/autotune-samples"
     expected = deploy.autotune_service_args(
-        host="0.0.0.0", port=DEFAULT_AUTOTUNE_PORT, state=deploy.redis_state_url("127.0.0.1", MASTER_PORTS[0])
+        host="0.0.0.0", port=DEFAULT_AUTOTUNE_PORT, state=deploy.redis_state_url("127.0.0.1", MASTER_PORTS[0]),
+        log_dir=samples,
     )
     assert svc["command"] == expected
-    # What `bagua-lightning up` runs differs only in the bind address (loopback).
+    # What `bagua-lightning up` runs differs only in the bind address (loopback) and the log folder.
     native = deploy.autotune_service_args(host="127.0.0.1", port=DEFAULT_AUTOTUNE_PORT,
-                                          state=deploy.redis_state_url("127.0.0.1", MASTER_PORTS[0]))
-    assert [a for a in native if a != "127.0.0.1"] == [a for a in expected if a != "0.0.0.0"]
+                                          state=deploy.redis_state_url("127.0.0.1", MASTER_PORTS[0]),
+                                          log_dir="/home/me/.local/state/bagua-lightning/autotune-samples")
+    assert [a for a in native if not a.startswith(("127.0.0.1", "/home"))] == \
+        [a for a in expected if a not in ("0.0.0.0", samples)]
+    # The samples folder is a named volume, created in the image for the service's user.
+    assert svc["volumes"] == [{"type": "volume", "source": "autotune-samples", "target": samples}]
+    assert "autotune-samples" in raw_compose()["volumes"]
+    assert f"install -d -o bagua -g bagua {samples}" in DOCKERFILE.read_text()
     # The CLI accepts it, and the service runs without the trainer side (no torch in the image).
     args = build_parser().parse_args(svc["command"])
     assert callable(args.func)

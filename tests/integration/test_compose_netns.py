@@ -68,8 +68,14 @@ def _order(services: dict[str, dict[str, Any]], active: set[str]) -> list[str]:
 
 
 def _argv(name: str, svc: dict[str, Any], data_dir: Path) -> list[str]:
-    mounts = {v["target"]: str(ROOT / v["source"]) for v in svc.get("volumes", []) if isinstance(v, dict)}
-    argv = [mounts.get(a, str(data_dir) if a == "/data" else a) for a in svc["command"]]
+    # Bind mounts become their source; named volumes and the image's /data volume, folders of data_dir.
+    mounts = {"/data": str(data_dir)}
+    for volume in svc.get("volumes", []):
+        if volume["type"] == "bind":
+            mounts[volume["target"]] = str(ROOT / volume["source"])
+        else:
+            mounts[volume["target"]] = str(data_dir / volume["source"])
+    argv = [mounts.get(a, a) for a in svc["command"]]
     return [*CLI, *argv] if "build" in svc else argv  # built image: entrypoint `bagua-lightning`
 
 

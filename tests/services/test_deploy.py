@@ -79,9 +79,11 @@ def test_up_config_errors_name_the_value(kwargs: dict[str, object], fragment: st
 def test_autotune_args_are_the_cli_the_service_parses() -> None:
     from bagua_lightning.cli import build_parser
 
-    argv = deploy.autotune_service_args(host="127.0.0.1", port=29601, state=deploy.redis_state_url("::1", 7000))
+    argv = deploy.autotune_service_args(host="127.0.0.1", port=29601, state=deploy.redis_state_url("::1", 7000),
+                                        log_dir="/tmp/samples")
     args = build_parser().parse_args(argv)
-    assert (args.host, args.port, args.state) == ("127.0.0.1", 29601, "redis://[::1]:7000")
+    assert (args.host, args.port, args.state, args.log_dir) == ("127.0.0.1", 29601, "redis://[::1]:7000",
+                                                                 "/tmp/samples")
 
 
 # --------------------------------------------------------------------------------------------- processes
@@ -143,8 +145,39 @@ def test_taken_port_fails_before_starting_anything(state: Path) -> None:
     assert not (state / "bagua-lightning" / "redis").exists() or not any((state / "bagua-lightning" / "redis").iterdir())
 
 
-def test_down_and_status_without_services(state: Path) -> None:
+def test_down_and_status_without_services(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     result = _cli("down")
     assert result.returncode == 0 and "nothing to stop" in result.stdout
-    result = _cli("status")
-    assert result.returncode == 1 and "bagua-lightning up" in result.stdout
+    # Without a services file, `status` checks where trainers would look: here, addresses nobody serves.
+    monkeypatch.setenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", f"127.0.0.1:{free_port()}")
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", f"127.0.0.1:{free_port()}")
+    result = _cli("status", "--json")
+    assert result.returncode == 1 and "bagua-lightning up" in result.stderr
+    assert {k: v["healthy"] for k, v in json.loads(result.stdout).items()} == {"autotune": False, "redis": False}
+
+
+def test_status_without_services_file_finds_running_services(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # E.g. after `docker compose up`: no file, but the services answer where the environment says.
+    info = deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=free_port(), single=True,
+                                     maxmemory=32 * 1024**2))
+    services_file = Path(os.environ[ENV_FILE])
+    monkeypatch.setenv(ENV_FILE, str(state / "elsewhere.json"))
+    monkeypatch.setenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", str(info.autotune))
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", f"127.0.0.1:{info.redis_hosts[0]['port']}")
+    try:
+        result = _cli("status")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "autotune: healthy" in result.stdout and "redis: healthy" in result.stdout
+    finally:
+        monkeypatch.setenv(ENV_FILE, str(services_file))
+
+
+def test_up_with_other_settings_while_running_is_refused(state: Path) -> None:
+    cfg = deploy.UpConfig(autotune_port=free_port(), redis_port=free_port(), single=True, maxmemory=32 * 1024**2)
+    info = deploy.up(cfg)
+    assert deploy.up(cfg) == info  # same settings: nothing to do
+    other = deploy.UpConfig(autotune_port=free_port(), redis_port=cfg.redis_port, single=True)
+    with pytest.raises(ConfigurationError, match=r"already running with other settings \(autotune on .*down"):
+        deploy.up(other)
+    assert deploy.ensure_up(other) == info  # the demo's way: any healthy services will do
+    assert read_services_file() == info
