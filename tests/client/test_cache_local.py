@@ -1,0 +1,87 @@
+"""RedisStore(hosts=None): a protected node-local server, shared by jobs and ranks, started once."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from bagua_lightning.client import RedisStore
+from bagua_lightning.client.cache.local_server import _read, local_dir
+from bagua_lightning.services.redis_cluster import is_redis_pid, stop_pid
+from tests.procs import free_port
+
+
+@pytest.fixture
+def local_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setenv("BAGUA_LIGHTNING_SERVICES_FILE", str(tmp_path / "no-services.json"))
+    for name in ("BAGUA_LIGHTNING_REDIS_HOSTS", "BAGUA_LIGHTNING_REDIS_PASSWORD", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    yield tmp_path
+    server = _read(local_dir())
+    if server is not None:
+        stop_pid(server.pid)
+
+
+def test_local_server_is_protected_bounded_and_shared(local_state: Path) -> None:
+    capacity = 64 * 1024 * 1024
+    first = RedisStore(hosts=None, capacity_per_node=capacity)
+    assert first.local and first.managed_pid is not None
+    (host, port), = first.hosts
+    assert host == "127.0.0.1"
+    with redis.Redis(host=host, port=port) as anonymous, pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    with redis.Redis(host=host, port=port, password=first.options.password) as admin:
+        config = admin.config_get("*")
+    assert config["bind"] == "127.0.0.1" and config["protected-mode"] == "yes"
+    assert int(config["maxmemory"]) == capacity and config["maxmemory-policy"] == "allkeys-lfu"
+    assert config["save"] == "" and config["appendonly"] == "no"
+    assert oct(os.stat(local_dir() / "server.json").st_mode & 0o777) == "0o600"
+
+    first.set("shared", b"1")
+    second = RedisStore(hosts=None, capacity_per_node=capacity)  # another job on the node
+    assert second.hosts == first.hosts and second.managed_pid is None and second.get("shared") == b"1"
+    second.shutdown()
+    assert is_redis_pid(first.managed_pid)  # a store that found the server does not stop it
+    pid = first.managed_pid
+    first.shutdown()
+    assert not is_redis_pid(pid)
+
+
+def _rank(rank: int, port: int, state: str, out: Any) -> None:
+    os.environ.update(XDG_STATE_HOME=state, LOCAL_RANK=str(rank),
+                      BAGUA_LIGHTNING_SERVICES_FILE=os.path.join(state, "none.json"))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        store = RedisStore(hosts=None, capacity_per_node=32 * 1024 * 1024)
+        store.set(f"rank{rank}", b"x")
+        dist.barrier()
+        out.put((rank, store.hosts[0][1], store.managed_pid, store.num_keys()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_rank_zero_starts_the_server_and_the_others_find_it(local_state: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, str(local_state), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    (_, port0, pid0, keys0), (_, port1, pid1, keys1) = results
+    assert port0 == port1 and pid0 is not None and pid1 is None
+    assert keys0 == keys1 == 2
