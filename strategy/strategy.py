@@ -26,12 +26,22 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
+from bagua_lightning.services_file import resolve_autotune_address
 from bagua_lightning.strategy.algorithms.base import Algorithm, get_algorithm_class
 from bagua_lightning.strategy.algorithms.q_adam import QADAM_OPTIMIZER_ERROR
+from bagua_lightning.strategy.autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
+from bagua_lightning.strategy.autotune import (
+    AutotuneController,
+    AutotuneSettings,
+    AutotuneSummary,
+    BoundaryReport,
+    batch_size_of,
+)
 from bagua_lightning.strategy.comm import CommContext
 from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
 
@@ -50,12 +60,17 @@ class BaguaStrategy(DDPStrategy):
         flatten: communicate flat buckets with gradients as views of them (no copy).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for ``DDPStrategy``.
-        autotune: tune the bucket plan with the autotune service (hook point:
-            :meth:`apply_plan` at step boundaries and :meth:`last_step_timings`).
+        autotune: tune the bucket plan with the autotune service while training
+            (:mod:`bagua_lightning.strategy.autotune`); only for algorithms that
+            communicate gradients in buckets (gradient_allreduce, bytegrad, qadam).
         start_method: ``"popen"`` (scripts, torchrun), ``"spawn"``, ``"fork"``: as ``DDPStrategy``.
         process_group_backend: ``"nccl"``/``"gloo"``; None picks by device.
         timeout: collective timeout.
         bucket_size: bytes per bucket of the default plan (Bagua's default: 10 MiB).
+        autotune_service: ``host:port`` of the autotune service; None: the environment
+            variable ``BAGUA_LIGHTNING_AUTOTUNE_SERVICE``, else the file
+            ``bagua-lightning up`` writes, else ``127.0.0.1:29600``.
+        autotune_interval: steps between two autotune step boundaries (report, ask, apply).
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``,
             ``average``, ``peer_selection_mode``, ``sync_interval_ms``); unknown ones
             raise :class:`~bagua_lightning.errors.ConfigurationError` listing the accepted ones.
@@ -78,6 +93,8 @@ class BaguaStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
+        autotune_service: str | None = None,
+        autotune_interval: int = DEFAULT_AUTOTUNE_INTERVAL,
         **bagua_kwargs: Any,
     ) -> None:
         if not isinstance(flatten, bool):
@@ -86,6 +103,21 @@ class BaguaStrategy(DDPStrategy):
             raise ConfigurationError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
         self._algorithm_class = get_algorithm_class(algorithm)
         self._algorithm_class.from_kwargs(**bagua_kwargs)  # validate now, not at fit
+        # --- autotune (issue 5) ---
+        if not isinstance(autotune, bool):
+            raise ConfigurationError(f"autotune must be a bool, got {autotune!r}")
+        self._autotune_settings: AutotuneSettings | None = None
+        if autotune:
+            if not self._algorithm_class.uses_gradient_buckets:
+                raise ConfigurationError(
+                    f"autotune=True needs an algorithm that communicates gradients in buckets; {algorithm!r} "
+                    "averages weights outside backward, so there is no bucket plan to tune. Use "
+                    "gradient_allreduce, bytegrad or qadam, or drop autotune=True")
+            self._autotune_settings = AutotuneSettings(
+                address=resolve_autotune_address(autotune_service), interval=autotune_interval)
+        self._autotune: AutotuneController | None = None
+        self.autotune_summary: AutotuneSummary | None = None
+        # --- end autotune ---
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -102,8 +134,6 @@ class BaguaStrategy(DDPStrategy):
         self.bucket_size = bucket_size
         self._bagua_kwargs = dict(bagua_kwargs)
         self._comm: CommContext | None = None
-        if autotune:
-            log.warning("BaguaStrategy(autotune=True): the autotune client is not wired yet; using the default plan")
 
     # ------------------------------------------------------------------ set-up
 
@@ -138,6 +168,8 @@ class BaguaStrategy(DDPStrategy):
                 if str(exc).startswith(QADAM_OPTIMIZER_ERROR):
                     raise MisconfigurationException(str(exc)) from exc
                 raise
+            if self._autotune_settings is not None and trainer.state.fn == TrainerFn.FITTING:
+                self._start_autotune(wrapper)
 
     @staticmethod
     def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
@@ -183,6 +215,61 @@ class BaguaStrategy(DDPStrategy):
         module = self.bagua_module
         return module.last_step_timings() if module is not None else None
 
+    # ------------------------------------------------------------------ autotune (issue 5)
+
+    def _start_autotune(self, wrapper: BaguaDistributedDataParallel) -> None:
+        assert self._autotune_settings is not None and self._comm is not None
+        self._stop_autotune()
+        self._autotune = AutotuneController(
+            self._autotune_settings, wrapper, wrapper.module, model_prefix=type(wrapper.module).__name__,
+            nproc_per_node=self._comm.local_size, group=self._comm.group,
+            device=self.root_device if self._comm.is_nccl else torch.device("cpu"))
+        self._log_autotune(self._autotune.setup())
+
+    def _stop_autotune(self) -> None:
+        if self._autotune is not None:
+            self._autotune.close()
+            self._autotune = None
+
+    def _log_autotune(self, report: BoundaryReport | None) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if report is None or trainer is None or not self.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(report.metrics(), step=trainer.global_step)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._autotune is not None:
+            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+            self._log_autotune(self._autotune.on_batch_start(trainer.global_step, batch_size_of(batch)))
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._autotune is not None:
+            self._autotune.pause()
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self._autotune is not None:
+            self._autotune.resume()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._autotune is not None:
+            self.autotune_summary = self._autotune.summary()
+            rank_zero_info(self.autotune_summary.line())
+            self._stop_autotune()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._stop_autotune()
+        super().on_exception(exception)
+
     # ------------------------------------------------------------------ Lightning hooks
 
     @contextmanager
@@ -216,6 +303,7 @@ class BaguaStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._stop_autotune()
         module = self.bagua_module
         if module is not None:
             module.teardown()

@@ -1,0 +1,156 @@
+"""Worker for tests/strategy/test_autotune.py: autotuned training in plain torch loops, one JSON per rank.
+
+Started with torchrun's environment variables (tests/strategy/launch.py:run_ranks). In one
+process, against the real autotune service at ``--address``:
+
+1. ``reference``: the same training without autotune (the loss to match);
+2. ``tuned``: with an :class:`AutotuneController`; every step's plan (version, fingerprint)
+   is recorded. With ``--fault-dir``, rank 0 pauses at two steps for the test to kill,
+   then restart, the service (files ``kill``/``killed``, ``restart``/``restarted``);
+3. ``absent``: against ``--dead-address`` (nothing listens): trains on the default plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bagua_lightning.strategy.algorithms.base import get_algorithm_class
+from bagua_lightning.strategy.autotune import AutotuneController, AutotuneSettings
+from bagua_lightning.strategy.comm import CommContext
+from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+
+LOGGER = "bagua_lightning.strategy.autotune"
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(48, 48), nn.Tanh())], nn.Linear(48, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class Counter(logging.Handler):
+    """Counts the autotune logger's warnings (the 'one warning per outage' checks)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    x = torch.randn(32, 48, generator=g)
+    return x, x[:, :4].sum(dim=1, keepdim=True).tanh()
+
+
+def wait_for(path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the test did not create {path} within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3, fault_dir: Path | None = None,
+        fault_steps: tuple[int, int] = (0, 0), model_name: str | None = None) -> dict[str, Any]:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    wrapper = BaguaDistributedDataParallel(model, get_algorithm_class("gradient_allreduce").from_kwargs(), comm,
+                                           bucket_size=4096, optimizers=[opt])
+    counter = Counter()
+    logging.getLogger(LOGGER).addHandler(counter)
+    ctl = None
+    if address is not None:
+        settings = AutotuneSettings(address=address, interval=interval, rpc_timeout_s=0.5, connect_timeout_s=1.0,
+                                    model_name=model_name)
+        ctl = AutotuneController(settings, wrapper, model, model_prefix="Net", nproc_per_node=comm.local_size,
+                                 group=comm.group)
+    records: list[list[Any]] = []
+    losses: list[float] = []
+    completed_at = None
+    try:
+        if ctl is not None:
+            ctl.setup()
+        for step in range(steps):
+            if fault_dir is not None and comm.rank == 0 and step in fault_steps:
+                kind = "kill" if step == fault_steps[0] else "restart"
+                (fault_dir / kind).touch()
+                wait_for(fault_dir / f"{kind}ed")
+            if ctl is not None:
+                ctl.on_batch_start(step, 32)
+                if ctl.completed and completed_at is None:
+                    completed_at = step
+            plan = wrapper.bucket_plan
+            assert plan is not None
+            records.append([step, ctl.version if ctl else -1, plan.fingerprint(), len(plan.buckets),
+                            plan.is_hierarchical_reduce])
+            x, y = batch(step)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(wrapper(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        summary = ctl.summary() if ctl else None
+    finally:
+        if ctl is not None:
+            ctl.close()
+        wrapper.teardown()
+        logging.getLogger(LOGGER).removeHandler(counter)
+    return {"losses": losses, "records": records, "warnings": counter.messages, "completed_at": completed_at,
+            "applied": ctl.applied if ctl else [], "registered": ctl.registered if ctl else False,
+            "summary": summary.line() if summary else "", "speeds": ctl.speeds if ctl else [],
+            "threads": sorted(t.name for t in threading.enumerate() if "autotune" in t.name)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--dead-address", default="")
+    parser.add_argument("--local-size", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--fault-dir", default="")
+    parser.add_argument("--fault-steps", default="12,24")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    dist.init_process_group("gloo")
+    comm = CommContext.build(local_size=args.local_size or dist.get_world_size())
+    result: dict[str, Any] = {}
+    rc = 0
+    try:
+        result["reference"] = run(comm, args.steps, address=None)
+        kill, restart = (int(s) for s in args.fault_steps.split(","))
+        result["tuned"] = run(comm, args.steps, address=args.address,
+                              fault_dir=Path(args.fault_dir) if args.fault_dir else None, fault_steps=(kill, restart))
+        if args.dead_address:
+            result["absent"] = run(comm, 12, address=args.dead_address, model_name="absent-net")
+    except Exception:
+        result["error"] = traceback.format_exc()
+        rc = 1
+    Path(args.out, f"rank{comm.rank}.json").write_text(json.dumps(result, indent=1))
+    comm.destroy_groups()
+    dist.destroy_process_group()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
