@@ -61,9 +61,19 @@ def build(variant: str, args: argparse.Namespace, device: torch.device, comm: Co
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
-        algo = get_algorithm_class(variant).from_kwargs()
-        wrapped = BaguaDistributedDataParallel(model, algo, comm, bucket_size=args.bucket_size, optimizers=[opt])
+        name, bucket_size = parse_variant(variant, args.bucket_size)
+        algo = get_algorithm_class(name).from_kwargs()
+        wrapped = BaguaDistributedDataParallel(model, algo, comm, bucket_size=bucket_size, optimizers=[opt])
     return wrapped, opt
+
+
+def parse_variant(variant: str, default_bucket: int) -> tuple[str, int]:
+    """``"name"`` or ``"name+25MiB"`` (another bucket size)."""
+    name, _, size = variant.partition("+")
+    return name, int(float(size.removesuffix("MiB")) * 1024**2) if size else default_bucket
+
+
+TIMINGS: dict[str, str] = {}
 
 
 def run(variant: str, args: argparse.Namespace, device: torch.device, comm: CommContext,
@@ -89,6 +99,11 @@ def run(variant: str, args: argparse.Namespace, device: torch.device, comm: Comm
     sync(device)
     elapsed = time.perf_counter() - t0
     if isinstance(model, BaguaDistributedDataParallel):
+        t = model.last_step_timings()
+        if t is not None:
+            TIMINGS[variant] = (f"{len(t.buckets)} buckets, backward {t.backward_ms:.1f} ms, comm "
+                                f"{sum(b.comm_ms for b in t.buckets):.1f} ms, exposed wait "
+                                f"{max((b.wait_ms for b in t.buckets), default=0):.1f} ms")
         model.teardown()
     return args.steps * args.batch_size * comm.world_size / elapsed  # samples/s, all ranks
 
@@ -124,7 +139,7 @@ def main() -> None:
     for v in args.variants.split(","):
         try:
             if v != "ddp":
-                get_algorithm_class(v)
+                get_algorithm_class(parse_variant(v, 0)[0])
             variants.append(v)
         except ConfigurationError:
             if comm.rank == 0:
@@ -152,6 +167,8 @@ def main() -> None:
             result[v] = {"samples_per_s": med, "ratio_vs_ddp": ratio, "all": samples[v]}
             print(f"{v:>28}: {med:10.1f} samples/s  x{ratio:.3f} vs DDP  (rounds: "
                   + ", ".join(f"{s:.1f}" for s in samples[v]) + ")")
+            if v in TIMINGS:
+                print(f"{'':>30}last measured step: {TIMINGS[v]}")
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"world_size": comm.world_size, "device": name, "params": n_params,

@@ -300,15 +300,23 @@ class BucketEngine:
     Args:
         named_params: ``(name, parameter)`` pairs the plan refers to.
         plan: the bucket partition to build.
-        communicate: ``communicate(bucket)`` reduces ``bucket.flat`` in place; it runs
-            under a side CUDA stream or on the communication thread and must issue the
-            same collectives in the same order on every rank.
+        communicate: ``communicate(bucket, defer)`` reduces ``bucket.flat`` in place and
+            must issue the same collectives in the same order on every rank. With
+            ``defer=False`` it runs under a side CUDA stream or on the communication
+            thread and may wait on its collectives (returning None, or a work the engine
+            waits on there). With ``defer=True`` (only when ``can_defer()`` said so) it
+            runs inline in autograd's thread, issues one asynchronous collective and
+            returns its work without waiting: the engine waits at the end of backward,
+            as DDP does, with no thread or stream hop.
+        can_defer: whether ``communicate`` can take the ``defer=True`` path now.
         bind_grads: True: the buckets hold the parameters' gradients (``.grad`` becomes
             a view when ``flatten``). False: the caller owns what the views hold (e.g.
             optimizer state) and writes into :meth:`view` before :meth:`mark_ready`.
         flatten: gradients are views into the buffers (no copy). False: gradients stay
             separate tensors, copied into the buffer before and back after the collective.
         pad_multiple: buffer lengths are rounded up to a multiple of this (chunked collectives).
+        timing_every: measure per-bucket timings on every n-th communicating backward
+            (1: every one). Measured backwards always take the side-stream/thread path.
     """
 
     def __init__(
@@ -316,15 +324,25 @@ class BucketEngine:
         named_params: Sequence[tuple[str, nn.Parameter]],
         plan: BucketPlan,
         *,
-        communicate: Callable[[Bucket], None],
+        communicate: Callable[[Bucket, bool], dist.Work | None],
+        can_defer: Callable[[], bool] = lambda: False,
         bind_grads: bool = True,
         flatten: bool = True,
         pad_multiple: int = 1,
+        timing_every: int = 10,
     ) -> None:
         if not named_params:
             raise ValueError("BucketEngine needs at least one parameter")
         self.named_params = list(named_params)
         self.communicate = communicate
+        self.can_defer = can_defer
+        if timing_every < 1:
+            raise ValueError(f"timing_every must be >= 1 (backwards between measurements), got {timing_every}")
+        self.timing_every = timing_every
+        self._backwards = 0
+        self._timed = True
+        self._direct = False
+        self._works: list[dist.Work] = []
         self.bind_grads = bind_grads
         self.flatten = flatten or not bind_grads
         self.pad_multiple = max(1, pad_multiple)
@@ -356,6 +374,7 @@ class BucketEngine:
         self._sizes = [len(b.params) for b in self.buckets]
         self._nbytes = [b.nbytes for b in self.buckets]
         self._timer = _Timer(len(self.buckets), self.device)
+        self._backwards = 0  # the first backward of a plan is measured
         self._active = False
         self._marked = [bytearray(n) for n in self._sizes]
         self._pending = list(self._sizes)
@@ -401,7 +420,33 @@ class BucketEngine:
             m[:] = bytes(len(m))
         self._pending = list(self._sizes)
         self._next = 0
-        self._timer.begin()
+        self._timed = self._backwards % self.timing_every == 0
+        self._backwards += 1
+        self._direct = not self._timed and self.flatten and self.can_defer()
+        if self._timed:
+            self._timer.begin()
+
+    def attach_grads(self) -> None:
+        """Before a forward: point missing gradients (``zero_grad(set_to_none=True)``) at zeroed views.
+
+        Autograd then accumulates straight into the buckets and :meth:`mark_ready` has
+        nothing to copy (one fused zeroing instead of a copy per parameter).
+        """
+        if not (self.bind_grads and self.flatten) or self._active:
+            return
+        zero: list[torch.Tensor] = []
+        for b in self.buckets:
+            missing = [j for j, p in enumerate(b.params) if p.grad is None]
+            if not missing:
+                continue
+            if len(missing) == len(b.params):
+                zero.append(b.flat)
+            else:
+                zero.extend(b.views[j] for j in missing)
+            for j in missing:
+                b.params[j].grad = b.views[j]
+        if zero:
+            torch._foreach_zero_(zero)
 
     def mark_ready(self, param: nn.Parameter) -> None:
         """``param``'s tensor for this backward is final; launch every bucket that can go."""
@@ -428,35 +473,45 @@ class BucketEngine:
                 param.grad = view
         self._pending[i] -= 1
         if self._pending[i] == 0:
-            self._timer.ready(i)
+            if self._timed:
+                self._timer.ready(i)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
             bucket = self.buckets[self._next]
             self._next += 1
-            self._runner.submit(self._job(bucket))
+            if self._direct:
+                work = self.communicate(bucket, True)
+                if work is not None:
+                    self._works.append(work)
+            else:
+                self._runner.submit(self._job(bucket))
 
     def _job(self, bucket: Bucket) -> Callable[[], None]:
-        timer, communicate = self._timer, self.communicate
+        timer, communicate, timed = self._timer, self.communicate, self._timed
         gather = self.bind_grads and not self.flatten
 
         def run() -> None:
-            timer.comm_start(bucket.index)
+            if timed:
+                timer.comm_start(bucket.index)
             if gather:
                 for p, v in zip(bucket.params, bucket.views, strict=True):
                     if p.grad is None:
                         v.zero_()
                     else:
                         v.copy_(p.grad)
-            communicate(bucket)
+            work = communicate(bucket, False)
+            if work is not None:
+                work.wait()
             if gather:
                 for p, v in zip(bucket.params, bucket.views, strict=True):
                     if p.grad is None:
                         p.grad = v.clone()
                     else:
                         p.grad.copy_(v)
-            timer.comm_end(bucket.index)
+            if timed:
+                timer.comm_end(bucket.index)
 
         return run
 
@@ -473,7 +528,8 @@ class BucketEngine:
             self._observe = False
         if not self._any_ready:
             return False
-        self._timer.backward_end()
+        if self._timed:
+            self._timer.backward_end()
         for b in self.buckets:
             if self._pending[b.index] == 0:
                 continue
@@ -486,10 +542,15 @@ class BucketEngine:
                     elif not self.bind_grads:
                         pass  # caller-owned values stay as they are
             self._pending[b.index] = 0
-            self._timer.ready(b.index)
+            if self._timed:
+                self._timer.ready(b.index)
         self._launch_ready()
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()  # NCCL: orders the caller's stream after it; Gloo: blocks until done
         self._runner.wait_all()
-        self._timer.finished(self._nbytes)
+        if self._timed:
+            self._timer.finished(self._nbytes)
         return True
 
     # ---------------------------------------------------------------- plan from ready order

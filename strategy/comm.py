@@ -124,17 +124,27 @@ def _wait(work: dist.Work | None) -> None:
         work.wait()
 
 
-def all_reduce_(tensor: torch.Tensor, comm: CommContext, *, average: bool = True) -> None:
-    """Flat allreduce of ``tensor`` in place over all ranks: sum, or mean when ``average``."""
+def all_reduce_(
+    tensor: torch.Tensor, comm: CommContext, *, average: bool = True, wait: bool = True
+) -> dist.Work | None:
+    """Flat allreduce of ``tensor`` in place over all ranks: sum, or mean when ``average``.
+
+    ``wait=False`` returns the pending work instead of waiting on it.
+    """
     if comm.world_size == 1:
-        return
+        return None
     if average and comm.is_nccl:
-        _wait(dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=comm.group, async_op=True))
-        return
-    if average:
-        # As DDP does: scale before a SUM (Gloo has no AVG on every torch version).
-        tensor.mul_(1.0 / comm.world_size)
-    _wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=comm.group, async_op=True))
+        op = dist.ReduceOp.AVG
+    else:
+        op = dist.ReduceOp.SUM
+        if average:
+            # As DDP does: scale before a SUM (Gloo has no AVG on every torch version).
+            tensor.mul_(1.0 / comm.world_size)
+    work = dist.all_reduce(tensor, op=op, group=comm.group, async_op=True)
+    if not wait:
+        return work
+    _wait(work)
+    return None
 
 
 def hierarchical_all_reduce_(tensor: torch.Tensor, comm: CommContext, *, average: bool = True) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, ClassVar
 
+import torch.distributed as dist
+
 from bagua_lightning.strategy.algorithms.base import Algorithm
 from bagua_lightning.strategy.buckets import Bucket, BucketEngine, trainable_parameters
 
@@ -43,8 +45,19 @@ class GradientBucketAlgorithm(Algorithm):
         return 1
 
     @abc.abstractmethod
-    def reduce_bucket(self, bucket: Bucket, comm: CommContext, hierarchical: bool) -> None:
-        """Reduce ``bucket.flat`` in place across ranks (runs under a side stream / comm thread)."""
+    def reduce_bucket(
+        self, bucket: Bucket, comm: CommContext, hierarchical: bool, defer: bool
+    ) -> dist.Work | None:
+        """Reduce ``bucket.flat`` in place across ranks.
+
+        ``defer=False``: runs under a side stream / the communication thread and may wait.
+        ``defer=True`` (only when :meth:`single_collective`): issue one asynchronous
+        collective and return its work without waiting.
+        """
+
+    def single_collective(self, hierarchical: bool) -> bool:
+        """True when a bucket is reduced by one collective that can be waited on later."""
+        return False
 
     def setup(self, module: nn.Module, comm: CommContext, plan: BucketPlan) -> None:
         self._comm = comm
@@ -52,6 +65,7 @@ class GradientBucketAlgorithm(Algorithm):
             trainable_parameters(module),
             plan,
             communicate=self._communicate,
+            can_defer=self._can_defer,
             bind_grads=True,
             flatten=self.flatten,
             pad_multiple=self.pad_multiple(comm, plan),
@@ -63,14 +77,18 @@ class GradientBucketAlgorithm(Algorithm):
             raise RuntimeError(f"algorithm {self.name!r} is not set up; call setup(module, comm, plan) first")
         return self._engine
 
-    def _communicate(self, bucket: Bucket) -> None:
+    def _communicate(self, bucket: Bucket, defer: bool) -> dist.Work | None:
         assert self._comm is not None
-        self.reduce_bucket(bucket, self._comm, self.engine.plan.is_hierarchical_reduce)
+        return self.reduce_bucket(bucket, self._comm, self.engine.plan.is_hierarchical_reduce, defer)
+
+    def _can_defer(self) -> bool:
+        return self.single_collective(self.engine.plan.is_hierarchical_reduce)
 
     def on_forward_start(self, step: int) -> None:
         engine = self.engine
         if engine.wants_ready_order_plan:
             engine.adopt_ready_order(self._comm.group if self._comm else None)
+        engine.attach_grads()
 
     def on_backward_start(self, step: int) -> None:
         self.engine.begin()

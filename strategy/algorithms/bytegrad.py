@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from bagua_lightning.proto.plan import BucketPlan
 from bagua_lightning.strategy.algorithms.base import register_algorithm
 from bagua_lightning.strategy.algorithms.bucketed import GradientBucketAlgorithm
@@ -35,5 +37,8 @@ class ByteGradAlgorithm(GradientBucketAlgorithm):
         # Flat and hierarchical chunkings both fit a multiple of the world size.
         return comm.world_size
 
-    def reduce_bucket(self, bucket: Bucket, comm: CommContext, hierarchical: bool) -> None:
+    def reduce_bucket(
+        self, bucket: Bucket, comm: CommContext, hierarchical: bool, defer: bool
+    ) -> dist.Work | None:
         compressed_all_reduce_(bucket.flat, comm, average=self.average, hierarchical=hierarchical)
+        return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from bagua_lightning.strategy.algorithms.base import register_algorithm
 from bagua_lightning.strategy.algorithms.bucketed import GradientBucketAlgorithm
 from bagua_lightning.strategy.buckets import Bucket
@@ -23,8 +25,13 @@ class GradientAllReduceAlgorithm(GradientBucketAlgorithm):
     def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
         super().__init__(hierarchical=hierarchical, average=average)
 
-    def reduce_bucket(self, bucket: Bucket, comm: CommContext, hierarchical: bool) -> None:
+    def single_collective(self, hierarchical: bool) -> bool:
+        return not hierarchical
+
+    def reduce_bucket(
+        self, bucket: Bucket, comm: CommContext, hierarchical: bool, defer: bool
+    ) -> dist.Work | None:
         if hierarchical:
             hierarchical_all_reduce_(bucket.flat, comm, average=self.average)
-        else:
-            all_reduce_(bucket.flat, comm, average=self.average)
+            return None
+        return all_reduce_(bucket.flat, comm, average=self.average, wait=not defer)

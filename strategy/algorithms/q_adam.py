@@ -24,12 +24,18 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.strategy.algorithms.base import Algorithm, register_algorithm
 from bagua_lightning.strategy.buckets import Bucket, BucketEngine, trainable_parameters
-from bagua_lightning.strategy.comm import CommContext, compressed_all_reduce_, hierarchical_all_reduce_
+from bagua_lightning.strategy.comm import (
+    CommContext,
+    all_reduce_,
+    compressed_all_reduce_,
+    hierarchical_all_reduce_,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from bagua_lightning.proto.plan import BucketPlan, StepTimings
@@ -165,7 +171,11 @@ class QAdamAlgorithm(Algorithm):
         self._comm, self._module, self._plan = comm, module, plan
         self._grad_engine = BucketEngine(
             trainable_parameters(module), plan, communicate=self._allreduce, flatten=self.flatten,
+            can_defer=lambda: not self._grad_engine_plan_hierarchical(),
         )
+
+    def _grad_engine_plan_hierarchical(self) -> bool:
+        return self._grad_engine is not None and self._grad_engine.plan.is_hierarchical_reduce
 
     @staticmethod
     def check_optimizers(optimizers: Sequence[Any]) -> QAdamOptimizer:
@@ -224,19 +234,18 @@ class QAdamAlgorithm(Algorithm):
 
     # ------------------------------------------------------------------ communication
 
-    def _allreduce(self, bucket: Bucket) -> None:
+    def _allreduce(self, bucket: Bucket, defer: bool) -> dist.Work | None:
         assert self._comm is not None and self._grad_engine is not None
         if self._grad_engine.plan.is_hierarchical_reduce:
             hierarchical_all_reduce_(bucket.flat, self._comm, average=True)
-        else:
-            from bagua_lightning.strategy.comm import all_reduce_
+            return None
+        return all_reduce_(bucket.flat, self._comm, average=True, wait=not defer)
 
-            all_reduce_(bucket.flat, self._comm, average=True)
-
-    def _compressed(self, bucket: Bucket) -> None:
+    def _compressed(self, bucket: Bucket, defer: bool) -> dist.Work | None:
         assert self._comm is not None and self._momentum_engine is not None
         compressed_all_reduce_(bucket.flat, self._comm, average=True,
                                hierarchical=self._momentum_engine.plan.is_hierarchical_reduce)
+        return None
 
     # ------------------------------------------------------------------ hooks
 
@@ -252,6 +261,8 @@ class QAdamAlgorithm(Algorithm):
             self._plan = self._grad_engine.plan
             if self._optimizer is not None:  # the momentum buckets follow the same order
                 self.bind_optimizers([self._optimizer])
+        if self._grad_engine is not None and (self._optimizer is None or self._optimizer.in_warmup):
+            self._grad_engine.attach_grads()
 
     def on_backward_start(self, step: int) -> None:
         if self._optimizer is None:

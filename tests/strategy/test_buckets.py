@@ -50,7 +50,7 @@ def test_engine_launches_in_plan_order_whatever_the_ready_order() -> None:
     named = trainable_parameters(model)
     launched: list[int] = []
 
-    def communicate(bucket: Bucket) -> None:
+    def communicate(bucket: Bucket, defer: bool) -> None:
         launched.append(bucket.index)
         bucket.flat.mul_(2)  # stands in for a reduction
 
@@ -90,7 +90,7 @@ def test_engine_launches_in_plan_order_whatever_the_ready_order() -> None:
 
 def test_padding_is_a_multiple_and_stays_zero() -> None:
     named = trainable_parameters(_model())
-    engine = BucketEngine(named, default_plan(named), communicate=lambda b: None, pad_multiple=7)
+    engine = BucketEngine(named, default_plan(named), communicate=lambda b, d: None, pad_multiple=7)
     try:
         (bucket,) = engine.buckets
         assert bucket.flat.numel() % 7 == 0 and bucket.flat.numel() >= bucket.numel
