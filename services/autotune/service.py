@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration
@@ -40,11 +41,13 @@ class AutotuneService:
         config: how to tune (see :class:`ServiceConfig`).
         store: where best plans persist across restarts (None: memory only).
         sample_log: where every sample is logged per model (None: not logged).
+        clock: monotonic clock in seconds (tests pass a fake one).
     """
 
     def __init__(self, config: ServiceConfig, *, store: PlanStore | None = None,
-                 sample_log: SampleLog | None = None) -> None:
+                 sample_log: SampleLog | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
         self.store = store
         self.sample_log = sample_log
         self._sessions: dict[str, ModelSession] = {}
@@ -104,7 +107,8 @@ class AutotuneService:
                     raise ResourceExhaustedError(
                         f"the service already tunes {len(self._sessions)} models, its limit; raise --max-models "
                         "or restart it")
-                session = ModelSession(registration, self.config, store=self.store, sample_log=self.sample_log)
+                session = ModelSession(registration, self.config, store=self.store, sample_log=self.sample_log,
+                                       clock=self._clock)
                 self._sessions[model_name] = session
                 logger.info("event=model_registered model=%s tensors=%d world_size=%d nproc_per_node=%d "
                             "whether_to_bucket=%s", model_name, len(tensors), world, per_node, whether_to_bucket)

@@ -386,8 +386,10 @@ class ModelSession:
                                    is_hierarchical_reduce=self._current.is_hierarchical_reduce), "execution-order")
             return
         now = self._clock()
-        if self._fresh_reports == 0 or now - self._issued_at < self.config.sampling_confidence_time_s \
-                or now - self.started_at < self.config.warmup_time_s:
+        warm_from = self.started_at + self.config.warmup_time_s
+        # A plan's hold counts from its issue or from the end of the warm-up, whichever is later.
+        held_s = now - max(self._issued_at, warm_from)
+        if self._fresh_reports == 0 or now < warm_from or held_s < self.config.sampling_confidence_time_s:
             return
         sample = self._stats[_layout_key(self._current)].sample(self._current)
         self._history.append(sample)

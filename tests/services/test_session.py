@@ -1,0 +1,168 @@
+"""A model's session without a server: plans per train_iter, duplicates, completion, persistence."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
+from bagua_lightning.services.autotune.config import ServiceConfig
+from bagua_lightning.services.autotune.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from bagua_lightning.services.autotune.persistence import (
+    DirectoryPlanStore,
+    RedisPlanStore,
+    StoredPlan,
+    open_store,
+)
+from bagua_lightning.services.autotune.service import AutotuneService, Span
+from bagua_lightning.services.autotune.session import PlanRef
+from tests.procs import free_port, running, wait_until
+from tests.services.ranks import abcde, sim_job
+
+FAST = {"warmup_time_s": 0.0, "sampling_confidence_time_s": 0.0}
+
+
+def _rows(tensors: list[TensorDeclaration]) -> list[tuple[str, int, str]]:
+    return [(t.name, t.num_elements, t.dtype) for t in tensors]
+
+
+def _ref(plan: BucketPlan) -> PlanRef:
+    return PlanRef(version=plan.version, bucket_names=tuple((b[0].name, b[-1].name) for b in plan.buckets),
+                   bucket_lengths=tuple(len(b) for b in plan.buckets), decode=lambda: plan)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_duplicates_identical_plans_and_completion() -> None:
+    service = AutotuneService(ServiceConfig(world_size=2, max_samples=3, **FAST))
+    job = sim_job(0)
+    plan = service.register("m", _rows(list(job.tensors)), True)
+    assert plan.version == 0
+    versions = []
+    for it in range(10):
+        plan, completed = service.ask("m", 0, it)
+        assert service.ask("m", 1, it) == (plan, completed)  # identical for every rank
+        versions.append(plan.version)
+        if completed:
+            break
+        speed, timings, backward = job.measure(plan)
+        assert service.report("m", 0, it, _ref(plan), speed, timings, backward) is True
+        assert service.report("m", 0, it, _ref(plan), speed, timings, backward) is False  # duplicate
+    assert completed and versions == sorted(versions)
+    assert service.ask("m", 0, 3) == service.ask("m", 1, 3)  # an older iteration keeps its decision
+    assert service.ask("m", 0, 100)[1] is True
+
+
+def test_warmup_and_confidence_hold_the_plan() -> None:
+    clock = _Clock()
+    config = ServiceConfig(warmup_time_s=30.0, sampling_confidence_time_s=5.0, max_samples=10)
+    service = AutotuneService(config, clock=clock)
+    service.register("m", _rows(abcde()), True)
+    session = service.session("m")
+    plan = session.current_plan
+    assert session.report(0, 0, None, 100.0)  # during warm-up: accepted, not used
+    clock.now = 31.0
+    assert session.ask(0, 1)[0] == plan  # no report after warm-up yet
+    session.report(0, 2, None, 100.0)
+    assert session.ask(0, 3)[0] == plan  # held for 31 s, but measured only since the warm-up ended
+    clock.now = 32.0
+    assert session.ask(0, 4)[0] == plan
+    clock.now = 40.0
+    assert session.ask(0, 5)[0] != plan  # now a new plan
+    assert len(session.samples) == 1
+
+
+def test_autotune_level_0_hands_back_the_default() -> None:
+    service = AutotuneService(ServiceConfig(autotune_level=0, **FAST))
+    plan = service.register("m", _rows(abcde()), True)
+    service.report("m", 0, 0, None, 1.0)
+    assert service.ask("m", 0, 1) == (plan, True)
+
+
+def test_registration_errors() -> None:
+    service = AutotuneService(ServiceConfig(max_models=1, max_tensors=5, **FAST))
+    service.register("m", _rows(abcde()), True)
+    with pytest.raises(FailedPreconditionError, match="different tensor_list"):
+        service.register("m", _rows(abcde()[:2]), True)
+    with pytest.raises(FailedPreconditionError, match="world_size"):
+        service.register("m", _rows(abcde()), True, world_size=2)
+    with pytest.raises(ResourceExhaustedError, match="--max-models"):
+        service.register("other", _rows(abcde()), True)
+    with pytest.raises(NotFoundError):
+        service.ask("nobody", 0, 0)
+    with pytest.raises(InvalidArgumentError, match="model_name is empty"):
+        service.register("", _rows(abcde()), True)
+    with pytest.raises(InvalidArgumentError, match="spans is empty"):
+        service.report_execution_order([], "m")
+    with pytest.raises(InvalidArgumentError, match="'Q'"):
+        service.report_execution_order([Span(0, "tensor_ready", "Q", 0, 0)], "m")
+
+
+def test_whether_to_bucket_false_is_one_bucket_per_dtype() -> None:
+    service = AutotuneService(ServiceConfig(**FAST))
+    tensors = [TensorDeclaration("a", 10, "f32"), TensorDeclaration("b", 10, "f16"), TensorDeclaration("c", 10)]
+    assert service.register("m", _rows(tensors), False).tensor_names == [["a", "c"], ["b"]]
+
+
+def test_directory_store_round_trip_and_restart(tmp_path: Path) -> None:
+    store = DirectoryPlanStore(tmp_path)
+    service = AutotuneService(ServiceConfig(max_samples=2, **FAST), store=store)
+    job = sim_job(1)
+    service.register("m", _rows(list(job.tensors)), True, world_size=1)
+    for it in range(6):
+        plan, completed = service.ask("m", 0, it)
+        if completed:
+            break
+        speed, timings, backward = job.measure(plan)
+        service.report("m", 0, it, _ref(plan), speed, timings, backward)
+    assert completed
+    again = AutotuneService(ServiceConfig(**FAST), store=DirectoryPlanStore(tmp_path))
+    restored = again.register("m2", _rows(list(job.tensors)), True, world_size=1)
+    assert restored.same_layout(plan) and again.ask("m2", 0, 0)[1] is True
+
+
+def test_store_ignores_a_plan_for_other_tensors(tmp_path: Path) -> None:
+    store = DirectoryPlanStore(tmp_path)
+    service = AutotuneService(ServiceConfig(**FAST), store=store)
+    key = dataclasses.replace(service.register("m", _rows(abcde()), True)).version  # register once for the key
+    assert key == 0
+    registration = service.session("m").registration
+    wrong = BucketPlan(((TensorDeclaration("Z", 4),),))
+    store.save(registration.store_key, StoredPlan(plan=wrong, score=1.0, completed=True, model_name="m"))
+    fresh = AutotuneService(ServiceConfig(**FAST), store=store)
+    assert fresh.register("m", _rows(abcde()), True).tensor_names != [["Z"]]
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    with running(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]):
+        wait_until(lambda: subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True,
+                                          timeout=5).stdout.strip() == b"PONG", 20, "redis-server")
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+def test_redis_store_round_trip(redis_url: str) -> None:
+    store = open_store(redis_url)
+    assert isinstance(store, RedisPlanStore)
+    plan = BucketPlan(tuple((t,) for t in abcde()), bucket_size=123, is_hierarchical_reduce=True, version=4)
+    assert store.load("k") is None
+    store.save("k", StoredPlan(plan=plan, score=9.5, completed=True, model_name="m"))
+    loaded = store.load("k")
+    assert loaded is not None and loaded.plan == plan and loaded.score == 9.5 and loaded.completed
+    store.close()
