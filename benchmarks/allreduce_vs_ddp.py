@@ -5,10 +5,11 @@ Launch with torchrun (NCCL on GPUs, Gloo on CPU)::
     torchrun --nproc_per_node 2 benchmarks/allreduce_vs_ddp.py                 # ~110M-param transformer
     torchrun --nproc_per_node 2 benchmarks/allreduce_vs_ddp.py --model tiny    # CPU smoke check
 
-Every variant trains a fresh copy of the same model (same initial weights, same
-batches, same AdamW) for ``--warmup`` untimed then ``--steps`` timed steps; the
-variants take turns for ``--rounds`` rounds so that drift of the machine hits all of
-them alike, and the median samples/s per variant is reported with its ratio to DDP.
+Every variant trains its own copy of the same model (same initial weights, same
+batches, same AdamW); all copies live side by side, warm up for ``--warmup`` steps,
+then take turns in timed blocks of ``--steps`` steps for ``--rounds`` rounds (order
+rotated every round) so that drift of the machine hits all of them alike. The median
+samples/s per variant is reported with its ratio to DDP.
 """
 
 from __future__ import annotations
@@ -73,39 +74,48 @@ def parse_variant(variant: str, default_bucket: int) -> tuple[str, int]:
     return name, int(float(size.removesuffix("MiB")) * 1024**2) if size else default_bucket
 
 
-TIMINGS: dict[str, str] = {}
+class Runner:
+    """One variant: its own model copy, optimizer and wrapper, trained in timed blocks of steps."""
 
+    def __init__(self, variant: str, args: argparse.Namespace, device: torch.device, comm: CommContext,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.variant, self.args, self.device, self.comm, self.batches = variant, args, device, comm, batches
+        self.model, self.opt = build(variant, args, device, comm)
+        self.i = 0
+        self.block(args.warmup)
 
-def run(variant: str, args: argparse.Namespace, device: torch.device, comm: CommContext,
-        batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    model, opt = build(variant, args, device, comm)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    def step(i: int) -> None:
-        x, y = batches[i % len(batches)]
-        with amp:
-            logits = model(x)
+    def step(self) -> None:
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            logits = self.model(x)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
+        self.opt.step()
 
-    for i in range(args.warmup):
-        step(i)
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(args.steps):
-        step(i)
-    sync(device)
-    elapsed = time.perf_counter() - t0
-    if isinstance(model, BaguaDistributedDataParallel):
-        t = model.last_step_timings()
-        if t is not None:
-            TIMINGS[variant] = (f"{len(t.buckets)} buckets, backward {t.backward_ms:.1f} ms, comm "
-                                f"{sum(b.comm_ms for b in t.buckets):.1f} ms, exposed wait "
-                                f"{max((b.wait_ms for b in t.buckets), default=0):.1f} ms")
-        model.teardown()
-    return args.steps * args.batch_size * comm.world_size / elapsed  # samples/s, all ranks
+    def block(self, steps: int) -> float:
+        """Samples/s (all ranks) over ``steps`` steps."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        sync(self.device)
+        return steps * self.args.batch_size * self.comm.world_size / (time.perf_counter() - t0)
+
+    def timings(self) -> str | None:
+        if not isinstance(self.model, BaguaDistributedDataParallel):
+            return None
+        t = self.model.last_step_timings()
+        if t is None:
+            return None
+        return (f"{len(t.buckets)} buckets, backward {t.backward_ms:.1f} ms, comm "
+                f"{sum(b.comm_ms for b in t.buckets):.1f} ms, exposed wait "
+                f"{max((b.wait_ms for b in t.buckets), default=0):.1f} ms")
+
+    def close(self) -> None:
+        if isinstance(self.model, BaguaDistributedDataParallel):
+            self.model.teardown()
 
 
 def sync(device: torch.device) -> None:
@@ -119,9 +129,9 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(SIZES), default="100m")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 16 GPU, 4 CPU)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512 GPU, 32 CPU)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=8, help="timed blocks per variant")
     p.add_argument("--bucket-size", type=int, default=10 * 1024**2, help="bytes per Bagua bucket")
     p.add_argument("--variants", default="ddp,gradient_allreduce,bytegrad,decentralized")
     p.add_argument("--json", default=None, help="also write the results here (rank 0)")
@@ -148,12 +158,17 @@ def main() -> None:
     g = torch.Generator().manual_seed(1 + comm.rank)
     batches = [(torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device),
                 torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device)) for _ in range(4)]
+    # All variants live side by side and take turns in short blocks (order rotated every
+    # round), so that clock and thermal drift of the machine hit them alike.
+    runners = [Runner(v, args, device, comm, batches) for v in variants]
     samples: dict[str, list[float]] = {v: [] for v in variants}
-    for _ in range(args.rounds):
-        for v in variants:
-            samples[v].append(run(v, args, device, comm, batches))
-            if cuda:
-                torch.cuda.empty_cache()  # the variant's model and optimizer are gone
+    for r in range(args.rounds):
+        for k in range(len(runners)):
+            runner = runners[(k + r) % len(runners)]
+            samples[runner.variant].append(runner.block(args.steps))
+    timings = {runner.variant: runner.timings() for runner in runners}
+    for runner in runners:
+        runner.close()
     if comm.rank == 0:
         n_params = sum(p.numel() for p in Transformer(*SIZES[args.model], args.seq_len).parameters())
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -167,8 +182,8 @@ def main() -> None:
             result[v] = {"samples_per_s": med, "ratio_vs_ddp": ratio, "all": samples[v]}
             print(f"{v:>28}: {med:10.1f} samples/s  x{ratio:.3f} vs DDP  (rounds: "
                   + ", ".join(f"{s:.1f}" for s in samples[v]) + ")")
-            if v in TIMINGS:
-                print(f"{'':>30}last measured step: {TIMINGS[v]}")
+            if timings.get(v):
+                print(f"{'':>30}last measured step: {timings[v]}")
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"world_size": comm.world_size, "device": name, "params": n_params,
