@@ -72,11 +72,21 @@ def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], Sequence[str]
     return error
 
 
-def _send(client: redis.Redis, commands: list[tuple[Any, ...]], retry: Retry) -> Any:
-    """Send ``commands`` on a fresh pooled connection (reconnecting with backoff); return the connection."""
+def pack_gets(keys: Sequence[str]) -> bytes:
+    """RESP for one ``GET`` per key, packed in one pass (redis-py packs each command separately)."""
+    parts = []
+    for k in keys:
+        raw = k.encode()
+        parts.append(b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(raw), raw))
+    return b"".join(parts)
+
+
+def _send(client: redis.Redis, commands: list[tuple[Any, ...]] | bytes, retry: Retry) -> Any:
+    """Send ``commands`` (or pre-packed RESP) on a pooled connection, reconnecting with backoff."""
     conn = client.connection_pool.get_connection()
+    packed = commands if isinstance(commands, bytes) else None
     try:
-        retry.call_with_retry(lambda: conn.send_packed_command(conn.pack_commands(commands)),
+        retry.call_with_retry(lambda: conn.send_packed_command([packed] if packed else conn.pack_commands(commands)),
                               lambda _err: conn.disconnect())
     except BaseException:
         conn.disconnect()
@@ -175,7 +185,7 @@ class ClusterBackend(Backend):
                 self._refresh()
                 return out, redis.ConnectionError(f"no connection to cluster node {node.name}")
             try:
-                conns.append((client, _send(client, [("GET", keys[j]) for j in idx], self.retry), idx, keys))
+                conns.append((client, _send(client, pack_gets([keys[j] for j in idx]), self.retry), idx, keys))
             except STORE_ERRORS as exc:
                 error = error or exc
         redirected: list[int] = []

@@ -186,7 +186,8 @@ class _Encoder:
         self.meta += raw
         self._shape(tuple(obj.shape))
         arr = np.ascontiguousarray(obj)
-        self._add_array(memoryview(arr.reshape(-1).view(np.uint8)).cast("B") if arr.size else memoryview(b""))
+        flat: Any = arr.reshape(-1).view(np.uint8)
+        self._add_array(memoryview(flat).cast("B") if arr.size else memoryview(b""))
 
     def _npscalar(self, obj: Any, path: str) -> None:
         dt = obj.dtype

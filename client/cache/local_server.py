@@ -148,10 +148,10 @@ def find_or_start(capacity_bytes: int, timeout_s: float = 30.0) -> LocalServer:
         return server
     store.wait([key], timedelta(seconds=timeout_s))
     address = store.get(key).decode()
-    server = _read(local_dir())
-    if server is None or f"{server.host}:{server.port}" != address:
+    found = _read(local_dir())
+    if found is None or f"{found.host}:{found.port}" != address:
         raise ServiceUnavailableError(
             f"local rank 0 published Redis at {address} but {local_dir() / 'server.json'} does not describe it; "
             "do all ranks of this node share the same user and $XDG_STATE_HOME?"
         )
-    return server
+    return found

@@ -28,7 +28,7 @@ import redis
 from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.services_file import resolve_redis_hosts
 
-from .backends import STORE_ERRORS, Backend, Value, ClusterBackend, NodesBackend, probe_is_cluster
+from .backends import STORE_ERRORS, Backend, ClusterBackend, NodesBackend, Value, probe_is_cluster
 from .options import RedisOptions, parse_hosts
 
 log = logging.getLogger(__name__)

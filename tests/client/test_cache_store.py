@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis
 
@@ -13,7 +15,7 @@ from bagua_lightning.services.redis_cluster import ClusterInfo
 from tests.client.conftest import TEST_PASSWORD
 
 
-def test_bagua_parity(any_deployment: tuple[str, ClusterInfo, dict[str, object]]) -> None:
+def test_bagua_parity(any_deployment: tuple[str, ClusterInfo, dict[str, Any]]) -> None:
     kind, info, options = any_deployment
     store = RedisStore(hosts=info.hosts, **options)
     try:
@@ -26,7 +28,7 @@ def test_bagua_parity(any_deployment: tuple[str, ClusterInfo, dict[str, object]]
         assert store.num_keys() == 3
         many = {f"key-{i}": str(i).encode() for i in range(300)}
         store.mset(many)
-        keys = list(many)[::-1] + ["absent"]
+        keys = [*list(many)[::-1], "absent"]
         assert store.mget(keys) == [many[k] for k in keys[:-1]] + [None]
         store.clear()
         assert store.num_keys() == 0
@@ -92,7 +94,7 @@ def test_bad_hosts_are_named(hosts: list[object], match: str) -> None:
 
 
 def test_bad_options_are_named() -> None:
-    with pytest.raises(TypeError, match="unknown RedisStore option.*'pasword'.*valid options"):
+    with pytest.raises(TypeError, match=r"unknown RedisStore option.*'pasword'.*valid options"):
         RedisStore(hosts=["127.0.0.1:1"], pasword="x")
     with pytest.raises(ConfigurationError, match="socket_timeout_s=0"):
         RedisStore(hosts=["127.0.0.1:1"], socket_timeout_s=0)
