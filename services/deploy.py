@@ -17,23 +17,22 @@ in the torch-free service image, whose healthcheck is ``bagua-lightning status -
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import json
 import logging
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bagua_lightning.errors import ConfigurationError, ServiceUnavailableError
+from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.services.health import Health, check_autotune, check_redis, wait_healthy
+from bagua_lightning.services.processes import is_autotune_pid, stop_pid
 from bagua_lightning.services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,
     ENV_REDIS_PASSWORD,
@@ -53,7 +52,6 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_AUTOTUNE_PORT = int(DEFAULT_AUTOTUNE_ADDRESS.rpartition(":")[2])
 DEFAULT_REDIS_PORT = 7000  # first node of the local cluster; the trainer's documented default
 DEFAULT_MAXMEMORY = 1024**3  # bytes per Redis node; docker-compose.yml uses the same default ("1gb")
-CLUSTER_SLOTS = 16384
 AUTOTUNE_LOG = "autotune.log"
 AUTOTUNE_SAMPLES = "autotune-samples"  # folder of the service's per-model sample logs
 _SIZE = re.compile(r"^\s*(\d+)\s*(b|k|kb|m|mb|g|gb)?\s*$", re.IGNORECASE)
@@ -157,153 +155,6 @@ class UpConfig:
         return f"{_bracket(self.host)}:{self.autotune_port}"
 
 
-@dataclass(frozen=True)
-class Health:
-    """Result of one health check: ``healthy`` and a one-line ``detail`` for people."""
-
-    healthy: bool
-    detail: str
-
-
-# ---------------------------------------------------------------------------------------------- health
-
-
-def check_autotune(address: str, timeout_s: float = 2.0) -> Health:
-    """gRPC ``grpc.health.v1`` check of the whole server, with a deadline."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    options = [("grpc.enable_http_proxy", 0)]  # services are local or named explicitly; never proxied
-    try:
-        with grpc.insecure_channel(address, options=options) as channel:
-            response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-            )
-    except grpc.RpcError as exc:
-        code = exc.code() if isinstance(exc, grpc.Call) else None
-        return Health(False, f"not answering ({code.name if code else exc})")
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-    return Health(status == "SERVING", status)
-
-
-def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | None = None,
-                timeout_s: float = 2.0) -> Health:
-    """Every node answers PING; for a cluster, each reports ``cluster_state:ok`` with all slots served."""
-    import redis
-
-    if not hosts:
-        return Health(False, "no Redis hosts recorded")
-    for node in hosts:
-        where = f"{node['host']}:{node['port']}"
-        try:
-            with redis.Redis(host=node["host"], port=int(node["port"]), password=password,
-                             socket_timeout=timeout_s, socket_connect_timeout=timeout_s) as client:
-                client.ping()
-                if not cluster:
-                    continue
-                raw = client.execute_command("CLUSTER INFO")
-        except (redis.RedisError, OSError) as exc:
-            return Health(False, f"{where} not answering ({exc})")
-        fields = _cluster_info_fields(raw)
-        slots_ok = int(fields.get("cluster_slots_ok", "0") or 0)
-        if fields.get("cluster_state") != "ok" or slots_ok != CLUSTER_SLOTS:
-            return Health(False, f"{where}: cluster_state {fields.get('cluster_state')}, "
-                                 f"{slots_ok}/{CLUSTER_SLOTS} slots served")
-    if cluster:
-        return Health(True, f"cluster ok, {CLUSTER_SLOTS}/{CLUSTER_SLOTS} slots served by {len(hosts)} masters")
-    return Health(True, f"{len(hosts)} server(s) answering")
-
-
-def _cluster_info_fields(raw: Any) -> dict[str, str]:
-    # redis-py parses CLUSTER INFO into a dict; a raw reply is "field:value" lines.
-    if isinstance(raw, dict):
-        return {str(k): str(v) for k, v in raw.items()}
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    return dict(line.split(":", 1) for line in text.strip().splitlines() if ":" in line)
-
-
-# ------------------------------------------------------------------------------------------- processes
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc (macOS): os.kill said it exists
-    return state != "Z"
-
-
-def _cmdline(pid: int) -> bytes | None:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-
-
-def is_autotune_pid(pid: int) -> bool:
-    """True when ``pid`` is a live autotune service (not a recycled pid of something else)."""
-    if not pid_alive(pid):
-        return False
-    cmdline = _cmdline(pid)
-    if cmdline is None:
-        return not Path("/proc").is_dir()  # without /proc, trust the recorded pid
-    return b"autotune" in cmdline and b"serve" in cmdline
-
-
-def stop_pid(pid: int, is_ours: Callable[[int], bool], timeout_s: float = 10.0) -> bool:
-    """SIGTERM ``pid`` (if ``is_ours``), SIGKILL it after ``timeout_s``; True when it was running."""
-    if not is_ours(pid):
-        return False
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        _reap(pid)
-        if not pid_alive(pid):
-            return True
-        time.sleep(0.05)
-    log.warning("pid %d did not stop within %.0f s of SIGTERM; sending SIGKILL", pid, timeout_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout_s
-    while pid_alive(pid) and time.monotonic() < deadline:
-        _reap(pid)
-        time.sleep(0.05)
-    return True
-
-
-def _reap(pid: int) -> None:
-    # When `up` ran in this very process (tests, the demo), the service is our child: reap it.
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def _wait_healthy(check: Callable[[], Health], deadline: float, what: str,
-                  proc: subprocess.Popen[bytes] | None = None, log_path: Path | None = None) -> Health:
-    delay = 0.05
-    while True:
-        health = check()
-        if health.healthy:
-            return health
-        if proc is not None and proc.poll() is not None:
-            raise ServiceUnavailableError(
-                f"{what} exited with code {proc.returncode} before it became healthy; see {log_path}"
-                " (is the port already in use?)"
-            )
-        if time.monotonic() > deadline:
-            raise ServiceUnavailableError(f"{what} is not healthy before the deadline: {health.detail}"
-                                          + (f"; see {log_path}" if log_path else ""))
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.5)
-
-
 def start_autotune(cfg: UpConfig, state: str, folder: Path) -> subprocess.Popen[bytes]:
     """Start the autotune service detached (own session, stdin closed), logging to ``folder/autotune.log``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -379,7 +230,7 @@ def up(cfg: UpConfig) -> ServicesInfo:
     proc: subprocess.Popen[bytes] | None = None
     try:
         proc = start_autotune(cfg, redis_state_url(cfg.host, cfg.redis_port), folder)
-        _wait_healthy(lambda: check_autotune(cfg.autotune_address), deadline,
+        wait_healthy(lambda: check_autotune(cfg.autotune_address), deadline,
                       f"the autotune service on {cfg.autotune_address}", proc, folder / AUTOTUNE_LOG)
         info = ServicesInfo(
             autotune=cfg.autotune_address,

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from bagua_lightning.services import deploy
+from bagua_lightning.services import deploy, processes
 from bagua_lightning.services_file import DEFAULT_AUTOTUNE_ADDRESS, ENV_FILE, ServicesInfo, read_services_file
 from tests.integration.compose import COMPOSE_FILE
 from tests.procs import free_port
@@ -89,7 +89,7 @@ class Deployment:
             return self.compose.execute("ps -aq" if exited_too else "ps -q").decode().split()
         info = self.recorded()
         pids = _recorded_pids(info) if info is not None else []
-        return [str(p) for p in pids if deploy.pid_alive(p)]
+        return [str(p) for p in pids if processes.pid_alive(p)]
 
     def recorded(self) -> ServicesInfo | None:
         return read_services_file(Path(self.env[ENV_FILE])) if self.kind == "native" else None
@@ -161,8 +161,8 @@ def native_deployment(state: Path) -> Iterator[Deployment]:
         for pid in _recorded_pids(info) if info is not None else []:
             if is_redis_pid(pid):
                 stop_redis_pid(pid)
-            elif deploy.is_autotune_pid(pid):
-                deploy.stop_pid(pid, deploy.is_autotune_pid, timeout_s=5)
+            elif processes.is_autotune_pid(pid):
+                processes.stop_pid(pid, processes.is_autotune_pid, timeout_s=5)
         stop_cluster(redis_port, state / "bagua-lightning")
 
 

@@ -16,7 +16,7 @@ import pytest
 from bagua_lightning.client import AutotuneClient
 from bagua_lightning.client.cache.store import RedisStore
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
-from bagua_lightning.services import deploy
+from bagua_lightning.services import deploy, health, processes
 from bagua_lightning.services.autotune.persistence import StoredPlan, open_store
 from tests.integration.conftest import Deployment, _is_free
 
@@ -24,9 +24,9 @@ TENSORS: list[dict[str, Any]] = [{"name": f"layer{i}.weight", "num_elements": 10
 
 
 def test_both_services_are_healthy(services: Deployment) -> None:
-    autotune = deploy.check_autotune(services.autotune, timeout_s=5.0)
+    autotune = health.check_autotune(services.autotune, timeout_s=5.0)
     assert autotune.healthy, autotune.detail
-    redis_health = deploy.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0)
+    redis_health = health.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0)
     assert redis_health.healthy, redis_health.detail
     assert "16384/16384 slots" in redis_health.detail
 
@@ -100,9 +100,9 @@ def test_up_twice_is_harmless(services: Deployment) -> None:
     assert before, "the deployment runs no process"
     services.up()
     assert sorted(services.processes()) == before  # nothing restarted, nothing added
-    health = deploy.check_autotune(services.autotune, timeout_s=5.0)
-    assert health.healthy, health.detail
-    assert deploy.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0).healthy
+    autotune = health.check_autotune(services.autotune, timeout_s=5.0)
+    assert autotune.healthy, autotune.detail
+    assert health.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0).healthy
 
 
 def test_down_leaves_no_process(services: Deployment) -> None:
@@ -115,7 +115,7 @@ def test_down_leaves_no_process(services: Deployment) -> None:
     if services.kind == "native":
         assert recorded is not None
         pids = [recorded.pids["autotune"], *recorded.pids["redis"]]
-        assert not [p for p in pids if deploy.pid_alive(int(p))], "a process outlived `down`"
+        assert not [p for p in pids if processes.pid_alive(int(p))], "a process outlived `down`"
         assert services.recorded() is None, "`down` must remove the services file"
         assert all(_is_free(p) for p in services.ports()), "a port is still taken after `down`"
-    assert not deploy.check_autotune(services.autotune, timeout_s=1.0).healthy
+    assert not health.check_autotune(services.autotune, timeout_s=1.0).healthy

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services import deploy
+from bagua_lightning.services import deploy, processes
 from bagua_lightning.services_file import ENV_FILE, read_services_file
 from tests.integration.conftest import _recorded_pids, free_port_block
 from tests.procs import free_port, wait_until
@@ -37,7 +37,7 @@ def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         info = read_services_file()
         deploy.down(timeout_s=5)
         for pid in _recorded_pids(info) if info is not None else []:
-            assert not deploy.pid_alive(pid), f"pid {pid} outlived down()"
+            assert not processes.pid_alive(pid), f"pid {pid} outlived down()"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -97,8 +97,8 @@ def test_single_redis_up_status_down(state: Path) -> None:
     assert info.redis_hosts == [{"host": "127.0.0.1", "port": redis_port}] and info.redis_cluster is False
     assert read_services_file() == info
     assert (state / "bagua-lightning" / deploy.AUTOTUNE_LOG).is_file()
-    health = deploy.running_services(info)
-    assert health["autotune"].healthy and health["redis"].healthy, health
+    report = deploy.running_services(info)
+    assert report["autotune"].healthy and report["redis"].healthy, report
 
     status = _cli("status", "--json")
     assert status.returncode == 0, status.stderr
@@ -106,7 +106,7 @@ def test_single_redis_up_status_down(state: Path) -> None:
 
     pids = _recorded_pids(info)
     assert deploy.down() == sorted(pids)
-    assert not [p for p in pids if deploy.pid_alive(p)]
+    assert not [p for p in pids if processes.pid_alive(p)]
     assert read_services_file() is None
 
 
@@ -115,7 +115,7 @@ def test_dead_service_is_reported_and_up_restarts_it(state: Path) -> None:
     first = deploy.up(cfg)
     old_pid = first.pids["autotune"]
     os.kill(old_pid, signal.SIGKILL)
-    wait_until(lambda: not deploy.pid_alive(old_pid) or _reap(old_pid), 10, "the killed autotune service")
+    wait_until(lambda: not processes.pid_alive(old_pid) or _reap(old_pid), 10, "the killed autotune service")
 
     status = _cli("status")
     assert status.returncode == 1
@@ -131,7 +131,7 @@ def _reap(pid: int) -> bool:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
-    return not deploy.pid_alive(pid)
+    return not processes.pid_alive(pid)
 
 
 def test_taken_port_fails_before_starting_anything(state: Path) -> None:

@@ -1,0 +1,101 @@
+"""Health checks of the deployed services, each with a deadline: the autotune service's gRPC health and
+the Redis nodes (every node answering; for a cluster, all 16384 slots served).
+
+Used by ``bagua-lightning up``/``status`` and by the services image's healthcheck
+(``bagua-lightning status --autotune HOST:PORT``); no torch here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bagua_lightning.errors import ServiceUnavailableError
+
+CLUSTER_SLOTS = 16384
+
+
+@dataclass(frozen=True)
+class Health:
+    """Result of one health check: ``healthy`` and a one-line ``detail`` for people."""
+
+    healthy: bool
+    detail: str
+
+
+def check_autotune(address: str, timeout_s: float = 2.0) -> Health:
+    """gRPC ``grpc.health.v1`` check of the whole server, with a deadline."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    options = [("grpc.enable_http_proxy", 0)]  # services are local or named explicitly; never proxied
+    try:
+        with grpc.insecure_channel(address, options=options) as channel:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+    except grpc.RpcError as exc:
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        return Health(False, f"not answering ({code.name if code else exc})")
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return Health(status == "SERVING", status)
+
+
+def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | None = None,
+                timeout_s: float = 2.0) -> Health:
+    """Every node answers PING; for a cluster, each reports ``cluster_state:ok`` with all slots served."""
+    import redis
+
+    if not hosts:
+        return Health(False, "no Redis hosts recorded")
+    for node in hosts:
+        where = f"{node['host']}:{node['port']}"
+        try:
+            with redis.Redis(host=node["host"], port=int(node["port"]), password=password,
+                             socket_timeout=timeout_s, socket_connect_timeout=timeout_s) as client:
+                client.ping()
+                if not cluster:
+                    continue
+                raw = client.execute_command("CLUSTER INFO")
+        except (redis.RedisError, OSError) as exc:
+            return Health(False, f"{where} not answering ({exc})")
+        fields = _cluster_info_fields(raw)
+        slots_ok = int(fields.get("cluster_slots_ok", "0") or 0)
+        if fields.get("cluster_state") != "ok" or slots_ok != CLUSTER_SLOTS:
+            return Health(False, f"{where}: cluster_state {fields.get('cluster_state')}, "
+                                 f"{slots_ok}/{CLUSTER_SLOTS} slots served")
+    if cluster:
+        return Health(True, f"cluster ok, {CLUSTER_SLOTS}/{CLUSTER_SLOTS} slots served by {len(hosts)} masters")
+    return Health(True, f"{len(hosts)} server(s) answering")
+
+
+def _cluster_info_fields(raw: Any) -> dict[str, str]:
+    # redis-py parses CLUSTER INFO into a dict; a raw reply is "field:value" lines.
+    if isinstance(raw, dict):
+        return {str(k): str(v) for k, v in raw.items()}
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return dict(line.split(":", 1) for line in text.strip().splitlines() if ":" in line)
+
+
+def wait_healthy(check: Callable[[], Health], deadline: float, what: str,
+                  proc: subprocess.Popen[bytes] | None = None, log_path: Path | None = None) -> Health:
+    """Poll ``check`` until healthy; fail fast when ``proc`` exits, and after the monotonic ``deadline``."""
+    delay = 0.05
+    while True:
+        health = check()
+        if health.healthy:
+            return health
+        if proc is not None and proc.poll() is not None:
+            raise ServiceUnavailableError(
+                f"{what} exited with code {proc.returncode} before it became healthy; see {log_path}"
+                " (is the port already in use?)"
+            )
+        if time.monotonic() > deadline:
+            raise ServiceUnavailableError(f"{what} is not healthy before the deadline: {health.detail}"
+                                          + (f"; see {log_path}" if log_path else ""))
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
