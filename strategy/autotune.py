@@ -187,7 +187,9 @@ class IntervalMeter:
                 timings.append(BucketTimingRecord(
                     bucket_index=i, bytes=rows[0].bytes, ready_ms=sum(r.ready_ms for r in rows) / n,
                     comm_ms=sum(r.comm_ms for r in rows) / n, wait_ms=sum(r.wait_ms for r in rows) / n))
-        self.samples, self.started, self.paused_at, self.paused_s = 0, now, None, 0.0
+        # The next interval starts here (its first batch may begin after the boundary's collectives).
+        self.samples, self.paused_at, self.paused_s = 0, None, 0.0
+        self.started = now if self.started is not None else None
         self.steps, self._last_key = [], None
         return speed, timings, backward_ms
 
@@ -348,6 +350,8 @@ class AutotuneController:
         self._order: list[tuple[str, int]] = []
         self._order_hooks: list[Any] = []
         self._order_sent = False
+        self._reconnect = False
+        self._unexpected: set[str] = set()
         self.closed = False
 
     # ---------------------------------------------------------------- life cycle
@@ -364,7 +368,7 @@ class AutotuneController:
             iter_base = time.time_ns() // 1000
             self._client = self._client_factory(self.settings)
             if self._client.health_check(timeout_s=self.settings.connect_timeout_s):
-                self._register()
+                self._register(self._client)
             else:
                 self._outage.down = True
                 log.warning("autotune: no autotune service answers at %s; training on the default bucket plan "
@@ -380,10 +384,11 @@ class AutotuneController:
         """Stop the worker (in-flight RPCs end at their deadline or when the channel closes); idempotent."""
         if self.closed:
             return
-        self.closed = True
         self._remove_order_hooks()
         pool, self._pool = self._pool, None
-        client, self._client = self._client, None
+        with self._lock:
+            self.closed = True
+            client, self._client = self._client, None
         if client is not None:
             client.close()  # cancels an RPC in flight
         if pool is not None:
@@ -540,7 +545,7 @@ class AutotuneController:
 
     def _work(self, train_iter: int, plan: BucketPlan | None, speed: float, timings: list[BucketTimingRecord],
               backward_ms: float) -> None:
-        client = self._client
+        client = self._worker_client()
         if client is None:
             return
         try:
@@ -549,7 +554,7 @@ class AutotuneController:
                                       backward_ms=backward_ms)
             if self.is_main:
                 if not self._registered_local:
-                    self._register()
+                    self._register(client)
                     return
                 if self._order and not self._order_sent:
                     spans = [{"trace_id": 1, "action": "tensor_ready", "tensor_name": name, "start_time": t,
@@ -568,19 +573,35 @@ class AutotuneController:
                     self._registered_local = False
                 self._order_sent = False
             self._outage.failed(f"autotune call to {self.settings.address}", exc)
-        except (ServiceUnavailableError, ValueError) as exc:
+        except ServiceUnavailableError as exc:
+            self._reconnect = True
             self._outage.failed(f"autotune call to {self.settings.address}", exc)
-        except Exception:  # a bug here must not stop training; say so loudly, once per outage
-            if not self._outage.down:
+        except ValueError as exc:  # a malformed plan from the service
+            self._outage.failed(f"autotune call to {self.settings.address}", exc)
+        except Exception as exc:  # a bug here must not stop training; say so loudly, once per kind
+            if repr(exc) not in self._unexpected:
+                self._unexpected.add(repr(exc))
                 log.exception("autotune: unexpected error in the background worker; the current plan stays")
-            self._outage.down = True
 
-    def _register(self) -> None:
+    def _worker_client(self) -> Any:
+        """The client, replaced by a fresh one after an outage: a new channel connects at once, where the
+        old one may still wait out gRPC's reconnect backoff."""
+        with self._lock:
+            if self.closed:
+                return None
+            if self._reconnect and self._client is not None:
+                self._client.close()
+                self._client = self._client_factory(self.settings)
+                self._reconnect = False
+            return self._client
+
+    def _register(self, client: Any) -> None:
         """Rank 0: register the tensors; the answer becomes the pending plan. Failures are warned once."""
         try:
-            reply = self._client.register_tensors(self.model_name, self.tensors, world_size=self.world_size,
+            reply = client.register_tensors(self.model_name, self.tensors, world_size=self.world_size,
                                                   nproc_per_node=self.nproc_per_node)
         except (grpc.RpcError, ServiceUnavailableError) as exc:
+            self._reconnect = True
             self._outage.failed(f"registering model {self.model_name!r} with {self.settings.address}", exc)
             return
         plan = plan_from_proto(reply.recommended_hyperparameters)

@@ -103,6 +103,7 @@ def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3
             records.append([step, ctl.version if ctl else -1, plan.fingerprint(), len(plan.buckets),
                             plan.is_hierarchical_reduce])
             x, y = batch(step)
+            time.sleep(0.02)  # "compute": an interval outlasts a background RPC even on a loaded 2-core VM
             opt.zero_grad()
             loss = nn.functional.mse_loss(wrapper(x), y)
             loss.backward()
