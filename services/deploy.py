@@ -17,6 +17,8 @@ in the torch-free service image, whose healthcheck is ``bagua-lightning status -
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import ipaddress
 import json
 import logging
@@ -26,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,14 +193,34 @@ def running_services(info: ServicesInfo | None, password: str | None = None) -> 
     return out
 
 
+@contextlib.contextmanager
+def _exclusive() -> Iterator[None]:
+    # Two `up`s at once (two shells, the ranks of a job) would race for the same ports: one at a time.
+    path = services_file_path().with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def up(cfg: UpConfig) -> ServicesInfo:
     """Start both services (or find them already running and healthy) and write the services file.
 
+    Calls are serialised through a lock file beside the services file.
+
     Raises:
-        ConfigurationError: bad settings, or a port is taken by a deployment this file does not record.
+        ConfigurationError: bad settings, services running with other settings, or a port is taken.
         ServiceUnavailableError: a service did not become healthy before ``cfg.timeout_s``; everything
             this call started is stopped again.
     """
+    with _exclusive():
+        return _up(cfg)
+
+
+def _up(cfg: UpConfig) -> ServicesInfo:
     from bagua_lightning.services import redis_cluster
 
     password = os.environ.get(ENV_REDIS_PASSWORD) or None
@@ -215,7 +238,7 @@ def up(cfg: UpConfig) -> ServicesInfo:
     if existing is not None:
         log.info("recorded services are not all healthy (%s); restarting them",
                  ", ".join(f"{k}: {h.detail}" for k, h in health.items()))
-        down()
+        _down()
     if not _is_loopback(cfg.host) and password is None:
         log.warning("Redis will listen on %s without a password; set %s", cfg.host, ENV_REDIS_PASSWORD)
     _require_free_ports(cfg)
@@ -253,11 +276,12 @@ def ensure_up(cfg: UpConfig | None = None) -> ServicesInfo:
 
     For callers that only need services to exist (the demo), not particular ports.
     """
-    existing = read_services_file()
-    health = running_services(existing, os.environ.get(ENV_REDIS_PASSWORD) or None)
-    if existing is not None and health and all(h.healthy for h in health.values()):
-        return existing
-    return up(cfg or UpConfig())
+    with _exclusive():
+        existing = read_services_file()
+        health = running_services(existing, os.environ.get(ENV_REDIS_PASSWORD) or None)
+        if existing is not None and health and all(h.healthy for h in health.values()):
+            return existing
+        return _up(cfg or UpConfig())
 
 
 def _differences(info: ServicesInfo, cfg: UpConfig) -> list[str]:
@@ -277,6 +301,11 @@ def _differences(info: ServicesInfo, cfg: UpConfig) -> list[str]:
 
 def down(timeout_s: float = 10.0) -> list[int]:
     """Stop everything the services file records and remove the file; return the pids stopped."""
+    with _exclusive():
+        return _down(timeout_s)
+
+
+def _down(timeout_s: float = 10.0) -> list[int]:
     from bagua_lightning.services import redis_cluster
 
     info = read_services_file()

@@ -181,3 +181,30 @@ def test_up_with_other_settings_while_running_is_refused(state: Path) -> None:
         deploy.up(other)
     assert deploy.ensure_up(other) == info  # the demo's way: any healthy services will do
     assert read_services_file() == info
+
+
+def test_concurrent_ups_start_one_set_of_services(state: Path) -> None:
+    autotune_port, redis_port = free_port(), free_port()
+    args = ["up", "--single", "--autotune-port", str(autotune_port), "--redis-port", str(redis_port),
+            "--maxmemory", "32mb"]
+    env = dict(os.environ, BAGUA_LIGHTNING_NO_STRATEGY="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "bagua_lightning.cli", *args], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outputs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    info = read_services_file()
+    assert info is not None and all(processes.pid_alive(p) for p in _recorded_pids(info))
+    serving = [pid for pid in _pids_with(f"--port\0{autotune_port}\0".encode()) if processes.is_autotune_pid(pid)]
+    assert serving == [info.pids["autotune"]], "a second autotune service was started"
+
+
+def _pids_with(fragment: bytes) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if fragment in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
