@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -16,7 +17,7 @@ import grpc
 
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
-from bagua_lightning.proto.plan import BucketTimingRecord, plan_from_proto, plan_to_proto
+from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, plan_from_proto, plan_to_proto
 
 from .errors import (
     AutotuneRequestError,
@@ -78,6 +79,22 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
 
     def __init__(self, service: AutotuneService) -> None:
         self.service = service
+        # Encoding a plan of many tensors costs far more than the rest of a call: encode each issued plan
+        # once. Keyed by (model, version); the plan object is kept to check the entry is still that plan.
+        self._encoded: dict[tuple[str, int], tuple[BucketPlan, Any]] = {}
+        self._encoded_lock = threading.Lock()
+
+    def _encode(self, model_name: str, plan: BucketPlan) -> Any:
+        key = (model_name, plan.version)
+        cached = self._encoded.get(key)
+        if cached is not None and cached[0] is plan:
+            return cached[1]
+        message = plan_to_proto(plan)
+        with self._encoded_lock:
+            if len(self._encoded) > 65536:
+                self._encoded.clear()
+            self._encoded[key] = (plan, message)
+        return message
 
     @_translate_errors
     def RegisterTensors(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -88,7 +105,7 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
             world_size=int(request.world_size),
             nproc_per_node=int(request.nproc_per_node),
         )
-        return pb.RegisterTensorsResponse(recommended_hyperparameters=plan_to_proto(plan))
+        return pb.RegisterTensorsResponse(recommended_hyperparameters=self._encode(request.model_name, plan))
 
     @_translate_errors
     def ReportMetrics(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -103,7 +120,7 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
     @_translate_errors
     def AskHyperparameters(self, request: Any, context: grpc.ServicerContext) -> Any:
         plan, completed = self.service.ask(request.model_name, int(request.rank), int(request.train_iter))
-        return pb.AskHyperparametersResponse(recommended_hyperparameters=plan_to_proto(plan),
+        return pb.AskHyperparametersResponse(recommended_hyperparameters=self._encode(request.model_name, plan),
                                              is_autotune_completed=completed)
 
     @_translate_errors

@@ -154,6 +154,7 @@ class ModelSession:
         self._decisions: dict[int, tuple[BucketPlan, bool]] = {}
         self._decided_iters: list[int] = []
         self._issued: dict[int, BucketPlan] = {}
+        self._issued_keys: dict[int, tuple[str, bool]] = {}
         self._fresh_reports = 0
         self._best: Sample | None = None
         self.completed = config.autotune_level == 0
@@ -296,12 +297,12 @@ class ModelSession:
             self.reports_accepted += 1
             if self._clock() - self.started_at < self.config.warmup_time_s:
                 return True  # accepted, but start-up speeds are not representative
-            key = _layout_key(plan)
+            key = self._key_of(plan)
             stats = self._stats.get(key)
             if stats is None:
                 stats = self._stats[key] = _LayoutStats(plan=plan)
             stats.add(speed, backward_ms, bucket_timings, train_iter)
-            if key == _layout_key(self._current):
+            if key == self._key_of(self._current):
                 self._fresh_reports += 1
             return True
 
@@ -338,6 +339,15 @@ class ModelSession:
                 logger.info("event=execution_order model=%s first=%s", self.registration.model_name, first[:3])
 
     # -- internals (lock held) ---------------------------------------------------------------------
+    def _key_of(self, plan: BucketPlan) -> tuple[str, bool]:
+        # Hashing a layout is the costliest part of a report: remember it for the plans issued here.
+        if self._issued.get(plan.version) is not plan:
+            return _layout_key(plan)
+        key = self._issued_keys.get(plan.version)
+        if key is None:
+            key = self._issued_keys[plan.version] = _layout_key(plan)
+        return key
+
     def _plan_at(self, train_iter: int) -> BucketPlan:
         index = bisect.bisect_right(self._decided_iters, train_iter) - 1
         if index < 0:
@@ -391,7 +401,7 @@ class ModelSession:
         held_s = now - max(self._issued_at, warm_from)
         if self._fresh_reports == 0 or now < warm_from or held_s < self.config.sampling_confidence_time_s:
             return
-        sample = self._stats[_layout_key(self._current)].sample(self._current)
+        sample = self._stats[self._key_of(self._current)].sample(self._current)
         self._history.append(sample)
         if self._best is None or sample.score > self._best.score:
             self._best = sample
