@@ -70,6 +70,7 @@ def compose() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The file's services (this shadows conftest's deployment fixture: nothing is started here)."""
     return compose["services"]
 
 
