@@ -37,7 +37,7 @@ import torch.distributed as dist
 from bagua_lightning.strategy.algorithms.base import Algorithm, register_algorithm
 from bagua_lightning.strategy.algorithms.decentralized import check_communication_interval, check_flag
 from bagua_lightning.strategy.algorithms.weights import ExchangeScope, WeightBuckets
-from bagua_lightning.strategy.compression import HEADER_BYTES, compress_chunks, decompress_chunks
+from bagua_lightning.strategy.compression import HEADER_BYTES, LEVELS, compress_chunks
 from bagua_lightning.strategy.topology import ring_neighbours
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,18 +47,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from bagua_lightning.strategy.comm import CommContext
 
 
-def _decompress(packed: torch.Tensor) -> torch.Tensor:
-    """Decompress one single-chunk ``(1, 8 + n)`` tensor into ``n`` fp32 values.
+def _add_decompressed(target: torch.Tensor, packed: torch.Tensor) -> None:
+    """``target += decompress(packed)`` for one single-chunk ``(1, 8 + n)`` MinMax uint8 tensor.
 
-    ``decompress_chunks`` views the header bytes as float32, which needs a row
-    stride divisible by 4; padding the payload with a few bytes (decoded, then
-    dropped) guarantees it for any ``n``.
+    Same quantisation as :func:`~bagua_lightning.strategy.compression.decompress_chunks`
+    (``q * (max - min) / 255 + min``), fused into two passes over ``target``. Every rank
+    applies a given message with this same function, so replicas stay bit-identical.
     """
-    n = packed.shape[1] - HEADER_BYTES
-    pad = -packed.shape[1] % 4
-    if pad:
-        packed = torch.nn.functional.pad(packed, (0, pad))
-    return decompress_chunks(packed)[:n]
+    header = packed[0, :HEADER_BYTES].clone().view(torch.float32)  # clone: the row may be misaligned
+    lo, hi = header[0], header[1]
+    target.addcmul_(packed[0, HEADER_BYTES:], (hi - lo) / LEVELS).add_(lo)
 
 
 @register_algorithm
@@ -128,8 +126,9 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
             scope.leader_mean(flats)
         if scope.is_participant and scope.num_participants > 1:
             self._ring_step(flats)
+            flats = self._weight  # the model moves to its new public weights
         if scope.uses_hierarchy:
-            scope.broadcast_from_leader(flats)
+            scope.broadcast_from_leader(flats)  # the leader sends its replica (a broadcast source is read-only)
         buckets.copy_in(flats)
 
     def apply_plan(self, plan: BucketPlan) -> None:
@@ -152,45 +151,46 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     # --- communication ---------------------------------------------------------------------------
 
     def _ring_step(self, flats: list[torch.Tensor]) -> None:
-        """One compressed exchange with both neighbours; leaves the new public weights in ``flats``."""
-        diffs = [
-            x + (left + right) / 3 - (5.0 / 3.0) * w
-            for x, w, left, right in zip(flats, self._weight, self._left, self._right, strict=True)
-        ]
-        packed = [compress_chunks(d, 1) for d in diffs]
-        from_left, from_right = self._exchange(packed)
-        for i, own in enumerate(packed):
-            self._weight[i].add_(_decompress(own))
-            self._left[i].add_(_decompress(from_left[i]))
-            self._right[i].add_(_decompress(from_right[i]))
-            flats[i].copy_(self._weight[i])
+        """One compressed exchange with both neighbours; updates the three replicas.
 
-    def _exchange(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Send ``tensors`` to both neighbours; return what the left and the right neighbour sent."""
+        Bucket by bucket, so that sending bucket ``i`` overlaps compressing bucket ``i + 1``.
+        """
+        one_peer = self._left is self._right  # two participants: left and right are the same peer
+        pending = []
+        for x, w, left, right in zip(flats, self._weight, self._left, self._right, strict=True):
+            # d = x + (l + r) / 3 - 5/3 w, in place to spare memory passes (it is CPU-bound on Gloo)
+            d = torch.add(x, left, alpha=2.0 / 3.0) if one_peer else torch.add(left, right).div_(3).add_(x)
+            d.add_(w, alpha=-5.0 / 3.0)
+            own = compress_chunks(d, 1)
+            del d
+            pending.append((own, *self._start_exchange(own)))
+        for i, (own, from_left, from_right, works) in enumerate(pending):
+            for work in works:
+                work.wait()
+            _add_decompressed(self._weight[i], own)
+            _add_decompressed(self._left[i], from_left)
+            if not one_peer:
+                _add_decompressed(self._right[i], from_right)
+
+    def _start_exchange(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[dist.Work]]:
+        """Start sending ``t`` to both neighbours; returns (from left, from right, works to wait for)."""
         neighbours = self.neighbours
         if neighbours is None:
-            return list(tensors), list(tensors)
+            return t, t, []
         left, right = neighbours
         group = self._require_scope().group
-        from_left = [torch.empty_like(t) for t in tensors]
+        from_left = torch.empty_like(t)
         if left == right:  # two participants: one peer, one message each way
-            ops = [dist.P2POp(dist.isend, t, left, group=group) for t in tensors]
-            ops += [dist.P2POp(dist.irecv, t, left, group=group) for t in from_left]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            return from_left, from_left
-        from_right = [torch.empty_like(t) for t in tensors]
-        ops = []
-        for t, fl, fr in zip(tensors, from_left, from_right, strict=True):
-            ops += [
-                dist.P2POp(dist.isend, t, left, group=group),
-                dist.P2POp(dist.isend, t, right, group=group),
-                dist.P2POp(dist.irecv, fl, left, group=group),
-                dist.P2POp(dist.irecv, fr, right, group=group),
-            ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return from_left, from_right
+            ops = [dist.P2POp(dist.isend, t, left, group=group), dist.P2POp(dist.irecv, from_left, left, group=group)]
+            return from_left, from_left, list(dist.batch_isend_irecv(ops))
+        from_right = torch.empty_like(t)
+        ops = [
+            dist.P2POp(dist.isend, t, left, group=group),
+            dist.P2POp(dist.isend, t, right, group=group),
+            dist.P2POp(dist.irecv, from_left, left, group=group),
+            dist.P2POp(dist.irecv, from_right, right, group=group),
+        ]
+        return from_left, from_right, list(dist.batch_isend_irecv(ops))
 
     def _init_replicas(self) -> None:
         """Public weights := current weights; neighbours' replicas by one full-precision exchange.
@@ -199,15 +199,19 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         after a checkpoint restore, on every rank at the same point.
         """
         scope = self._require_scope()
-        flats = [f.float() for f in self._require_buckets().flatten()]
-        self._weight = flats
-        if scope.is_participant and scope.num_participants > 1:
-            self._left, self._right = self._exchange([f.clone() for f in flats])
-            self._left = [t.clone() for t in self._left]
-            self._right = [t.clone() for t in self._right]
+        self._weight = [f.float() for f in self._require_buckets().flatten()]
+        neighbours = self.neighbours
+        if scope.is_participant and neighbours is not None:
+            exchanges = [self._start_exchange(w.clone()) for w in self._weight]
+            for _, _, works in exchanges:
+                for work in works:
+                    work.wait()
+            self._left = [from_left for from_left, _, _ in exchanges]
+            # Two participants: one peer is both neighbours; one replica serves as both.
+            self._right = self._left if neighbours[0] == neighbours[1] else [r for _, r, _ in exchanges]
         else:
-            self._left = [f.clone() for f in flats]
-            self._right = [f.clone() for f in flats]
+            self._left = [w.clone() for w in self._weight]
+            self._right = [w.clone() for w in self._weight]
         self._replicas_stale = False
 
     def _require_scope(self) -> ExchangeScope:

@@ -10,7 +10,7 @@ import torch
 from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.strategy.algorithms.base import get_algorithm_class
 from bagua_lightning.strategy.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
-from tests.strategy.weight_averaging_workers import low_precision_trace, run_ranks
+from tests.strategy.weight_averaging_workers import low_precision_trace, low_precision_traces, run_ranks
 
 
 def test_registered_with_bagua_defaults_and_validates() -> None:
@@ -49,6 +49,17 @@ def test_two_ranks_converge_with_consistent_replicas() -> None:
 
 
 @pytest.mark.slow
-def test_four_ranks_ring_and_interval() -> None:
-    results = run_ranks(low_precision_trace, 4, {"hierarchical": False, "communication_interval": 2}, 30)
-    _check_ring(results)
+def test_four_ranks_ring_and_two_nodes_hierarchical() -> None:
+    configs = [{"hierarchical": False, "communication_interval": 2}, {"hierarchical": True}]
+    by_rank = run_ranks(low_precision_traces, 4, configs, 30, local_size=2)
+    ring, hier = ([by_rank[r][i] for r in range(4)] for i in range(2))
+    _check_ring(ring)
+    # 2 nodes x 2: node leaders (ranks 0 and 2) run the ring for their node, then broadcast in it.
+    assert [r["neighbours"] for r in hier] == [(2, 2), None, (0, 0), None]
+    for leader, other in ((0, 2), (2, 0)):
+        for mine, theirs in zip(hier[leader]["replicas"]["left"], hier[other]["replicas"]["weight"], strict=True):
+            assert torch.equal(mine, theirs)
+    assert torch.equal(hier[0]["weights"], hier[1]["weights"]) and torch.equal(hier[2]["weights"], hier[3]["weights"])
+    for r in hier:
+        assert r["end_loss"] < 0.5 * r["start_loss"]
+        assert r["restored_ok"]

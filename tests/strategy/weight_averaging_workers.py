@@ -234,6 +234,11 @@ def low_precision_trace(comm: CommContext, kwargs: dict[str, Any], steps: int, l
     }
 
 
+def low_precision_traces(comm: CommContext, configs: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """:func:`low_precision_trace` for several configurations in one launch."""
+    return [low_precision_trace(comm, kwargs, steps) for kwargs in configs]
+
+
 # --- scenarios: async (through the module wrapper, which drives every hook) ------------------------
 
 def _thread_alive() -> bool:
