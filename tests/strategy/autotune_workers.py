@@ -7,7 +7,8 @@ process, against the real autotune service at ``--address``:
 2. ``tuned``: with an :class:`AutotuneController`; every step's plan (version, fingerprint)
    is recorded. With ``--fault-dir``, rank 0 pauses at two steps for the test to kill,
    then restart, the service (files ``kill``/``killed``, ``restart``/``restarted``);
-3. ``absent``: against ``--dead-address`` (nothing listens): trains on the default plan.
+3. ``mismatch``: rank 1 cannot apply the initial plan; every rank must raise PlanMismatchError;
+4. ``absent``: against ``--dead-address`` (nothing listens): trains on the default plan.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bagua_lightning.errors import PlanMismatchError
 from bagua_lightning.strategy.algorithms.base import get_algorithm_class
 from bagua_lightning.strategy.autotune import AutotuneController, AutotuneSettings
 from bagua_lightning.strategy.comm import CommContext
@@ -67,6 +69,41 @@ def wait_for(path: Path, timeout_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the test did not create {path} within {timeout_s} s")
         time.sleep(0.05)
+
+
+class FailingTarget:
+    """The wrapper, except that applying a plan fails on this rank (a rank that cannot follow the others)."""
+
+    def __init__(self, wrapper: BaguaDistributedDataParallel) -> None:
+        self.wrapper = wrapper
+
+    @property
+    def bucket_plan(self) -> Any:
+        return self.wrapper.bucket_plan
+
+    def apply_plan(self, plan: Any) -> None:
+        raise RuntimeError("injected: this rank cannot apply the plan")
+
+    def last_step_timings(self) -> Any:
+        return self.wrapper.last_step_timings()
+
+
+def mismatch(comm: CommContext, address: str) -> str:
+    """Rank 1 fails to apply the initial plan: every rank must raise PlanMismatchError (not hang)."""
+    model = Net()
+    wrapper = BaguaDistributedDataParallel(model, get_algorithm_class("gradient_allreduce").from_kwargs(), comm,
+                                           bucket_size=4096)
+    target = FailingTarget(wrapper) if comm.rank == 1 else wrapper
+    ctl = AutotuneController(AutotuneSettings(address=address, interval=3, model_name="mismatch-net"), target,
+                             model, model_prefix="Net", nproc_per_node=comm.local_size, group=comm.group)
+    try:
+        ctl.setup()
+    except PlanMismatchError as exc:
+        return str(exc)
+    finally:
+        ctl.close()
+        wrapper.teardown()
+    return ""
 
 
 def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3, fault_dir: Path | None = None,
@@ -142,6 +179,7 @@ def main() -> int:
         kill, restart = (int(s) for s in args.fault_steps.split(","))
         result["tuned"] = run(comm, args.steps, address=args.address,
                               fault_dir=Path(args.fault_dir) if args.fault_dir else None, fault_steps=(kill, restart))
+        result["mismatch"] = mismatch(comm, args.address)
         if args.dead_address:
             result["absent"] = run(comm, 12, address=args.dead_address, model_name="absent-net")
     except Exception:

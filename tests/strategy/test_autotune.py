@@ -6,7 +6,7 @@
   starts on the tuned plan.
 * 4 ranks (2 nodes x 2 declared, so hierarchical plans are possible), plain loop: the same
   checks, the service killed (SIGKILL) mid-run and restarted from its state directory, and a
-  job with no service at all (one warning).
+  job with no service at all (one warning); a rank that cannot apply a plan (PlanMismatchError everywhere).
 """
 
 from __future__ import annotations
@@ -221,6 +221,11 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
         tuned["applied"]
     assert "event=plan_restored" in (tmp_path / "service-1.log").read_text()
     assert records[-1][1] >= 0
+    # A rank that cannot apply a plan makes every rank fail loudly at that boundary, none hangs.
+    for r in res:
+        assert r["mismatch"].startswith("ranks disagree at step 0 on: plan version, plan layout, apply failure"), \
+            r["mismatch"]
+    assert "apply failed: RuntimeError: injected" in res[1]["mismatch"]
     # No service at all: the default plan throughout, one warning (rank 0), training completes.
     absent = res[0]["absent"]
     assert len(absent["warnings"]) == 1 and f"no autotune service answers at 127.0.0.1:{dead_port}" in \
