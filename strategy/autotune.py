@@ -367,7 +367,12 @@ class AutotuneController:
         if self.is_main:
             iter_base = time.time_ns() // 1000
             self._client = self._client_factory(self.settings)
-            if self._client.health_check(timeout_s=self.settings.connect_timeout_s):
+            try:
+                self._client.wait_until_ready(timeout_s=self.settings.connect_timeout_s)
+                reachable = True
+            except ServiceUnavailableError:
+                reachable = False
+            if reachable:
                 self._register(self._client)
             else:
                 self._outage.down = True

@@ -1,0 +1,268 @@
+"""Autotuned bucket plans against a sweep of fixed bucket sizes and DDP's default, in one run.
+
+Launch with torchrun (NCCL on GPUs, Gloo on CPU); rank 0 starts an autotune service
+process on a free port unless ``--service host:port`` names a running one::
+
+    torchrun --nproc_per_node 4 benchmarks/autotune_training.py                    # ~110M-param transformer
+    torchrun --nproc_per_node 2 benchmarks/autotune_training.py --model small      # CPU
+    python benchmarks/autotune_training.py --netns --model small                   # CPU, 2 hosts at 1 Gbit/s
+
+Phases, every rank in lock-step:
+
+1. **tune**: a fresh model trains for ``--tune-steps`` steps under an
+   :class:`~bagua_lightning.strategy.autotune.AutotuneController` (reports every
+   ``--interval`` steps); *steps until settled* is the step at which the last new plan
+   was applied (or the step at which the service reported tuning completed, if later).
+2. **timed rounds**: every variant -- DDP (default 25 MiB buckets), ``gradient_allreduce``
+   with fixed bucket sizes ``--sweep`` (MiB), and ``gradient_allreduce`` on the tuned plan --
+   trains its own copy of the model (same weights, same batches) in blocks of ``--steps``
+   steps for ``--rounds`` rounds, order rotated every round so machine drift hits all alike.
+   The median samples/s of each is printed; the tuned plan's ratio to the best sweep point
+   and to DDP is the result.
+
+``--netns`` (root, iproute2; CPU only) runs the two ranks in two network namespaces joined
+by a veth pair shaped to ``--rate``, reusing ``benchmarks/slow_network.py``'s ``two_hosts``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULT_TAG = "AUTOTUNE_TRAINING_RESULT "
+SIZES = {  # vocab, width, layers, heads, seq_len
+    "100m": (32000, 768, 12, 12, 256),
+    "small": (2000, 256, 4, 4, 64),
+    "tiny": (500, 64, 2, 4, 32),
+}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(SIZES), default="100m")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--sweep", default="1,4,16,64,256", help="fixed bucket sizes to sweep, MiB")
+    p.add_argument("--tune-steps", type=int, default=200, help="steps of the tuning phase")
+    p.add_argument("--interval", type=int, default=10, help="autotune_interval, steps")
+    p.add_argument("--max-samples", type=int, default=10, help="the service's --max-samples")
+    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--service", default="", help="host:port of a running service (default: start one)")
+    p.add_argument("--netns", action="store_true", help="CPU: two ranks in two shaped network namespaces")
+    p.add_argument("--rate", default="1gbit", help="veth rate with --netns (tc syntax)")
+    p.add_argument("--timeout-s", type=float, default=1800)
+    return p.parse_args(argv)
+
+
+# --- one rank -------------------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    sys.path.insert(0, str(HERE))
+    from allreduce_vs_ddp import Transformer  # the same code-built model as the DDP benchmark
+
+    from bagua_lightning.strategy.algorithms.base import get_algorithm_class
+    from bagua_lightning.strategy.autotune import AutotuneController, AutotuneSettings
+    from bagua_lightning.strategy.comm import CommContext
+    from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+
+    cuda = torch.cuda.is_available() and not args.netns
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_size = 1 if args.netns else int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    comm = CommContext.build(local_size=local_size)
+    vocab, width, layers, heads, seq_len = SIZES[args.model]
+    g = torch.Generator().manual_seed(1 + rank)
+    batches = [torch.randint(0, vocab, (args.batch, seq_len + 1), generator=g).to(device) for _ in range(4)]
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = Transformer(vocab, width, layers, heads, seq_len).to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+
+    def step(wrapped: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+        tokens = batches[i % len(batches)]
+        logits = wrapped(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def bagua(model: nn.Module, opt: torch.optim.Optimizer, bucket_size: int, plan: Any = None) -> nn.Module:
+        algo = get_algorithm_class("gradient_allreduce").from_kwargs()
+        return BaguaDistributedDataParallel(model, algo, comm, bucket_size=bucket_size, plan=plan, optimizers=[opt])
+
+    # -- the service: a process started by rank 0, or the one named
+    service_proc = None
+    address = args.service
+    if not address:
+        # In --netns mode the ranks share no loopback: the service listens on rank 0's veth address.
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1") if args.netns else "127.0.0.1"
+        port = torch.zeros(1, dtype=torch.int64, device=device)
+        if rank == 0:
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port[0] = sock.getsockname()[1]
+            service_proc = subprocess.Popen(
+                [sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--host", host,
+                 "--port", str(int(port[0])), "--world-size", str(world), "--warmup-time-s", "0",
+                 "--sampling-confidence-time-s", "0", "--max-samples", str(args.max_samples)],
+                env={**os.environ, "BAGUA_LIGHTNING_NO_STRATEGY": "1"}, stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        dist.broadcast(port, src=0)
+        address = f"{host}:{int(port[0])}"
+    try:
+        # -- phase 1: tune
+        model, opt = make()
+        wrapped = bagua(model, opt, 10 * 1024**2)
+        settings = AutotuneSettings(address=address, interval=args.interval, rpc_timeout_s=2.0,
+                                    connect_timeout_s=30.0, model_name=f"bench-{args.model}-{int(time.time())}")
+        ctl = AutotuneController(settings, wrapped, model, model_prefix="Transformer",  # type: ignore[arg-type]
+                                 nproc_per_node=local_size, device=device, group=comm.group)
+        ctl.setup()
+        completed_at = None
+        t0 = time.monotonic()
+        for i in range(args.tune_steps):
+            ctl.on_batch_start(i, args.batch)
+            if ctl.completed and completed_at is None:
+                completed_at = i
+            step(wrapped, opt, i)
+        sync()
+        tune_s = time.monotonic() - t0
+        tuned_plan = wrapped.bucket_plan  # type: ignore[attr-defined]
+        applied = list(ctl.applied)
+        ctl.close()
+        wrapped.teardown()  # type: ignore[operator]
+        settled = max([applied[-1][0] if applied else 0, completed_at or 0])
+        del wrapped, model, opt
+
+        # -- phase 2: timed rounds, every variant on its own copy
+        sweep = [int(s) for s in args.sweep.split(",") if s]
+        variants: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+        m, o = make()
+        variants["ddp"] = (nn.parallel.DistributedDataParallel(m, device_ids=[local_rank] if cuda else None), o)
+        for mib in sweep:
+            m, o = make()
+            variants[f"fixed {mib} MiB"] = (bagua(m, o, mib * 1024**2), o)
+        m, o = make()
+        variants["autotuned"] = (bagua(m, o, 10 * 1024**2, plan=tuned_plan), o)
+        speeds: dict[str, list[float]] = {k: [] for k in variants}
+        for w, o in variants.values():
+            for i in range(args.warmup):
+                step(w, o, i)
+        names = list(variants)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                w, o = variants[name]
+                sync()
+                dist.barrier()
+                start = time.monotonic()
+                for i in range(args.steps):
+                    step(w, o, i)
+                sync()
+                speeds[name].append(args.steps * args.batch * world / (time.monotonic() - start))
+        median = {k: statistics.median(v) for k, v in speeds.items()}
+        best_fixed = max((k for k in median if k.startswith("fixed")), key=lambda k: median[k])
+        result = {
+            "model": args.model, "world_size": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "params": sum(p.numel() for p in make()[0].parameters()), "netns": args.netns, "rate": args.rate,
+            "samples_per_s": median, "best_fixed": best_fixed,
+            "autotuned_vs_best_fixed": median["autotuned"] / median[best_fixed],
+            "autotuned_vs_ddp": median["autotuned"] / median["ddp"],
+            "steps_until_settled": settled, "completed_at": completed_at, "tune_steps": args.tune_steps,
+            "tune_s": tune_s, "interval": args.interval, "plans_applied": len(applied),
+            "tuned_plan": {"buckets": len(tuned_plan.buckets), "bucket_mib": [round(b / 2**20, 2) for b in
+                                                                              tuned_plan.bucket_bytes],
+                           "hierarchical": tuned_plan.is_hierarchical_reduce, "version": tuned_plan.version},
+        }
+        for w, _ in variants.values():
+            if hasattr(w, "teardown"):
+                w.teardown()
+        if rank == 0:
+            print(RESULT_TAG + json.dumps(result), flush=True)
+            report(result)
+    finally:
+        if service_proc is not None:
+            service_proc.terminate()
+            service_proc.wait(timeout=30)
+        comm.destroy_groups()
+        dist.destroy_process_group()
+
+
+def report(result: dict[str, Any]) -> None:
+    print(f"\n{result['model']} ({result['params'] / 1e6:.1f}M params), {result['world_size']} ranks on "
+          f"{result['device']}{' over netns at ' + result['rate'] if result['netns'] else ''}")
+    for name, speed in result["samples_per_s"].items():
+        print(f"  {name:>16}: {speed:10.1f} samples/s")
+    print(f"  tuned plan: {result['tuned_plan']}")
+    print(f"  autotuned / best fixed ({result['best_fixed']}): {result['autotuned_vs_best_fixed']:.3f}x")
+    print(f"  autotuned / DDP default: {result['autotuned_vs_ddp']:.3f}x")
+    print(f"  steps until settled: {result['steps_until_settled']} (interval {result['interval']}, "
+          f"{result['plans_applied']} plans applied, completed at step {result['completed_at']})")
+
+
+# --- the --netns driver ---------------------------------------------------------------------------
+
+
+def drive_netns(args: argparse.Namespace, argv: list[str]) -> None:
+    sys.path.insert(0, str(HERE))
+    from slow_network import ADDRESSES, two_hosts
+
+    port = "29613"
+    with two_hosts(args.rate) as (namespaces, veths):
+        procs = []
+        try:
+            for rank, (ns, veth) in enumerate(zip(namespaces, veths, strict=True)):
+                env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+                env.update(MASTER_ADDR=ADDRESSES[0], MASTER_PORT=port, RANK=str(rank), LOCAL_RANK="0",
+                           WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1",
+                           PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")])))
+                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, __file__, *argv],
+                                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            outs = [p.communicate(timeout=args.timeout_s)[0] for p in procs]
+            for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):
+                if p.returncode != 0:
+                    raise SystemExit(f"rank {rank} failed (exit {p.returncode}):\n{out[-4000:]}")
+            print("\n".join(line for line in outs[0].splitlines() if not line.startswith(RESULT_TAG)))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=10)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    args = parse(argv)
+    if args.netns and "RANK" not in os.environ:
+        drive_netns(args, argv)
+    else:
+        worker(args)
+
+
+if __name__ == "__main__":
+    main()
