@@ -112,7 +112,8 @@ def worker(args: argparse.Namespace) -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    def bagua(model: nn.Module, opt: torch.optim.Optimizer, bucket_size: int, plan: Any = None) -> nn.Module:
+    def bagua(model: nn.Module, opt: torch.optim.Optimizer, bucket_size: int,
+              plan: Any = None) -> BaguaDistributedDataParallel:
         algo = get_algorithm_class("gradient_allreduce").from_kwargs()
         return BaguaDistributedDataParallel(model, algo, comm, bucket_size=bucket_size, plan=plan, optimizers=[opt])
 
@@ -141,7 +142,7 @@ def worker(args: argparse.Namespace) -> None:
         wrapped = bagua(model, opt, 10 * 1024**2)
         settings = AutotuneSettings(address=address, interval=args.interval, rpc_timeout_s=2.0,
                                     connect_timeout_s=30.0, model_name=f"bench-{args.model}-{int(time.time())}")
-        ctl = AutotuneController(settings, wrapped, model, model_prefix="Transformer",  # type: ignore[arg-type]
+        ctl = AutotuneController(settings, wrapped, model, model_prefix="Transformer",
                                  nproc_per_node=local_size, device=device, group=comm.group)
         ctl.setup()
         completed_at = None
@@ -153,10 +154,11 @@ def worker(args: argparse.Namespace) -> None:
             step(wrapped, opt, i)
         sync()
         tune_s = time.monotonic() - t0
-        tuned_plan = wrapped.bucket_plan  # type: ignore[attr-defined]
+        tuned_plan = wrapped.bucket_plan
+        assert tuned_plan is not None
         applied = list(ctl.applied)
         ctl.close()
-        wrapped.teardown()  # type: ignore[operator]
+        wrapped.teardown()
         settled = max([applied[-1][0] if applied else 0, completed_at or 0])
         del wrapped, model, opt
 
@@ -200,7 +202,7 @@ def worker(args: argparse.Namespace) -> None:
                            "hierarchical": tuned_plan.is_hierarchical_reduce, "version": tuned_plan.version},
         }
         for w, _ in variants.values():
-            if hasattr(w, "teardown"):
+            if isinstance(w, BaguaDistributedDataParallel):
                 w.teardown()
         if rank == 0:
             print(RESULT_TAG + json.dumps(result), flush=True)
