@@ -19,8 +19,8 @@ FAST = ["--warmup-time-s", "0", "--sampling-confidence-time-s", "0"]
 
 
 @contextlib.contextmanager
-def autotune_service(*args: str, port: int | None = None, log_path: Path | None = None
-                     ) -> Iterator[tuple[str, object]]:
+def autotune_service(*args: str, port: int | None = None, log_path: Path | None = None,
+                     tls_root_cert: Path | None = None) -> Iterator[tuple[str, object]]:
     """Run ``bagua-lightning autotune serve`` on a free port; yields (target, process); always stopped."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--port", str(port), *args]
@@ -28,7 +28,7 @@ def autotune_service(*args: str, port: int | None = None, log_path: Path | None 
     env = {**os.environ, "BAGUA_LIGHTNING_NO_STRATEGY": "1"}
     with running(cmd, env=env, log_path=str(log_path) if log_path else None) as proc:
         target = f"127.0.0.1:{port}"
-        with AutotuneClient(target=target) as probe:
+        with AutotuneClient(target=target, tls_root_cert=tls_root_cert) as probe:
             wait_until(lambda: proc.poll() is None and probe.health_check(timeout_s=0.5), 30.0,
                        f"the autotune service on {target}")
         yield target, proc
@@ -45,8 +45,10 @@ def start_service(tmp_path: Path) -> Callable[..., contextlib.AbstractContextMan
     """``with start_service(*args) as (target, proc)``: a real service process, logs under tmp_path."""
     counter = iter(range(1000))
 
-    def start(*args: str, port: int | None = None) -> contextlib.AbstractContextManager[tuple[str, object]]:
-        return autotune_service(*args, port=port, log_path=tmp_path / f"service-{next(counter)}.log")
+    def start(*args: str, port: int | None = None, tls_root_cert: Path | None = None
+              ) -> contextlib.AbstractContextManager[tuple[str, object]]:
+        return autotune_service(*args, port=port, log_path=tmp_path / f"service-{next(counter)}.log",
+                                tls_root_cert=tls_root_cert)
 
     return start
 

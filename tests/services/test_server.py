@@ -50,7 +50,7 @@ def test_health_and_reflection(shared_service: str) -> None:
 
 def test_abcde_partition_under_a_score_peaking_at_20mb(start_service) -> None:
     """Speed-only ranks in two processes; the Bayesian search lands on buckets cut at ~20 MB: [A,B,C], [D,E]."""
-    with start_service(*FAST, "--max-samples", "20") as (target, _):
+    with start_service(*FAST, "--max-samples", "12") as (target, _):
         with AutotuneClient(target=target) as client:
             first = client.register_tensors("abcde", [t.to_dict() for t in ranks.abcde()], world_size=4,
                                             nproc_per_node=2)
@@ -244,6 +244,19 @@ def test_sigterm_shuts_down_gracefully(tmp_path: Path) -> None:
         assert not client.health_check(timeout_s=0.5)
     text = log.read_text()
     assert "event=shutting_down" in text and "event=stopped" in text
+
+
+def test_tls(start_service, tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True,
+                   timeout=60)
+    with start_service("--tls-cert", str(cert), "--tls-key", str(key), tls_root_cert=cert) as (target, _):
+        with AutotuneClient(target=target, tls_root_cert=cert) as client:
+            assert _names(client.register_tensors("tls", [t.to_dict() for t in ranks.abcde()]))
+        with AutotuneClient(target=target) as plaintext:
+            assert plaintext.health_check(timeout_s=1.0) is False
 
 
 def test_cli_help_lists_the_options() -> None:

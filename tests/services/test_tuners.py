@@ -120,7 +120,7 @@ def test_bayesian_baseline_finds_the_20mb_cut() -> None:
     tuner = BayesianTuner(tensors, hierarchical_allowed=True)
     plan = BucketPlan(split_into_buckets(tensors, 10 * MB), bucket_size=10 * MB)
     samples = []
-    for i in range(20):
+    for i in range(12):
         samples.append(Sample(plan, peak_at_20mb(plan), 0.0, (), 1, i))
         plan = tuner.propose(samples).plan
     best = tuner.final(samples).plan
