@@ -4,6 +4,8 @@ Launch with torchrun (NCCL on GPUs, Gloo on CPU); rank 0 starts an autotune serv
 process on a free port unless ``--service host:port`` names a running one::
 
     torchrun --nproc_per_node 4 benchmarks/autotune_training.py                    # ~110M-param transformer
+    # on a machine without an editable install: export PYTHONPATH=$(.ci/linktree) first (the service
+    # needs grpcio, grpcio-health-checking and grpcio-reflection; no Redis)
     torchrun --nproc_per_node 2 benchmarks/autotune_training.py --model small      # CPU
     python benchmarks/autotune_training.py --netns --model small                   # CPU, 2 hosts at 1 Gbit/s
 
@@ -40,7 +42,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULT_TAG = "AUTOTUNE_TRAINING_RESULT "
 SIZES = {  # vocab, width, layers, heads, seq_len
-    "100m": (32000, 768, 12, 12, 256),
+    "100m": (32000, 768, 12, 12, 512),
     "small": (2000, 256, 4, 4, 64),
     "tiny": (500, 64, 2, 4, 32),
 }
@@ -49,7 +51,7 @@ SIZES = {  # vocab, width, layers, heads, seq_len
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(SIZES), default="100m")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--batch", type=int, default=0, help="sequences per rank per step (0: 16 for 100m, else 8)")
     p.add_argument("--sweep", default="1,4,16,64,256", help="fixed bucket sizes to sweep, MiB")
     p.add_argument("--tune-steps", type=int, default=200, help="steps of the tuning phase")
     p.add_argument("--interval", type=int, default=10, help="autotune_interval, steps")
@@ -61,7 +63,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--netns", action="store_true", help="CPU: two ranks in two shaped network namespaces")
     p.add_argument("--rate", default="1gbit", help="veth rate with --netns (tc syntax)")
     p.add_argument("--timeout-s", type=float, default=1800)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.batch = args.batch or (16 if args.model == "100m" else 8)
+    return args
 
 
 # --- one rank -------------------------------------------------------------------------------------
@@ -86,7 +90,7 @@ def worker(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # torchrun sets 1
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_size = 1 if args.netns else int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -102,8 +106,9 @@ def worker(args: argparse.Namespace) -> None:
 
     def step(wrapped: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
         tokens = batches[i % len(batches)]
-        logits = wrapped(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # as allreduce_vs_ddp.py
+            logits = wrapped(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

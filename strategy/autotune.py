@@ -310,7 +310,8 @@ class AutotuneController:
         nproc_per_node: ranks per node (hierarchical reduce is a choice with several nodes).
         device: where the control collectives' tensors live (CUDA for NCCL).
         group: the job's process group (None: the default group).
-        client_factory: builds the client (tests pass one with other deadlines).
+        client_factory: builds the client from the settings (default: an ``AutotuneClient`` with the
+            settings' deadline and retries).
     """
 
     def __init__(self, settings: AutotuneSettings, target: PlanTarget, module: nn.Module, *, model_prefix: str,
