@@ -60,10 +60,14 @@ class AutotuneServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RegisterTensors(self, request, context):
-        """Declares a model's tensors; returns the initial plan.
+        """Declares a model's tensors; returns the initial plan. Every rank may call
+        it: later calls with the same declaration return the current plan.
         INVALID_ARGUMENT: empty model_name or tensor_list, duplicate names,
         num_elements <= 0, unknown dtype, world_size/nproc_per_node out of range.
-        FAILED_PRECONDITION: model_name already registered with other tensors.
+        FAILED_PRECONDITION: model_name already registered with other tensors,
+        whether_to_bucket, world_size or nproc_per_node.
+        RESOURCE_EXHAUSTED: more tensors than the server's --max-tensors, more
+        models than --max-models, or a message over --max-request-bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,14 +76,19 @@ class AutotuneServiceServicer:
     def ReportMetrics(self, request, context):
         """Records one rank's measurement of a plan.
         INVALID_ARGUMENT: rank out of range, negative train_iter, NaN/negative
-        speed or timings, bucket_index out of range. NOT_FOUND: unknown model.
+        speed or timings, bucket_index out of range, hyperparameters that do not
+        cover exactly the registered tensors. NOT_FOUND: unknown model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AskHyperparameters(self, request, context):
-        """Returns the plan to use from train_iter on.
+        """Returns the plan to use from train_iter on. The plan for a train_iter is
+        decided once, by the first call for it, and cached: every rank gets the
+        identical plan. A new plan is chosen only for a train_iter newer than every
+        one decided so far, once the current plan was measured (see the server's
+        --sampling-confidence-time-s and --warmup-time-s).
         INVALID_ARGUMENT: rank out of range, negative train_iter.
         NOT_FOUND: unknown model.
         """
@@ -88,9 +97,12 @@ class AutotuneServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportTensorExecutionOrder(self, request, context):
-        """Reports the order in which tensors became ready; later plans cut buckets
-        in that order. INVALID_ARGUMENT: empty spans, unknown tensor names.
-        NOT_FOUND: unknown model.
+        """Reports the order in which tensors became ready (spans sorted by
+        start_time; tensors never reported keep registration order); the next
+        decided plan and later ones cut buckets in that order.
+        INVALID_ARGUMENT: empty spans, unknown tensor names.
+        NOT_FOUND: unknown model, or no/several models match an empty model_name.
+        RESOURCE_EXHAUSTED: more spans than the server's --max-tensors.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
