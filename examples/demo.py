@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader, Dataset
 from bagua_lightning.client import CachedDataset
 from bagua_lightning.client.cache import fingerprint
 from bagua_lightning.examples.report import (
+    DATASET_NAME,
     EpochRecord,
     JobResult,
     PlanRecord,
@@ -58,7 +59,6 @@ from bagua_lightning.examples.report import (
 )
 from bagua_lightning.strategy import BaguaStrategy
 
-DATASET_NAME = "bagua-lightning-demo"
 CLASSES = 4
 ALGORITHMS = ("gradient_allreduce", "bytegrad")  # autotune tunes gradient buckets
 
@@ -180,7 +180,7 @@ class DemoCachedDataset(CachedDataset):
 class DemoNet(L.LightningModule):
     """An MLP classifier with 10 parameter tensors (~1.6 M parameters, 6.4 MB of gradients per step)."""
 
-    def __init__(self, in_features: int, hidden: int = 512, lr: float = 0.05) -> None:
+    def __init__(self, in_features: int, hidden: int = 512, lr: float = 0.01) -> None:
         super().__init__()
         self.lr = lr
         self.net = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
@@ -214,8 +214,8 @@ class TrajectoryLogger(Logger):
         return "trajectory"
 
     @property
-    def version(self) -> int:
-        return 0
+    def version(self) -> None:
+        return None  # nothing to version (and no ``v_num`` in the progress bar)
 
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass
@@ -292,7 +292,7 @@ class DemoMonitor(Callback):
         reports = self.trajectory.reports
         self.plans.append(PlanRecord(
             step=max(step, 0), version=reports[-1].plan_version if reports else plan.version,
-            bucket_size=plan.bucket_size, bucket_bytes=list(plan.bucket_bytes()), tensors=plan.tensor_names(),
+            bucket_size=plan.bucket_size, bucket_bytes=list(plan.bucket_bytes), tensors=plan.tensor_names,
             hierarchical=plan.is_hierarchical_reduce))
 
 
@@ -376,8 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # Lightning's start-up chatter would bury the summary; warnings and errors still show.
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message in (".*does not have many workers.*", ".*smaller than the logging interval.*", ".*LeafSpec.*"):
+        warnings.filterwarnings("ignore", message)
     run(cfg)
     return 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1024**2
+DATASET_NAME = "bagua-lightning-demo"  # the demo dataset's cache name
 
 
 @dataclass(kw_only=True, slots=True)
@@ -253,6 +254,7 @@ def plot_trajectory(jobs: list[JobResult], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     fig, (ax_speed, ax_size) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, constrained_layout=True)
     offset = 0
@@ -270,7 +272,7 @@ def plot_trajectory(jobs: list[JobResult], path: Path) -> Path:
             ax_size.step([*steps, end], [*sizes, sizes[-1]], where="post", color=color,
                          label=f"{job.job}: bucket size in use")
             for x, p in zip(steps, job.plans, strict=True):
-                ax_size.annotate(f"v{p.version}: {len(p.bucket_bytes)}b", (x, p.bucket_size / MIB),
+                ax_size.annotate(f"v{p.version}: {len(p.bucket_bytes)} buckets", (x, p.bucket_size / MIB),
                                  textcoords="offset points", xytext=(2, 4), fontsize=7, color=color)
         if i:
             for ax in (ax_speed, ax_size):
@@ -282,6 +284,9 @@ def plot_trajectory(jobs: list[JobResult], path: Path) -> Path:
     ax_speed.set_title("bagua-lightning demo: autotune trajectory")
     ax_size.set_ylabel("bucket size (MiB)")
     ax_size.set_yscale("log")
+    ax_size.margins(y=0.15)
+    ax_size.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax_size.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax_size.set_xlabel("training step (jobs one after another)")
     for ax in (ax_speed, ax_size):
         ax.grid(True, alpha=0.3)
