@@ -15,9 +15,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.linalg import cho_factor, cho_solve
-from scipy.optimize import minimize
-from scipy.stats import norm
 
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration, split_into_buckets
 
@@ -36,6 +33,7 @@ class GaussianProcess:
     """GP regression on inputs in [0, 1]^d with normalised outputs; hyperparameters by max likelihood."""
 
     def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        from scipy.linalg import cho_factor, cho_solve  # lazily: scipy takes seconds to import
         if x.ndim != 2 or len(x) != len(y) or len(y) == 0:
             raise ValueError(f"need x of shape (n, d) and y of shape (n,), got {x.shape} and {y.shape}")
         self.x = x
@@ -48,6 +46,7 @@ class GaussianProcess:
         self._alpha = cho_solve(self._chol, self.y)
 
     def _nll(self, params: np.ndarray) -> float:
+        from scipy.linalg import cho_factor, cho_solve
         lengthscales, noise = np.exp(params[:-1]), math.exp(params[-1])
         k = _matern52(self.x, self.x, lengthscales) + (noise + 1e-8) * np.eye(len(self.x))
         try:
@@ -58,6 +57,7 @@ class GaussianProcess:
         return float(0.5 * self.y @ alpha + np.sum(np.log(np.diag(chol[0]))))
 
     def _fit(self) -> tuple[np.ndarray, float]:
+        from scipy.optimize import minimize
         d = self.x.shape[1]
         bounds = [(math.log(0.05), math.log(5.0))] * d + [(math.log(1e-4), math.log(1.0))]
         best: tuple[float, np.ndarray] | None = None
@@ -71,6 +71,7 @@ class GaussianProcess:
 
     def predict(self, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Posterior mean and standard deviation, in the units of the training outputs."""
+        from scipy.linalg import cho_solve
         ks = _matern52(xq, self.x, self.lengthscales)
         mean = ks @ self._alpha
         v = cho_solve(self._chol, ks.T)
@@ -80,6 +81,7 @@ class GaussianProcess:
 
 def expected_improvement(mean: np.ndarray, std: np.ndarray, best: float, xi: float = 0.01) -> np.ndarray:
     """Expected improvement over ``best`` when maximising."""
+    from scipy.stats import norm
     z = (mean - best - xi) / std
     return (mean - best - xi) * norm.cdf(z) + std * norm.pdf(z)
 

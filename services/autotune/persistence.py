@@ -106,9 +106,24 @@ class RedisPlanStore:
 
     def __init__(self, url: str, *, timeout_s: float = 2.0) -> None:
         import redis  # imported here: a directory store needs no redis client
+        from redis.cluster import RedisCluster
 
         self.url = url
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        # A password is never put in a URL that lands in logs or process lists: take it from the env.
+        password = os.environ.get("BAGUA_LIGHTNING_REDIS_PASSWORD")
+        if password and "@" not in url:
+            options["password"] = password
+        probe = redis.Redis.from_url(url, **options)
+        try:
+            cluster = bool(probe.info("cluster").get("cluster_enabled"))
+        except redis.RedisError:
+            cluster = False  # unreachable now: the session logs failed loads/saves and keeps serving
+        if cluster:
+            probe.close()
+            self._client: Any = RedisCluster.from_url(url, **options)
+        else:
+            self._client = probe
 
     def load(self, key: str) -> StoredPlan | None:
         raw = self._client.get(REDIS_PREFIX + key)

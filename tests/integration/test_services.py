@@ -11,8 +11,6 @@ import sys
 import uuid
 from typing import Any
 
-import pytest
-
 from bagua_lightning.client import AutotuneClient
 from bagua_lightning.client.cache.store import RedisStore
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
@@ -80,9 +78,6 @@ def deploy_slot(key: str) -> int:
     return int(key_slot(key.encode()))
 
 
-@pytest.mark.xfail(reason="services/autotune/persistence.RedisPlanStore uses a plain client: keys of the other "
-                          "masters' slots fail with MOVED; it needs redis.cluster.RedisCluster on a cluster node",
-                   strict=False)
 def test_autotune_plan_store_on_the_deployed_redis(services: Deployment) -> None:
     # The autotune service keeps its best plans where the deployment's --state points: the cluster.
     store = open_store(deploy.redis_state_url(services.redis_hosts[0]["host"], services.redis_hosts[0]["port"]))
