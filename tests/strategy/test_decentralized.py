@@ -117,7 +117,6 @@ def test_all_two_ranks_identical_after_each_averaging_and_converges() -> None:
         assert r["end_loss"] < 0.5 * r["start_loss"]
 
 
-@pytest.mark.slow
 def test_four_ranks_as_two_nodes_shift_one_flat_and_hierarchical() -> None:
     steps = 4
     configs = [

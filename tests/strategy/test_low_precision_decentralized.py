@@ -48,7 +48,6 @@ def test_two_ranks_converge_with_consistent_replicas() -> None:
     assert spread < 0.05
 
 
-@pytest.mark.slow
 def test_four_ranks_ring_and_two_nodes_hierarchical() -> None:
     configs = [{"hierarchical": False, "communication_interval": 2}, {"hierarchical": True}]
     by_rank = run_ranks(low_precision_traces, 4, configs, 30, local_size=2)

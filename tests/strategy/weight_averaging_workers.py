@@ -51,8 +51,17 @@ def run_ranks(
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    # The children need no Lightning: skip registering the strategy (saves seconds of import per rank).
+    previous = os.environ.get("BAGUA_LIGHTNING_NO_STRATEGY")
+    os.environ["BAGUA_LIGHTNING_NO_STRATEGY"] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if previous is None:
+            os.environ.pop("BAGUA_LIGHTNING_NO_STRATEGY", None)
+        else:
+            os.environ["BAGUA_LIGHTNING_NO_STRATEGY"] = previous
     try:
         got: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
