@@ -1,10 +1,10 @@
 """Asynchronous model averaging (Bagua's ``async``).
 
 For the first ``warmup_steps`` optimizer steps gradients are allreduced
-(synchronous data parallel, with :class:`GradientAllReduceAlgorithm`'s buckets). After that, training never waits for the network: a
-background thread averages the weights with every rank every ``sync_interval_ms``
-milliseconds, on a process group of its own, while each rank trains at its own
-pace. One averaging round::
+(synchronous data parallel, with :class:`GradientAllReduceAlgorithm`'s buckets).
+After that, training never waits for the network: a background thread averages
+the weights with every rank every ``sync_interval_ms`` milliseconds, on a process
+group of its own, while each rank trains at its own pace. One averaging round::
 
     vote    allreduce(MIN) of a "continue" flag on the async group; stop if any rank votes 0
     lock    snapshot s = copy of the weights
@@ -14,7 +14,11 @@ pace. One averaging round::
 The weights lock is held by training from ``on_forward_start`` until
 ``on_optimizer_step_end``, so a round never lands inside forward/backward or the
 optimizer step, and the thread never holds it during a collective (no deadlock
-with collectives the training thread makes).
+with collectives the training thread makes). With gradient accumulation the wrapper
+calls ``on_forward_start`` only for the micro-batch that ends the accumulation, so a
+round may land between earlier micro-batches (their gradients then belong to
+slightly different weights, as with any asynchronous update). On CUDA the thread
+works on its own stream and synchronises with the training stream under the lock.
 
 Stopping: every round starts with the vote, so all threads run the same sequence
 of collectives. A rank that stops (:meth:`abort`, :meth:`teardown`) votes 0 in the
@@ -25,8 +29,9 @@ run different numbers of training steps, but no rank is left inside a collective
 
 Parameters differ between ranks (``keeps_replicas_identical = False``).
 Checkpoints: Lightning writes global rank 0's weights; resuming loads them on every
-rank (the algorithm keeps no other state), and averaging restarts once the restored
-step count is past ``warmup_steps``.
+rank (the algorithm keeps no other state). The module wrapper counts steps from the
+start of each fit, so a resumed fit runs its ``warmup_steps`` of synchronous
+allreduce again before averaging restarts.
 """
 
 from __future__ import annotations
@@ -266,6 +271,9 @@ class AsyncModelAverageAlgorithm(Algorithm):
             dist.all_reduce(a, group=self._group)
         world_size = self._require_comm().world_size
         with self._lock:
+            if stream is not None:
+                # The optimizer step that released the lock may still be queued on the training stream.
+                stream.wait_stream(torch.cuda.default_stream(stream.device))
             for a, s in zip(averaged, snapshot, strict=True):
                 a.div_(world_size).sub_(s)
             buckets.add_in(averaged)
