@@ -7,8 +7,9 @@ process, against the real autotune service at ``--address``:
 2. ``tuned``: with an :class:`AutotuneController`; every step's plan (version, fingerprint)
    is recorded. With ``--fault-dir``, rank 0 pauses at two steps for the test to kill,
    then restart, the service (files ``kill``/``killed``, ``restart``/``restarted``);
-3. ``mismatch``: rank 1 cannot apply the initial plan; every rank must raise PlanMismatchError;
-4. ``absent``: against ``--dead-address`` (nothing listens): trains on the default plan.
+3. ``bytegrad``: a short tuned run of bytegrad (chunked, padded buckets);
+4. ``mismatch``: rank 1 cannot apply the initial plan; every rank must raise PlanMismatchError;
+5. ``absent``: against ``--dead-address`` (nothing listens): trains on the default plan.
 """
 
 from __future__ import annotations
@@ -107,10 +108,11 @@ def mismatch(comm: CommContext, address: str) -> str:
 
 
 def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3, fault_dir: Path | None = None,
-        fault_steps: tuple[int, int] = (0, 0), model_name: str | None = None) -> dict[str, Any]:
+        fault_steps: tuple[int, int] = (0, 0), model_name: str | None = None,
+        algorithm: str = "gradient_allreduce") -> dict[str, Any]:
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    wrapper = BaguaDistributedDataParallel(model, get_algorithm_class("gradient_allreduce").from_kwargs(), comm,
+    wrapper = BaguaDistributedDataParallel(model, get_algorithm_class(algorithm).from_kwargs(), comm,
                                            bucket_size=4096, optimizers=[opt])
     counter = Counter()
     logging.getLogger(LOGGER).addHandler(counter)
@@ -180,6 +182,7 @@ def main() -> int:
         result["tuned"] = run(comm, args.steps, address=args.address,
                               fault_dir=Path(args.fault_dir) if args.fault_dir else None, fault_steps=(kill, restart))
         result["mismatch"] = mismatch(comm, args.address)
+        result["bytegrad"] = run(comm, 21, address=args.address, model_name="bytegrad-net", algorithm="bytegrad")
         if args.dead_address:
             result["absent"] = run(comm, 12, address=args.dead_address, model_name="absent-net")
     except Exception:

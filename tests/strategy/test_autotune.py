@@ -221,6 +221,11 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
         tuned["applied"]
     assert "event=plan_restored" in (tmp_path / "service-1.log").read_text()
     assert records[-1][1] >= 0
+    # bytegrad (buckets padded to a multiple of the world size) follows service plans just the same.
+    bytegrad = _check_same_plan_every_step([r["bytegrad"]["records"] for r in res])
+    assert bytegrad[-1][1] >= 1
+    for r in res:  # same init and batches as the reference: only the uint8 compression error separates them
+        assert max(abs(a - b) for a, b in zip(r["bytegrad"]["losses"], r["reference"]["losses"], strict=False)) < 1e-2
     # A rank that cannot apply a plan makes every rank fail loudly at that boundary, none hangs.
     for r in res:
         assert r["mismatch"].startswith("ranks disagree at step 0 on: plan version, plan layout, apply failure"), \
