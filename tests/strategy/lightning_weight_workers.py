@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import bagua_lightning  # noqa: F401  (registers "bagua")
+import tests.strategy.lightning_workers as lw
 from bagua_lightning.strategy import BaguaStrategy
 from tests.strategy.lightning_workers import Model, Regression, flat_params, spread, trainer
 
@@ -33,8 +34,14 @@ SMALL_BUCKET = 2048
 
 def eval_mse(model: nn.Module) -> float:
     data = Regression()
+    device = next(model.parameters()).device
     with torch.no_grad():
-        return float(nn.functional.mse_loss(model(data.x), data.y))
+        return float(nn.functional.mse_loss(model(data.x.to(device)), data.y.to(device)))
+
+
+def cpu_flat(model: nn.Module) -> torch.Tensor:
+    """Flat parameters on the CPU (comparable with a checkpoint whatever the accelerator)."""
+    return flat_params(model).cpu()
 
 
 def async_threads() -> list[str]:
@@ -61,7 +68,7 @@ class Probe(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         algo: Any = trainer.strategy.algorithm  # type: ignore[attr-defined]
-        self.start = {"spread": spread(list(pl_module.parameters())), "weights": flat_params(pl_module),
+        self.start = {"spread": spread(list(pl_module.parameters())), "weights": cpu_flat(pl_module),
                       "eval": eval_mse(pl_module),
                       "hierarchical": trainer.strategy.comm.is_hierarchical_possible}  # type: ignore[attr-defined]
         if hasattr(algo, "replicas"):
@@ -141,7 +148,7 @@ def torchrun_mode(out: Path) -> dict[str, Any]:
         res[name] = {
             "start_spread": probe.start["spread"],
             "start_is_checkpoint": bool(torch.equal(probe.start["weights"], saved_flat)),
-            "saved_is_mine": bool(torch.equal(saved_flat, flat_params(first))),
+            "saved_is_mine": bool(torch.equal(saved_flat, cpu_flat(first))),
             "replicas_match": probe.start.get("replicas_match"),
             "steps_after_resume": len(probe.spreads),
             "eval_at_resume": probe.start["eval"], "eval_last": eval_mse(resumed),
@@ -168,7 +175,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--mode", choices=["torchrun", "nodes"], required=True)
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     args = parser.parse_args()
+    lw.ACCELERATOR = args.accelerator
     out = Path(args.out)
     torch.set_num_threads(1)
     rc = 0

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.procs import free_port
+from tests.strategy.conftest import backend_params
 from tests.strategy.launch import run_commands
 
 WORKER = str(Path(__file__).with_name("lightning_weight_workers.py"))
@@ -29,9 +30,11 @@ def _converged(run: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
-def test_weight_averaging_algorithms_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", backend_params(2))
+def test_weight_averaging_algorithms_under_torchrun(tmp_path: Path, backend: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), WORKER, str(tmp_path), "--mode", "torchrun"]
+           str(free_port()), WORKER, str(tmp_path), "--mode", "torchrun",
+           "--accelerator", "gpu" if backend == "nccl" else "cpu"]
     run_commands([cmd], log_dir=tmp_path)
     results = _results(tmp_path, "torchrun", 2)
     for rank, res in enumerate(results):
