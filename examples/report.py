@@ -258,6 +258,10 @@ def plot_trajectory(jobs: list[JobResult], path: Path) -> Path:
 
     fig, (ax_speed, ax_size) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, constrained_layout=True)
     offset = 0
+    total = max(sum(max(job.steps, 1) for job in jobs), 1)
+    last_x: int | None = None
+    last_version: int | None = None
+    below = False
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, job in enumerate(jobs):
         color = colors[i % len(colors)]
@@ -272,8 +276,14 @@ def plot_trajectory(jobs: list[JobResult], path: Path) -> Path:
             ax_size.step([*steps, end], [*sizes, sizes[-1]], where="post", color=color,
                          label=f"{job.job}: bucket size in use")
             for x, p in zip(steps, job.plans, strict=True):
+                if p.version == last_version:
+                    continue  # a job that starts on the plan the previous one ended on
+                # Plans a few steps apart would print over each other: put every other one below the line.
+                below = last_x is not None and x - last_x < 0.05 * total and not below
                 ax_size.annotate(f"v{p.version}: {len(p.bucket_bytes)} buckets", (x, p.bucket_size / MIB),
-                                 textcoords="offset points", xytext=(2, 4), fontsize=7, color=color)
+                                 textcoords="offset points", xytext=(2, -10 if below else 4), fontsize=7,
+                                 color=color)
+                last_x, last_version = x, p.version
         if i:
             for ax in (ax_speed, ax_size):
                 ax.axvline(offset, color="gray", linestyle="--", linewidth=0.8)

@@ -57,7 +57,7 @@ class Preset:
     autotune_interval: int
 
 
-FULL = Preset(epochs=4, samples=4096, transform_ms=3.0, autotune_interval=8)
+FULL = Preset(epochs=8, samples=4096, transform_ms=3.0, autotune_interval=8)
 QUICK = Preset(epochs=2, samples=512, transform_ms=2.0, autotune_interval=4)
 
 
