@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The NCCL test suite and the GPU benchmarks, as run on the lent GPU machine (see docs/benchmarks.md).
+#
+#   benchmarks/device_suite.sh OUT_DIR [tests] [bench] [autotune]
+#
+# The GPU machine has torch, lightning and grpcio but not the project, grpcio-health-checking,
+# grpcio-reflection or redis-py: wheels for those are carried in .whl/ (git-ignored) and the package is
+# put on PYTHONPATH through .ci/linktree. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: device_suite.sh OUT_DIR [tests] [bench] [autotune]}; shift
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$(.ci/linktree)${PYTHONPATH:+:$PYTHONPATH}"
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+rc=0
+for what in "$@"; do
+  case "$what" in
+    tests)
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests/strategy -rs 2>&1 | tee "$out/nccl_tests.log" || rc=1 ;;
+    bench)
+      torchrun --nproc_per_node "$ngpu" benchmarks/allreduce_vs_ddp.py --steps 25 --rounds 8 \
+        --variants ddp,gradient_allreduce,gradient_allreduce+25MiB,bytegrad,decentralized,low_precision_decentralized \
+        --json "$out/allreduce_vs_ddp_${ngpu}gpu.json" 2>&1 | tee "$out/allreduce_vs_ddp_${ngpu}gpu.log" || rc=1 ;;
+    autotune)
+      torchrun --nproc_per_node "$ngpu" benchmarks/autotune_training.py 2>&1 \
+        | tee "$out/autotune_training_${ngpu}gpu.log" || rc=1 ;;
+    *) echo "unknown part $what"; rc=2 ;;
+  esac
+done
+exit $rc
