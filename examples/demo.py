@@ -74,7 +74,9 @@ class JobConfig:
         samples: dataset size.
         batch_size: samples per batch and process.
         transform_ms: sleep in each sample's transform, in milliseconds (the slow part the cache skips).
-        devices: training processes; None: every GPU when CUDA is available, else 2 CPU processes.
+        devices: training processes per node; None: every GPU when CUDA is available, else 2 CPU processes.
+        nodes: machines the job runs on (Lightning's ``num_nodes``; launch the script on each with
+            ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, or use ``torchrun``).
         algorithm: ``gradient_allreduce`` or ``bytegrad``.
         autotune_interval: steps between two autotune step boundaries.
         autotune_service: ``host:port``; None: env, services file, default (see ``BaguaStrategy``).
@@ -92,6 +94,7 @@ class JobConfig:
     batch_size: int = 32
     transform_ms: float = 3.0
     devices: int | None = None
+    nodes: int = 1
     algorithm: str = "gradient_allreduce"
     autotune_interval: int = 8
     autotune_service: str | None = None
@@ -101,7 +104,7 @@ class JobConfig:
     plot: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "samples", "batch_size", "autotune_interval"):
+        for name in ("epochs", "samples", "batch_size", "autotune_interval", "nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -319,7 +322,8 @@ def run(cfg: JobConfig) -> JobResult | None:
                              autotune_interval=cfg.autotune_interval)
     torch.manual_seed(cfg.seed)
     model = DemoNet(SlowSynthetic.features())
-    trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_epochs=cfg.epochs,
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=cfg.nodes,
+                        max_epochs=cfg.epochs,
                         logger=trajectory, callbacks=[monitor], enable_checkpointing=False,
                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(cfg.out))
     started = time.monotonic()
@@ -355,7 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per process (%(default)s)")
     p.add_argument("--transform-ms", type=float, default=d.transform_ms,
                    help="slow transform per sample, ms (%(default)s)")
-    p.add_argument("--devices", type=int, default=None, help="processes (default: all GPUs, else 2 on CPU)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="processes per node (default: all GPUs, else 2 on CPU)")
+    p.add_argument("--nodes", type=int, default=d.nodes, help="machines, Lightning's num_nodes (%(default)s)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=d.algorithm, help="(%(default)s)")
     p.add_argument("--autotune-interval", type=int, default=d.autotune_interval,
                    help="steps between autotune step boundaries (%(default)s)")
@@ -372,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = JobConfig(out=args.out, job=args.job, epochs=args.epochs, samples=args.samples,
                         batch_size=args.batch_size, transform_ms=args.transform_ms, devices=args.devices,
+                        nodes=args.nodes,
                         algorithm=args.algorithm, autotune_interval=args.autotune_interval,
                         autotune_service=args.autotune_service, dataset_name=args.dataset_name,
                         workers=args.workers, seed=args.seed, plot=not args.no_plot)
