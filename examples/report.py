@@ -259,9 +259,8 @@ def plot_trajectory(jobs: list[JobResult], path: Path) -> Path:
     fig, (ax_speed, ax_size) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, constrained_layout=True)
     offset = 0
     total = max(sum(max(job.steps, 1) for job in jobs), 1)
-    last_x: int | None = None
+    placed: list[tuple[int, float, int]] = []  # (step, MiB, label offset) of the labels drawn so far
     last_version: int | None = None
-    below = False
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, job in enumerate(jobs):
         color = colors[i % len(colors)]
@@ -278,12 +277,15 @@ def plot_trajectory(jobs: list[JobResult], path: Path) -> Path:
             for x, p in zip(steps, job.plans, strict=True):
                 if p.version == last_version:
                     continue  # a job that starts on the plan the previous one ended on
-                # Plans a few steps apart would print over each other: put every other one below the line.
-                below = last_x is not None and x - last_x < 0.05 * total and not below
-                ax_size.annotate(f"v{p.version}: {len(p.bucket_bytes)} buckets", (x, p.bucket_size / MIB),
-                                 textcoords="offset points", xytext=(2, -10 if below else 4), fontsize=7,
-                                 color=color)
-                last_x, last_version = x, p.version
+                # Labels of plans a few steps apart at similar sizes would print over each other.
+                size = p.bucket_size / MIB
+                dy = next((d for d in (4, -10, 14, -20) if not any(
+                    abs(x - px) < 0.12 * total and abs(math.log(size / ps)) < 0.2 and d == pd
+                    for px, ps, pd in placed)), 4)
+                ax_size.annotate(f"v{p.version}: {len(p.bucket_bytes)} buckets", (x, size),
+                                 textcoords="offset points", xytext=(2, dy), fontsize=7, color=color)
+                placed.append((x, size, dy))
+                last_version = p.version
         if i:
             for ax in (ax_speed, ax_size):
                 ax.axvline(offset, color="gray", linestyle="--", linewidth=0.8)
