@@ -232,8 +232,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"autotune trajectory plot: {plot}")
     print(f"summaries: {out / 'summary.txt'}; measurements: {', '.join(str(out / f'{j.job}.json') for j in jobs)}")
     if endpoints.how == "started":
-        print("the services keep running for the next job (run the demo again: its tuning and cache carry over); "
-              "`bagua-lightning status` shows them, `bagua-lightning down` stops them")
+        print("the services keep running (`bagua-lightning status`; `bagua-lightning down` stops them): the next "
+              "demo starts on the plan tuned here, and with --keep-cache on the samples cached here")
     return 0
 
 
