@@ -46,7 +46,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from bagua_lightning.client import CachedDataset
+from bagua_lightning.client import CachedDataset, RedisStore
 from bagua_lightning.client.cache import fingerprint
 from bagua_lightning.examples.report import (
     DATASET_NAME,
@@ -335,7 +335,7 @@ def run(cfg: JobConfig) -> JobResult | None:
         job=cfg.job, processes=trainer.world_size, accelerator=accelerator,
         backend="nccl" if accelerator == "gpu" else "gloo", algorithm=cfg.algorithm,
         autotune_service=summary.service if summary else str(cfg.autotune_service),
-        cache=repr(dataset.cache_loader.store),
+        cache=_describe_store(dataset.cache_loader.store),
         dataset={"name": cfg.dataset_name, "version": cfg.dataset_version, "samples": cfg.samples,
                  "transform_ms": cfg.transform_ms},
         batch_size=cfg.batch_size, epochs=monitor.epochs, first_batch_hits=monitor.first_batch[0],
@@ -347,6 +347,13 @@ def run(cfg: JobConfig) -> JobResult | None:
     if cfg.plot:
         print(f"   plot: {plot_trajectory([result], cfg.out / f'{cfg.job}.png')}", flush=True)
     return result
+
+
+def _describe_store(store: Any) -> str:
+    if not isinstance(store, RedisStore):
+        return repr(store)
+    hosts = ",".join(f"{host}:{port}" for host, port in store.hosts)
+    return f"{'Redis Cluster' if store.is_cluster else 'Redis'} {hosts}"
 
 
 def build_parser() -> argparse.ArgumentParser:

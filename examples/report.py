@@ -170,7 +170,7 @@ def load_job(path: Path) -> JobResult:
 
 
 def _mib(n: float) -> str:
-    return f"{n / MIB:.2f} MiB"
+    return f"{n / MIB:.2f} MiB" if n >= MIB else f"{n / 1024:.1f} KiB"
 
 
 def _plan_line(p: PlanRecord) -> str:
@@ -187,8 +187,8 @@ def format_job(job: JobResult) -> str:
         f"== {job.job}: {job.processes} processes ({job.accelerator}, {job.backend}), {job.algorithm}, "
         f"{job.steps} steps in {job.seconds:.1f} s",
         f"   dataset {ds.get('name')}:{ds.get('version')}: {ds.get('samples')} samples, "
-        f"{ds.get('transform_ms')} ms slow transform each; cache {job.cache}",
-        f"   autotune service {job.autotune_service}",
+        f"{ds.get('transform_ms')} ms slow transform each",
+        f"   cache: {job.cache}; autotune service: {job.autotune_service}",
         "   epoch   samples/s   cache hit rate   hits / misses   mean loss",
     ]
     for e in job.epochs:
