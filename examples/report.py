@@ -170,7 +170,9 @@ def load_job(path: Path) -> JobResult:
 
 
 def _mib(n: float) -> str:
-    return f"{n / MIB:.2f} MiB" if n >= MIB else f"{n / 1024:.1f} KiB"
+    if n >= MIB:
+        return f"{n / MIB:.2f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{int(n)} B"
 
 
 def _plan_line(p: PlanRecord) -> str:
