@@ -12,13 +12,20 @@ node; ``inter_group`` holds local rank ``local_rank`` of every node (for local r
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.compression import compress_chunks, decompress_chunks
+from bagua_lightning.strategy.compression import (
+    HEADER_BYTES,
+    LEVELS,
+    ChunkRanges,
+    dequantise_into,
+    read_header,
+)
 
 
 @dataclass(kw_only=True)
@@ -164,41 +171,181 @@ def hierarchical_all_reduce_(tensor: torch.Tensor, comm: CommContext, *, average
     _wait(dist.broadcast(tensor, src=leader, group=comm.intra_group, async_op=True))
 
 
+# Gloo (CPU) pipelines each compressed exchange in segments of this many elements per chunk:
+# segment s + 1 is compressed while segment s is on the wire, and received segments are
+# decompressed while later ones arrive. With NCCL the exchange is one collective per phase.
+PIPELINE_SEGMENT_ELEMENTS = 1 << 18
+
+
+def _segment_bounds(n: int, device: torch.device) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each pipeline segment of an ``n``-element chunk."""
+    if device.type == "cuda" or n <= PIPELINE_SEGMENT_ELEMENTS:
+        return [(0, n)]
+    count = -(-n // PIPELINE_SEGMENT_ELEMENTS)
+    edges = [n * i // count for i in range(count + 1)]
+    return list(itertools.pairwise(edges))
+
+
+class ExchangeBuffers:
+    """The send and receive buffers of one compressed exchange, kept between steps.
+
+    An algorithm holds one per bucket and passes it to :func:`compressed_all_reduce_`;
+    on CPU a fresh buffer the size of a bucket costs more in page faults than the
+    compression itself. Buffers are reallocated when the bucket's shape changes.
+
+    On the wire, chunk ``i`` is its 8-byte header and its levels, cut into segments
+    (:data:`PIPELINE_SEGMENT_ELEMENTS`); segment ``s`` of every chunk is one contiguous
+    ``(chunks, width)`` block of the buffer, the first one led by the headers.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int, torch.device] | None = None
+        self._segments: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._scratch: torch.Tensor | None = None
+
+    def segments(
+        self, rows: int, bounds: list[tuple[int, int]], device: torch.device
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(send, receive)`` uint8 views per segment, each of shape ``(rows, width)``."""
+        n = bounds[-1][1]
+        if self._key != (rows, n, device) or len(self._segments) != len(bounds):
+            self._segments = []  # free the old buffers first
+            send = torch.empty(rows * (HEADER_BYTES + n), dtype=torch.uint8, device=device)
+            recv = torch.empty_like(send)
+            offset = 0
+            for s, (a, b) in enumerate(bounds):
+                width = b - a + (HEADER_BYTES if s == 0 else 0)
+                size = rows * width
+                self._segments.append((send[offset : offset + size].view(rows, width),
+                                       recv[offset : offset + size].view(rows, width)))
+                offset += size
+            self._key = (rows, n, device)
+        return self._segments
+
+    def float_scratch(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A float32 tensor of ``numel`` elements (for buckets that are not float32)."""
+        s = self._scratch
+        if s is None or s.numel() != numel or s.device != device:
+            self._scratch = s = torch.empty(numel, dtype=torch.float32, device=device)
+        return s
+
+
+def _levels(block: torch.Tensor, first: bool) -> torch.Tensor:
+    """The levels of a segment block (the first segment starts with the headers)."""
+    return block[:, HEADER_BYTES:] if first else block
+
+
+def _sum_levels(
+    levels: torch.Tensor, base: torch.Tensor, steps: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor
+) -> None:
+    """``out = base + sum_i levels[i] * steps[i]`` (``levels``: uint8 ``(rows, m)``), nothing allocated.
+
+    ``sum_i (min_i + q_i * step_i)`` is ``sum_i min_i + sum_i q_i * step_i``: the mins
+    (``base``) are added once, and every row is cast to float32 once (into ``out`` or
+    ``scratch``) before a fused multiply-add; a uint8 operand inside the arithmetic
+    would be several times slower on CPU.
+    """
+    out.copy_(levels[0])
+    torch.addcmul(base, out, steps[0], out=out)
+    for i in range(1, levels.shape[0]):
+        scratch.copy_(levels[i])
+        out.addcmul_(scratch, steps[i])
+
+
 def compressed_exchange_(
-    flat: torch.Tensor, group: dist.ProcessGroup | None, group_size: int, *, scale: float = 1.0
+    flat: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    group_size: int,
+    *,
+    scale: float = 1.0,
+    buffers: ExchangeBuffers | None = None,
 ) -> None:
     """ByteGrad's compressed reduction of ``flat`` in place over ``group`` (``group_size`` ranks).
 
     ``flat`` (1-D, ``numel`` divisible by ``group_size``) is cut into one chunk per
-    rank; each chunk is MinMax-uint8 compressed, chunks go all-to-all, each rank
-    decompresses and sums the chunk it owns (times ``scale``), recompresses it, and
-    an all-gather brings every reduced chunk to every rank, which decompresses them
-    into ``flat``. Every rank ends with the same values.
+    rank; each chunk is MinMax-uint8 compressed with its own min/max, chunks go
+    all-to-all, each rank decompresses and sums the chunk it owns (times ``scale``),
+    recompresses it with the sum's min/max, and an all-gather brings every reduced
+    chunk to every rank, which decompresses them into ``flat``. Every rank ends with
+    the same values.
+
+    On Gloo both phases are pipelined in segments (see :data:`PIPELINE_SEGMENT_ELEMENTS`):
+    the bytes and the values are those of the unsegmented exchange. ``flat`` serves as
+    scratch space on the way (a float32 bucket is compressed in place, its own chunk
+    holds the sum), so nothing is allocated when ``buffers`` (reused between steps) is given.
     """
     if flat.numel() % group_size != 0:
         raise ValueError(
             f"compressed exchange needs a length divisible by {group_size} ranks, got {flat.numel()}; "
             "pad the buffer (BucketEngine(pad_multiple=...))"
         )
-    packed = compress_chunks(flat, group_size)  # (group_size, 8 + chunk)
-    received = torch.empty_like(packed)
-    _wait(dist.all_to_all_single(received, packed, group=group, async_op=True))
-    mine = decompress_chunks(received).view(group_size, -1).sum(dim=0)
-    if scale != 1.0:
-        mine.mul_(scale)
-    gathered = torch.empty_like(packed)
-    _wait(dist.all_gather_into_tensor(gathered, compress_chunks(mine, 1), group=group, async_op=True))
-    flat.copy_(decompress_chunks(gathered, dtype=flat.dtype))
+    buffers = buffers if buffers is not None else ExchangeBuffers()
+    n = flat.numel() // group_size
+    bounds = _segment_bounds(n, flat.device)
+    blocks = buffers.segments(group_size, bounds, flat.device)
+    work = flat if flat.dtype == torch.float32 else buffers.float_scratch(flat.numel(), flat.device).copy_(flat)
+    chunks = work.view(group_size, n)
+    me = dist.get_rank(group)
+
+    # 1. Every chunk with its own min/max; each segment leaves as soon as it is compressed.
+    ranges = ChunkRanges.of(chunks)
+    ranges.write_header(blocks[0][0][:, :HEADER_BYTES])
+    sent = []
+    for s, ((a, b), (send, recv)) in enumerate(zip(bounds, blocks, strict=True)):
+        ranges.quantise_into(chunks[:, a:b], _levels(send, s == 0), overwrite_input=True)  # chunks are spent
+        sent.append(dist.all_to_all_single(recv, send, group=group, async_op=True))
+
+    # 2. The owner sums its chunk from every rank as the segments arrive.
+    mine = chunks[me]
+    scratch = chunks[(me + 1) % group_size] if group_size > 1 else torch.empty_like(mine)
+    base = steps = None
+    for s, ((a, b), (_, recv), pending) in enumerate(zip(bounds, blocks, sent, strict=True)):
+        pending.wait()
+        if s == 0:
+            mins, maxs = read_header(recv)
+            steps = (maxs - mins).view(-1) * (scale / LEVELS)
+            base = mins.sum() * scale
+        assert base is not None and steps is not None
+        _sum_levels(_levels(recv, s == 0), base, steps, mine[a:b], scratch[a:b])
+
+    # 3. The sum, recompressed with its own min/max, goes to every rank segment by segment.
+    own = ChunkRanges.of(mine.view(1, -1))
+    own.write_header(blocks[0][0][me : me + 1, :HEADER_BYTES])
+    gathered = []
+    for s, ((a, b), (send, recv)) in enumerate(zip(bounds, blocks, strict=True)):
+        row = send[me : me + 1]  # this segment's all-to-all is done: the row is free
+        own.quantise_into(mine[a:b].view(1, -1), _levels(row, s == 0), overwrite_input=True)
+        gathered.append(dist.all_gather_into_tensor(recv, row, group=group, async_op=True))
+
+    # 4. Every rank decompresses every reduced chunk into the bucket as the segments arrive.
+    out = flat.view(group_size, n)
+    for s, ((a, b), (_, recv), pending) in enumerate(zip(bounds, blocks, gathered, strict=True)):
+        pending.wait()
+        if s == 0:
+            mins, maxs = read_header(recv)
+            steps = (maxs - mins) / LEVELS
+        assert steps is not None
+        if work is flat:
+            dequantise_into(_levels(recv, s == 0), mins, steps, out[:, a:b])
+        else:
+            dequantise_into(_levels(recv, s == 0), mins, steps, chunks[:, a:b])
+            out[:, a:b].copy_(chunks[:, a:b])
 
 
 def compressed_all_reduce_(
-    flat: torch.Tensor, comm: CommContext, *, average: bool = True, hierarchical: bool = False
+    flat: torch.Tensor,
+    comm: CommContext,
+    *,
+    average: bool = True,
+    hierarchical: bool = False,
+    buffers: ExchangeBuffers | None = None,
 ) -> None:
     """Compressed allreduce (ByteGrad) of ``flat`` in place.
 
     ``hierarchical`` (and more than one node): plain intra-node reduce to the leader,
     compressed exchange among node leaders, intra-node broadcast. ``flat.numel()``
-    must be divisible by the number of ranks taking part in the exchange.
+    must be divisible by the number of ranks taking part in the exchange. ``buffers``:
+    see :class:`ExchangeBuffers` (one per bucket, reused every step).
     """
     if comm.world_size == 1:
         return
@@ -207,10 +354,11 @@ def compressed_all_reduce_(
         _wait(dist.reduce(flat, dst=leader, group=comm.intra_group, async_op=True))
         if comm.local_rank == 0:
             scale = 1.0 / comm.world_size if average else 1.0
-            compressed_exchange_(flat, comm.inter_group, comm.num_nodes, scale=scale)
+            compressed_exchange_(flat, comm.inter_group, comm.num_nodes, scale=scale, buffers=buffers)
         _wait(dist.broadcast(flat, src=leader, group=comm.intra_group, async_op=True))
         return
-    compressed_exchange_(flat, comm.group, comm.world_size, scale=1.0 / comm.world_size if average else 1.0)
+    compressed_exchange_(flat, comm.group, comm.world_size, scale=1.0 / comm.world_size if average else 1.0,
+                         buffers=buffers)
 
 
 def exchange_size(comm: CommContext, *, hierarchical: bool) -> int:

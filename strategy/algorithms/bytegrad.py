@@ -8,7 +8,7 @@ from bagua_lightning.proto.plan import BucketPlan
 from bagua_lightning.strategy.algorithms.base import register_algorithm
 from bagua_lightning.strategy.algorithms.bucketed import GradientBucketAlgorithm
 from bagua_lightning.strategy.buckets import Bucket
-from bagua_lightning.strategy.comm import CommContext, compressed_all_reduce_
+from bagua_lightning.strategy.comm import CommContext, ExchangeBuffers, compressed_all_reduce_
 
 
 @register_algorithm
@@ -32,6 +32,8 @@ class ByteGradAlgorithm(GradientBucketAlgorithm):
 
     def __init__(self, hierarchical: bool = True, average: bool = True) -> None:
         super().__init__(hierarchical=hierarchical, average=average)
+        # Send/receive buffers per bucket index, reused every step (reshaped when a plan changes).
+        self._buffers: dict[int, ExchangeBuffers] = {}
 
     def pad_multiple(self, comm: CommContext, plan: BucketPlan) -> int:
         # Flat and hierarchical chunkings both fit a multiple of the world size.
@@ -40,5 +42,15 @@ class ByteGradAlgorithm(GradientBucketAlgorithm):
     def reduce_bucket(
         self, bucket: Bucket, comm: CommContext, hierarchical: bool, defer: bool
     ) -> dist.Work | None:
-        compressed_all_reduce_(bucket.flat, comm, average=self.average, hierarchical=hierarchical)
+        buffers = self._buffers.setdefault(bucket.index, ExchangeBuffers())
+        compressed_all_reduce_(bucket.flat, comm, average=self.average, hierarchical=hierarchical,
+                               buffers=buffers)
         return None
+
+    def apply_plan(self, plan: BucketPlan) -> None:
+        self._buffers.clear()  # bucket sizes change: free the old buffers before the new ones grow
+        super().apply_plan(plan)
+
+    def teardown(self) -> None:
+        self._buffers.clear()
+        super().teardown()
