@@ -206,9 +206,18 @@ def worker(args: argparse.Namespace) -> None:
                                                                               tuned_plan.bucket_bytes],
                            "hierarchical": tuned_plan.is_hierarchical_reduce, "version": tuned_plan.version},
         }
-        for w, _ in variants.values():
+        timings: dict[str, Any] = {}
+        for name, (w, _) in variants.items():
             if isinstance(w, BaguaDistributedDataParallel):
+                t = w.last_step_timings()
+                plan_now = w.bucket_plan
+                timings[name] = None if t is None else {
+                    "buckets_in_use": len(plan_now.buckets) if plan_now else None,
+                    "backward_ms": round(t.backward_ms, 2),
+                    "comm_ms": round(sum(b.comm_ms for b in t.buckets), 2),
+                    "exposed_wait_ms": round(max((b.wait_ms for b in t.buckets), default=0.0), 2)}
                 w.teardown()
+        result["last_step_timings"] = timings
         if rank == 0:
             print(RESULT_TAG + json.dumps(result), flush=True)
             report(result)
@@ -226,6 +235,8 @@ def report(result: dict[str, Any]) -> None:
     for name, speed in result["samples_per_s"].items():
         print(f"  {name:>16}: {speed:10.1f} samples/s")
     print(f"  tuned plan: {result['tuned_plan']}")
+    for name, t in result.get("last_step_timings", {}).items():
+        print(f"  {name:>16}: last measured step {t}")
     print(f"  autotuned / best fixed ({result['best_fixed']}): {result['autotuned_vs_best_fixed']:.3f}x")
     print(f"  autotuned / DDP default: {result['autotuned_vs_ddp']:.3f}x")
     print(f"  steps until settled: {result['steps_until_settled']} (interval {result['interval']}, "

@@ -22,7 +22,12 @@ rc=0
 for what in "$@"; do
   case "$what" in
     tests)
-      python3 -m pytest -m gpu -q -p no:cacheprovider tests/strategy -rs 2>&1 | tee "$out/nccl_tests.log" || rc=1 ;;
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests/strategy -rs ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+        | tee "$out/nccl_tests.log" || rc=1
+      # The launched jobs' own logs say where a failed or stuck rank was.
+      for f in /tmp/pytest-of-*/pytest-*/*/cmd*.log; do
+        [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }
+      done >> "$out/nccl_tests.log" 2>/dev/null ;;
     bench)
       torchrun --nproc_per_node "$ngpu" benchmarks/allreduce_vs_ddp.py --steps 25 --rounds 8 \
         --variants ddp,gradient_allreduce,gradient_allreduce+25MiB,bytegrad,decentralized,low_precision_decentralized \
