@@ -20,6 +20,14 @@ round may land between earlier micro-batches (their gradients then belong to
 slightly different weights, as with any asynchronous update). On CUDA the thread
 works on its own stream and synchronises with the training stream under the lock.
 
+NCCL: the async group is a *Gloo* group and rounds average a host copy of the
+weights. Two NCCL communicators driven concurrently from two threads (training's
+collectives and the averaging rounds) are not ordered with each other, and on the
+NCCL machine this hung jobs (an averaging round and a collective of the training
+thread each waiting for the other rank); Gloo rounds run on the host and cannot
+block the GPU's collectives. The cost is a device-host copy per round, off the
+training stream.
+
 Stopping: every round starts with the vote, so all threads run the same sequence
 of collectives. A rank that stops (:meth:`abort`, :meth:`teardown`) votes 0 in the
 next round and every thread leaves the loop after that same vote: ranks may have
@@ -115,8 +123,10 @@ class AsyncModelAverageAlgorithm(Algorithm):
             self._warmup = GradientAllReduceAlgorithm(hierarchical=False, average=True)
             self._warmup.flatten = self.flatten
             self._warmup.setup(module, comm, plan)
-        # new_group is collective: every rank creates it here, in the same order.
-        self._group = dist.new_group(ranks=list(range(comm.world_size))) if comm.world_size > 1 else None
+        # new_group is collective: every rank creates it here, in the same order. Gloo on every backend
+        # (see the module docstring: concurrent NCCL communicators from two threads can deadlock).
+        self._group = (dist.new_group(ranks=list(range(comm.world_size)), backend="gloo")
+                       if comm.world_size > 1 else None)
         self._aborted = False
         self._started = False
         self._error = None
@@ -254,7 +264,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
             self._error = exc
 
     def _vote_continue(self, device: torch.device) -> bool:
-        flag = torch.tensor([0 if self._stop.is_set() else 1], dtype=torch.int32, device=device)
+        flag = torch.tensor([0 if self._stop.is_set() else 1], dtype=torch.int32)  # Gloo group: host tensor
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
         return bool(flag.item() == 1)
 
@@ -266,7 +276,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
             snapshot = buckets.flatten()
             if stream is not None:
                 stream.synchronize()  # the copy must finish before training may touch the weights again
-        averaged = [s.clone() for s in snapshot]
+        averaged = [s.to("cpu", copy=True) for s in snapshot]  # the async group is a Gloo group
         for a in averaged:
             dist.all_reduce(a, group=self._group)
         world_size = self._require_comm().world_size
@@ -274,6 +284,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
             if stream is not None:
                 # The optimizer step that released the lock may still be queued on the training stream.
                 stream.wait_stream(torch.cuda.default_stream(stream.device))
+            averaged = [a.to(s.device, non_blocking=False) for a, s in zip(averaged, snapshot, strict=True)]
             for a, s in zip(averaged, snapshot, strict=True):
                 a.div_(world_size).sub_(s)
             buckets.add_in(averaged)
