@@ -5,14 +5,23 @@ veth pair (10.123.0.1/24 <-> 10.123.0.2/24), shapes both ends to ``--rate`` with
 ``tc`` (token bucket), starts one Gloo rank in each namespace, and always deletes the namespaces at
 the end (also on failure or Ctrl-C)::
 
-    python benchmarks/slow_network.py                      # 1 Gbit/s, ~50M-parameter MLP
-    python benchmarks/slow_network.py --rate 10gbit --steps 3
+    python benchmarks/slow_network.py                      # 1 Gbit/s, 12.6M-parameter MLP (50 MB fp32)
+    python benchmarks/slow_network.py --rate 100mbit --steps 3
 
 The model is communication-bound on purpose: a few large ``Linear`` layers and a
-small batch. Every algorithm trains a fresh copy of it (same weights, same batches,
-SGD) through :class:`~bagua_lightning.strategy.ddp.BaguaDistributedDataParallel`;
-they take turns for ``--rounds`` rounds so machine drift hits all alike. The median
-step time of each is printed with its speed-up over ``gradient_allreduce``.
+small batch (at 1 Gbit/s ``gradient_allreduce`` spends over 90% of its step on the
+wire; the printed breakdown shows it). Every algorithm trains a fresh copy of it
+(same weights, same batches, SGD) through
+:class:`~bagua_lightning.strategy.ddp.BaguaDistributedDataParallel`; they take turns
+for ``--rounds`` rounds so machine drift hits all alike. The median step time of each
+is printed with its speed-up over ``gradient_allreduce``, and the median split of a
+step into forward, backward (gradient algorithms wait for their buckets at its end)
+and optimizer step (weight algorithms communicate after it), next to the same step
+with no communication at all.
+
+Each rank runs with one intra-op thread: a rank stands for a host, and two hosts
+share this machine's cores; more threads per rank would only make the ranks (and
+their communication threads) fight over the same cores.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ ALGORITHMS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_
 ADDRESSES = ("10.123.0.1", "10.123.0.2")  # only inside the namespaces this script creates
 PREFIX_LEN = 24
 RESULT_TAG = "SLOW_NETWORK_RESULT "
+LOCAL = "no communication"  # the same step on one rank's own model: the compute part of a step
+PARTS = ("forward", "backward", "optimizer")
 
 
 # --- the two "hosts" ------------------------------------------------------------------------------
@@ -140,30 +151,44 @@ def worker(args: argparse.Namespace) -> None:
     batches = [(torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 1, generator=g))
                for _ in range(4)]
 
-    def run(name: str) -> list[float]:
+    def run(name: str) -> list[tuple[float, float, float, float]]:
+        """(step, forward, backward, optimizer) seconds of each timed step; ``local``: no communication."""
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        ddp = BaguaDistributedDataParallel(model, get_algorithm_class(name).from_kwargs(), comm,
-                                           optimizers=[opt])
+        ddp: nn.Module = model
+        if name != LOCAL:
+            ddp = BaguaDistributedDataParallel(model, get_algorithm_class(name).from_kwargs(), comm,
+                                               optimizers=[opt])
         times = []
         for i in range(args.warmup + args.steps):
             dist.barrier()
             start = time.perf_counter()
             x, y = batches[i % len(batches)]
-            nn.functional.mse_loss(ddp(x), y).backward()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            t_fwd = time.perf_counter()
+            loss.backward()
+            t_bwd = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=False)
+            end = time.perf_counter()
             if i >= args.warmup:
-                times.append(time.perf_counter() - start)
-        ddp.teardown()
+                times.append((end - start, t_fwd - start, t_bwd - t_fwd, end - t_bwd))
+        if isinstance(ddp, BaguaDistributedDataParallel):
+            ddp.teardown()
         return times
 
-    samples: dict[str, list[float]] = {name: [] for name in args.algorithms}
+    names = [*args.algorithms, LOCAL]
+    samples: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
     for _ in range(args.rounds):
-        for name in args.algorithms:
+        for name in names:
             samples[name] += run(name)
     params = sum(p.numel() for p in make_model().parameters())
-    step_s = {name: statistics.median(ts) for name, ts in samples.items()}
+
+    def median(name: str, part: int) -> float:
+        return statistics.median(t[part] for t in samples[name])
+
+    step_s = {name: median(name, 0) for name in args.algorithms}
+    breakdown = {name: {part: median(name, i) for i, part in enumerate(PARTS, start=1)} for name in names}
     if rank == 0:
         base = step_s.get("gradient_allreduce")
         result = {
@@ -171,6 +196,8 @@ def worker(args: argparse.Namespace) -> None:
             "steps_per_algorithm": args.steps * args.rounds,
             "step_s": step_s,
             "speedup_vs_gradient_allreduce": {n: base / t for n, t in step_s.items()} if base else {},
+            "no_communication_step_s": median(LOCAL, 0),
+            "breakdown_s": breakdown,
         }
         print(RESULT_TAG + json.dumps(result), flush=True)
     dist.barrier()
@@ -181,10 +208,18 @@ def report(result: dict[str, Any]) -> None:
     print(f"link {result['rate']}, model {result['params'] / 1e6:.1f}M params ({result['fp32_mb']:.0f} MB fp32), "
           f"batch {result['batch']}, {result['steps_per_algorithm']} timed steps per algorithm, "
           f"1-min load average before/after {result.get('load_avg_1min')}")
-    print(f"{'algorithm':<30}{'step (s)':>10}{'speed-up vs gradient_allreduce':>34}")
-    for name, t in result["step_s"].items():
+    print(f"{'algorithm':<30}{'step (s)':>10}{'speed-up vs gradient_allreduce':>34}"
+          f"{'forward':>10}{'backward':>10}{'optimizer':>11}")
+    parts = result["breakdown_s"]
+    for name, t in [*result["step_s"].items(), (LOCAL, result["no_communication_step_s"])]:
         ratio = result["speedup_vs_gradient_allreduce"].get(name)
-        print(f"{name:<30}{t:>10.3f}{(f'{ratio:.2f}x' if ratio else '-'):>34}")
+        split = "".join(f"{parts[name][p]:>{10 if p != 'optimizer' else 11}.3f}" for p in PARTS)
+        print(f"{name:<30}{t:>10.3f}{(f'{ratio:.2f}x' if ratio else '-'):>34}{split}")
+    base = result["step_s"].get("gradient_allreduce")
+    if base:
+        share = 1 - result["no_communication_step_s"] / base
+        print(f"gradient_allreduce spends {share:.0%} of its step communicating (step minus the step "
+              "without communication)")
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -202,6 +202,7 @@ class ExchangeBuffers:
         self._key: tuple[int, int, torch.device] | None = None
         self._segments: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._scratch: torch.Tensor | None = None
+        self._ints: torch.Tensor | None = None
 
     def segments(
         self, rows: int, bounds: list[tuple[int, int]], device: torch.device
@@ -222,6 +223,15 @@ class ExchangeBuffers:
             self._key = (rows, n, device)
         return self._segments
 
+    def int16_scratch(self, numel: int, device: torch.device) -> torch.Tensor | None:
+        """CPU: an int16 tensor of ``numel`` elements for the float -> uint8 cast; None elsewhere."""
+        if device.type != "cpu":
+            return None
+        s = self._ints
+        if s is None or s.numel() != numel:
+            self._ints = s = torch.empty(numel, dtype=torch.int16)
+        return s
+
     def float_scratch(self, numel: int, device: torch.device) -> torch.Tensor:
         """A float32 tensor of ``numel`` elements (for buckets that are not float32)."""
         s = self._scratch
@@ -236,20 +246,33 @@ def _levels(block: torch.Tensor, first: bool) -> torch.Tensor:
 
 
 def _sum_levels(
-    levels: torch.Tensor, base: torch.Tensor, steps: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor
+    levels: torch.Tensor,
+    mins: torch.Tensor,
+    maxs: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
 ) -> None:
-    """``out = base + sum_i levels[i] * steps[i]`` (``levels``: uint8 ``(rows, m)``), nothing allocated.
+    """``out = scale * sum_i (min_i + levels[i] * step_i)`` (``levels``: uint8 ``(rows, m)``), nothing allocated.
 
-    ``sum_i (min_i + q_i * step_i)`` is ``sum_i min_i + sum_i q_i * step_i``: the mins
-    (``base``) are added once, and every row is cast to float32 once (into ``out`` or
-    ``scratch``) before a fused multiply-add; a uint8 operand inside the arithmetic
-    would be several times slower on CPU.
+    The mins are added once (``sum_i min_i``), and every row is cast to float32 once
+    (into ``out`` or ``scratch``) before a multiply-add: a uint8 operand (or, on CPU, a
+    0-dim tensor scalar) inside the arithmetic would be several times slower.
     """
-    out.copy_(levels[0])
-    torch.addcmul(base, out, steps[0], out=out)
+    if levels.device.type != "cpu":
+        steps = (maxs - mins).view(-1) * (scale / LEVELS)
+        out.copy_(levels[0])
+        torch.addcmul(mins.sum() * scale, out, steps[0], out=out)
+        for i in range(1, levels.shape[0]):
+            scratch.copy_(levels[i])
+            out.addcmul_(scratch, steps[i])
+        return
+    lo, hi = mins.view(-1).tolist(), maxs.view(-1).tolist()
+    steps_f = [(h - m) * scale / LEVELS for m, h in zip(lo, hi, strict=True)]
+    out.copy_(levels[0]).mul_(steps_f[0]).add_(sum(lo) * scale)
     for i in range(1, levels.shape[0]):
         scratch.copy_(levels[i])
-        out.addcmul_(scratch, steps[i])
+        out.add_(scratch, alpha=steps_f[i])
 
 
 def compressed_exchange_(
@@ -287,26 +310,25 @@ def compressed_exchange_(
     chunks = work.view(group_size, n)
     me = dist.get_rank(group)
 
+    ints = buffers.int16_scratch(max(b - a for a, b in bounds), flat.device)
+
     # 1. Every chunk with its own min/max; each segment leaves as soon as it is compressed.
     ranges = ChunkRanges.of(chunks)
     ranges.write_header(blocks[0][0][:, :HEADER_BYTES])
     sent = []
     for s, ((a, b), (send, recv)) in enumerate(zip(bounds, blocks, strict=True)):
-        ranges.quantise_into(chunks[:, a:b], _levels(send, s == 0), overwrite_input=True)  # chunks are spent
+        ranges.quantise_into(chunks[:, a:b], _levels(send, s == 0), overwrite_input=True,  # chunks are spent
+                             scratch=ints)
         sent.append(dist.all_to_all_single(recv, send, group=group, async_op=True))
 
     # 2. The owner sums its chunk from every rank as the segments arrive.
     mine = chunks[me]
     scratch = chunks[(me + 1) % group_size] if group_size > 1 else torch.empty_like(mine)
-    base = steps = None
     for s, ((a, b), (_, recv), pending) in enumerate(zip(bounds, blocks, sent, strict=True)):
         pending.wait()
         if s == 0:
-            mins, maxs = read_header(recv)
-            steps = (maxs - mins).view(-1) * (scale / LEVELS)
-            base = mins.sum() * scale
-        assert base is not None and steps is not None
-        _sum_levels(_levels(recv, s == 0), base, steps, mine[a:b], scratch[a:b])
+            mins, maxs = (t.clone() for t in read_header(recv))
+        _sum_levels(_levels(recv, s == 0), mins, maxs, scale, mine[a:b], scratch[a:b])
 
     # 3. The sum, recompressed with its own min/max, goes to every rank segment by segment.
     own = ChunkRanges.of(mine.view(1, -1))
@@ -314,7 +336,7 @@ def compressed_exchange_(
     gathered = []
     for s, ((a, b), (send, recv)) in enumerate(zip(bounds, blocks, strict=True)):
         row = send[me : me + 1]  # this segment's all-to-all is done: the row is free
-        own.quantise_into(mine[a:b].view(1, -1), _levels(row, s == 0), overwrite_input=True)
+        own.quantise_into(mine[a:b].view(1, -1), _levels(row, s == 0), overwrite_input=True, scratch=ints)
         gathered.append(dist.all_gather_into_tensor(recv, row, group=group, async_op=True))
 
     # 4. Every rank decompresses every reduced chunk into the bucket as the segments arrive.
@@ -322,13 +344,11 @@ def compressed_exchange_(
     for s, ((a, b), (_, recv), pending) in enumerate(zip(bounds, blocks, gathered, strict=True)):
         pending.wait()
         if s == 0:
-            mins, maxs = read_header(recv)
-            steps = (maxs - mins) / LEVELS
-        assert steps is not None
+            mins, maxs = (t.clone() for t in read_header(recv))
         if work is flat:
-            dequantise_into(_levels(recv, s == 0), mins, steps, out[:, a:b])
+            dequantise_into(_levels(recv, s == 0), mins, maxs, out[:, a:b])
         else:
-            dequantise_into(_levels(recv, s == 0), mins, steps, chunks[:, a:b])
+            dequantise_into(_levels(recv, s == 0), mins, maxs, chunks[:, a:b])
             out[:, a:b].copy_(chunks[:, a:b])
 
 

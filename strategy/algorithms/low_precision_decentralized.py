@@ -37,7 +37,13 @@ import torch.distributed as dist
 from bagua_lightning.strategy.algorithms.base import Algorithm, register_algorithm
 from bagua_lightning.strategy.algorithms.decentralized import check_communication_interval, check_flag
 from bagua_lightning.strategy.algorithms.weights import ExchangeScope, WeightBuckets
-from bagua_lightning.strategy.compression import HEADER_BYTES, LEVELS, compress_chunks
+from bagua_lightning.strategy.compression import (
+    HEADER_BYTES,
+    LEVELS,
+    compress_chunks,
+    compressed_nbytes,
+    read_header,
+)
 from bagua_lightning.strategy.topology import ring_neighbours
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,16 +53,43 @@ if TYPE_CHECKING:  # pragma: no cover
     from bagua_lightning.strategy.comm import CommContext
 
 
-def _add_decompressed(target: torch.Tensor, packed: torch.Tensor) -> None:
+def _add_decompressed(target: torch.Tensor, packed: torch.Tensor, scratch: torch.Tensor) -> None:
     """``target += decompress(packed)`` for one single-chunk ``(1, 8 + n)`` MinMax uint8 tensor.
 
     Same quantisation as :func:`~bagua_lightning.strategy.compression.decompress_chunks`
-    (``q * (max - min) / 255 + min``), fused into two passes over ``target``. Every rank
-    applies a given message with this same function, so replicas stay bit-identical.
+    (``q * (max - min) / 255 + min``). The levels are cast into the float32 ``scratch``
+    first: a uint8 operand inside the multiply-add is several times slower on CPU. Every
+    rank applies a given message with this same function, so replicas stay bit-identical.
     """
-    header = packed[0, :HEADER_BYTES].clone().view(torch.float32)  # clone: the row may be misaligned
-    lo, hi = header[0], header[1]
-    target.addcmul_(packed[0, HEADER_BYTES:], (hi - lo) / LEVELS).add_(lo)
+    mins, maxs = read_header(packed)
+    scratch.copy_(packed[0, HEADER_BYTES:])
+    if target.device.type == "cpu":  # Python scalars: 0-dim tensor operands are unvectorised on CPU
+        lo, hi = float(mins), float(maxs)
+        target.add_(scratch, alpha=(hi - lo) / LEVELS).add_(lo)
+    else:
+        target.addcmul_(scratch, ((maxs - mins) / LEVELS).view(())).add_(mins.view(()))
+
+
+def _gather(params: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy the parameters of one weight bucket into the flat float32 ``out`` (no allocation)."""
+    if all(p.dtype == torch.float32 for p in params):
+        torch.cat([p.detach().reshape(-1) for p in params], out=out)
+    else:
+        torch.cat([p.detach().reshape(-1).float() for p in params], out=out)
+
+
+class _RingBuffers:
+    """Per-bucket buffers of the compressed ring exchange, reused every communicating step.
+
+    On CPU a fresh buffer the size of a bucket costs more in page faults than the
+    arithmetic on it. ``diff`` holds ``d`` and, once compressed, serves as decompression scratch.
+    """
+
+    def __init__(self, numel: int, device: torch.device, one_peer: bool) -> None:
+        self.diff = torch.empty(numel, dtype=torch.float32, device=device)
+        self.own = torch.empty(1, compressed_nbytes(numel), dtype=torch.uint8, device=device)
+        self.from_left = torch.empty_like(self.own)
+        self.from_right = self.from_left if one_peer else torch.empty_like(self.own)
 
 
 @register_algorithm
@@ -80,6 +113,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         self._weight: list[torch.Tensor] = []
         self._left: list[torch.Tensor] = []
         self._right: list[torch.Tensor] = []
+        self._ring_buffers: list[_RingBuffers] = []
         self._replicas_stale = True
 
     def setup(self, module: nn.Module, comm: CommContext, plan: BucketPlan) -> None:
@@ -120,13 +154,16 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         buckets = self._require_buckets()
         if scope.num_participants == 1 and not scope.uses_hierarchy:
             return  # a single rank has nobody to average with
-        flats = [f.float() for f in buckets.flatten()]
+        flats: list[torch.Tensor] | None = None
         if scope.uses_hierarchy:
+            flats = [f.float() for f in buckets.flatten()]
             scope.reduce_to_leader(flats)
             scope.leader_mean(flats)
         if scope.is_participant and scope.num_participants > 1:
             self._ring_step(flats)
             flats = self._weight  # the model moves to its new public weights
+        if flats is None:
+            flats = [f.float() for f in buckets.flatten()]
         if scope.uses_hierarchy:
             scope.broadcast_from_leader(flats)  # the leader sends its replica (a broadcast source is read-only)
         buckets.copy_in(flats)
@@ -145,52 +182,78 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
 
     def teardown(self) -> None:
         self._weight, self._left, self._right = [], [], []
+        self._ring_buffers = []
         self._buckets = None
         self._replicas_stale = True
 
     # --- communication ---------------------------------------------------------------------------
 
-    def _ring_step(self, flats: list[torch.Tensor]) -> None:
+    def _ring_step(self, flats: list[torch.Tensor] | None) -> None:
         """One compressed exchange with both neighbours; updates the three replicas.
 
+        ``flats``: the weights ``x`` per bucket, or None to read them from the parameters.
         Bucket by bucket, so that sending bucket ``i`` overlaps compressing bucket ``i + 1``.
         """
         one_peer = self._left is self._right  # two participants: left and right are the same peer
+        buffers = self._buffers_for(one_peer)
+        groups = self._require_buckets().groups
         pending = []
-        for x, w, left, right in zip(flats, self._weight, self._left, self._right, strict=True):
-            # d = x + (l + r) / 3 - 5/3 w, in place to spare memory passes (it is CPU-bound on Gloo)
-            d = torch.add(x, left, alpha=2.0 / 3.0) if one_peer else torch.add(left, right).div_(3).add_(x)
+        for i, (w, left, right, buf) in enumerate(zip(self._weight, self._left, self._right, buffers, strict=True)):
+            # d = x + (l + r) / 3 - 5/3 w, in a reused buffer (the exchange is CPU-bound on Gloo)
+            d = buf.diff
+            if flats is not None:
+                d.copy_(flats[i])
+            else:
+                _gather(groups[i], d)
+            if one_peer:
+                d.add_(left, alpha=2.0 / 3.0)
+            else:
+                d.add_(left, alpha=1.0 / 3.0).add_(right, alpha=1.0 / 3.0)
             d.add_(w, alpha=-5.0 / 3.0)
-            own = compress_chunks(d, 1)
-            del d
-            pending.append((own, *self._start_exchange(own)))
-        for i, (own, from_left, from_right, works) in enumerate(pending):
+            compress_chunks(d, 1, out=buf.own, overwrite_input=True)  # d is scratch from here on
+            pending.append(self._start_exchange(buf.own, buf.from_left, buf.from_right))
+        for i, works in enumerate(pending):
             for work in works:
                 work.wait()
-            _add_decompressed(self._weight[i], own)
-            _add_decompressed(self._left[i], from_left)
+            buf = buffers[i]
+            _add_decompressed(self._weight[i], buf.own, buf.diff)
+            _add_decompressed(self._left[i], buf.from_left, buf.diff)
             if not one_peer:
-                _add_decompressed(self._right[i], from_right)
+                _add_decompressed(self._right[i], buf.from_right, buf.diff)
 
-    def _start_exchange(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[dist.Work]]:
-        """Start sending ``t`` to both neighbours; returns (from left, from right, works to wait for)."""
+    def _buffers_for(self, one_peer: bool) -> list[_RingBuffers]:
+        sizes = [w.numel() for w in self._weight]
+        if [b.diff.numel() for b in self._ring_buffers] != sizes or any(
+            (b.from_left is b.from_right) != one_peer for b in self._ring_buffers
+        ):
+            self._ring_buffers = []  # free the old ones first
+            self._ring_buffers = [_RingBuffers(n, w.device, one_peer) for n, w in zip(sizes, self._weight, strict=True)]
+        return self._ring_buffers
+
+    def _start_exchange(
+        self, t: torch.Tensor, from_left: torch.Tensor | None = None, from_right: torch.Tensor | None = None
+    ) -> list[dist.Work]:
+        """Start sending ``t`` to both neighbours and receiving theirs into ``from_left``/``from_right``.
+
+        With two participants both neighbours are one peer: one message each way, into
+        ``from_left`` (pass the same tensor for both). Returns the works to wait for.
+        """
         neighbours = self.neighbours
         if neighbours is None:
-            return t, t, []
+            return []
         left, right = neighbours
         group = self._require_scope().group
-        from_left = torch.empty_like(t)
+        assert from_left is not None and from_right is not None
         if left == right:  # two participants: one peer, one message each way
             ops = [dist.P2POp(dist.isend, t, left, group=group), dist.P2POp(dist.irecv, from_left, left, group=group)]
-            return from_left, from_left, list(dist.batch_isend_irecv(ops))
-        from_right = torch.empty_like(t)
+            return list(dist.batch_isend_irecv(ops))
         ops = [
             dist.P2POp(dist.isend, t, left, group=group),
             dist.P2POp(dist.isend, t, right, group=group),
             dist.P2POp(dist.irecv, from_left, left, group=group),
             dist.P2POp(dist.irecv, from_right, right, group=group),
         ]
-        return from_left, from_right, list(dist.batch_isend_irecv(ops))
+        return list(dist.batch_isend_irecv(ops))
 
     def _init_replicas(self) -> None:
         """Public weights := current weights; neighbours' replicas by one full-precision exchange.
@@ -202,13 +265,16 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         self._weight = [f.float() for f in self._require_buckets().flatten()]
         neighbours = self.neighbours
         if scope.is_participant and neighbours is not None:
-            exchanges = [self._start_exchange(w.clone()) for w in self._weight]
-            for _, _, works in exchanges:
-                for work in works:
-                    work.wait()
-            self._left = [from_left for from_left, _, _ in exchanges]
+            one_peer = neighbours[0] == neighbours[1]
+            self._left = [torch.empty_like(w) for w in self._weight]
             # Two participants: one peer is both neighbours; one replica serves as both.
-            self._right = self._left if neighbours[0] == neighbours[1] else [r for _, r, _ in exchanges]
+            self._right = self._left if one_peer else [torch.empty_like(w) for w in self._weight]
+            works = [
+                self._start_exchange(w.clone(), left, right)
+                for w, left, right in zip(self._weight, self._left, self._right, strict=True)
+            ]
+            for work in (w for ws in works for w in ws):
+                work.wait()
         else:
             self._left = [w.clone() for w in self._weight]
             self._right = [w.clone() for w in self._weight]
