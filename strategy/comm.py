@@ -13,6 +13,7 @@ node; ``inter_group`` holds local rank ``local_rank`` of every node (for local r
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -297,6 +298,25 @@ def compressed_exchange_(
     scratch space on the way (a float32 bucket is compressed in place, its own chunk
     holds the sum), so nothing is allocated when ``buffers`` (reused between steps) is given.
     """
+    for _ in compressed_exchange_stages(flat, group, group_size, scale=scale, buffers=buffers):
+        pass
+
+
+def compressed_exchange_stages(
+    flat: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    group_size: int,
+    *,
+    scale: float = 1.0,
+    buffers: ExchangeBuffers | None = None,
+) -> Iterator[None]:
+    """:func:`compressed_exchange_` in stages, so a caller can interleave the exchanges of several buffers.
+
+    The generator pauses twice: once every compressed chunk is on its way (all-to-all
+    issued), and once the reduced chunk is on its way (all-gather issued); running it
+    to the end decompresses the result into ``flat``. Every rank must advance its
+    exchanges in the same order (their collectives are issued in that order).
+    """
     if flat.numel() % group_size != 0:
         raise ValueError(
             f"compressed exchange needs a length divisible by {group_size} ranks, got {flat.numel()}; "
@@ -320,6 +340,7 @@ def compressed_exchange_(
         ranges.quantise_into(chunks[:, a:b], _levels(send, s == 0), overwrite_input=True,  # chunks are spent
                              scratch=ints)
         sent.append(dist.all_to_all_single(recv, send, group=group, async_op=True))
+    yield
 
     # 2. The owner sums its chunk from every rank as the segments arrive.
     mine = chunks[me]
@@ -338,6 +359,7 @@ def compressed_exchange_(
         row = send[me : me + 1]  # this segment's all-to-all is done: the row is free
         own.quantise_into(mine[a:b].view(1, -1), _levels(row, s == 0), overwrite_input=True, scratch=ints)
         gathered.append(dist.all_gather_into_tensor(recv, row, group=group, async_op=True))
+    yield
 
     # 4. Every rank decompresses every reduced chunk into the bucket as the segments arrive.
     out = flat.view(group_size, n)
