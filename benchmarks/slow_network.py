@@ -9,7 +9,7 @@ the end (also on failure or Ctrl-C)::
     python benchmarks/slow_network.py --rate 100mbit --steps 3
 
 The model is communication-bound on purpose: a few large ``Linear`` layers and a
-small batch (at 1 Gbit/s ``gradient_allreduce`` spends over 90% of its step on the
+small batch (at 1 Gbit/s ``gradient_allreduce`` spends ~85-90% of its step on the
 wire; the printed breakdown shows it). Every algorithm trains a fresh copy of it
 (same weights, same batches, SGD) through
 :class:`~bagua_lightning.strategy.ddp.BaguaDistributedDataParallel`; they take turns
