@@ -303,12 +303,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
         return contextlib.nullcontext() if self._lock_held else self._lock
 
     def _require_comm(self) -> CommContext:
-        if self._comm is None:
-            raise RuntimeError(f"algorithm {self.name!r} is used before setup()")
-        return self._comm
+        return self._set_up(self._comm)
 
     def _require_buckets(self) -> WeightBuckets:
-        if self._buckets is None:
-            raise RuntimeError(f"algorithm {self.name!r} is used before setup() or after teardown()")
-        return self._buckets
+        return self._set_up(self._buckets)
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 import abc
 import inspect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from bagua_lightning.errors import ConfigurationError
 
@@ -59,6 +59,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from bagua_lightning.proto.plan import BucketPlan, StepTimings
     from bagua_lightning.strategy.comm import CommContext
+
+
+_T = TypeVar("_T")
 
 
 class Algorithm(abc.ABC):
@@ -126,6 +129,12 @@ class Algorithm(abc.ABC):
 
     def teardown(self) -> None:  # noqa: B027
         """Stop threads, release buffers and process groups; safe to call twice."""
+
+    def _set_up(self, value: _T | None) -> _T:
+        """``value`` (state made by :meth:`setup`), or a clear error when used outside setup..teardown."""
+        if value is None:
+            raise RuntimeError(f"algorithm {self.name!r} is used before setup() or after teardown()")
+        return value
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}

@@ -217,14 +217,10 @@ class DecentralizedAlgorithm(Algorithm):
             self._finish(pending)
 
     def _require_scope(self) -> ExchangeScope:
-        if self._scope is None:
-            raise RuntimeError(f"algorithm {self.name!r} is used before setup()")
-        return self._scope
+        return self._set_up(self._scope)
 
     def _require_buckets(self) -> WeightBuckets:
-        if self._buckets is None:
-            raise RuntimeError(f"algorithm {self.name!r} is used before setup() or after teardown()")
-        return self._buckets
+        return self._set_up(self._buckets)
 
     def state_dict(self) -> dict[str, Any]:
         # Nothing beyond the weights: the peer schedule follows from the step number.

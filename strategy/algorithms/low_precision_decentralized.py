@@ -281,11 +281,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         self._replicas_stale = False
 
     def _require_scope(self) -> ExchangeScope:
-        if self._scope is None:
-            raise RuntimeError(f"algorithm {self.name!r} is used before setup()")
-        return self._scope
+        return self._set_up(self._scope)
 
     def _require_buckets(self) -> WeightBuckets:
-        if self._buckets is None:
-            raise RuntimeError(f"algorithm {self.name!r} is used before setup() or after teardown()")
-        return self._buckets
+        return self._set_up(self._buckets)
