@@ -121,6 +121,7 @@ def handler_cost_us(world: int, calls: int = 3000) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=256)
+    parser.add_argument("--server-workers", type=int, default=8, help="the service's --max-workers")
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--interval-ms", type=float, default=1000.0,
@@ -138,7 +139,7 @@ def main() -> int:
     world = args.ranks // MODELS
     cmd = [sys.executable, "-m", "bagua_lightning.cli", "--log-level", "WARNING", "autotune", "serve", "--port",
            str(port), "--world-size", str(world), "--warmup-time-s", "0", "--sampling-confidence-time-s", "1",
-           "--max-samples", "20"]
+           "--max-samples", "20", "--max-workers", str(args.server_workers)]
     with running(cmd, env=env) as proc, AutotuneClient(target=target) as client:
         wait_until(lambda: proc.poll() is None and client.health_check(0.5), 30.0, "the autotune service")
         for m in range(MODELS):

@@ -46,7 +46,7 @@ class TlsFiles:
         return grpc.ssl_server_credentials([(self.key.read_bytes(), self.cert.read_bytes())])
 
 
-def create_server(address: str, service: AutotuneService, *, max_workers: int = 32,
+def create_server(address: str, service: AutotuneService, *, max_workers: int = 8,
                   tls: TlsFiles | None = None,
                   health_servicer: health.HealthServicer | None = None) -> tuple[grpc.Server, int]:
     """Build a server for ``service`` bound to ``address`` ("host:port"); returns (server, bound port).
@@ -73,7 +73,7 @@ def create_server(address: str, service: AutotuneService, *, max_workers: int = 
 
 
 def serve(config: ServiceConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, state: str | None = None,
-          log_dir: str | None = None, tls: TlsFiles | None = None, max_workers: int = 32,
+          log_dir: str | None = None, tls: TlsFiles | None = None, max_workers: int = 8,
           stop_event: threading.Event | None = None) -> int:
     """Run the service until SIGTERM/SIGINT (or ``stop_event``); returns the exit code."""
     store = open_store(state)
