@@ -9,13 +9,9 @@ launcher starts the second local rank (2 nodes x 2 devices) and the hierarchical
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -172,23 +168,7 @@ def nodes_mode(out: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--mode", choices=["torchrun", "nodes"], required=True)
-    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
-    args = parser.parse_args()
-    lw.ACCELERATOR = args.accelerator
-    out = Path(args.out)
-    torch.set_num_threads(1)
-    rc = 0
-    try:
-        res = torchrun_mode(out) if args.mode == "torchrun" else nodes_mode(out)
-    except Exception:
-        res = {"error": traceback.format_exc()}
-        rc = 1
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    (out / f"{args.mode}_rank{rank}.json").write_text(json.dumps(res, indent=1, default=str))
-    return rc
+    return lw.worker_main(torchrun_mode, nodes_mode)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -279,7 +280,9 @@ def nodes_mode(out: Path) -> dict[str, Any]:
     return res
 
 
-def main() -> int:
+def worker_main(torchrun_mode: Callable[[Path], dict[str, Any]],
+                nodes_mode: Callable[[Path], dict[str, Any]]) -> int:
+    """Shared entry of the Lightning test workers: parse ``OUT --mode --accelerator``, run, write one JSON per rank."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--mode", choices=["torchrun", "nodes"], required=True)
@@ -298,6 +301,10 @@ def main() -> int:
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     (out / f"{args.mode}_rank{rank}.json").write_text(json.dumps(res, indent=1, default=str))
     return rc
+
+
+def main() -> int:
+    return worker_main(torchrun_mode, nodes_mode)
 
 
 if __name__ == "__main__":
