@@ -63,6 +63,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--netns", action="store_true", help="CPU: two ranks in two shaped network namespaces")
     p.add_argument("--rate", default="1gbit", help="veth rate with --netns (tc syntax)")
     p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--phases", action="store_true",
+                   help="GPU: print every rank's forward/backward/optimizer ms per variant (diagnostic)")
     args = p.parse_args(argv)
     args.batch = args.batch or (16 if args.model == "100m" else 8)
     return args
@@ -104,14 +106,22 @@ def worker(args: argparse.Namespace) -> None:
         model = Transformer(vocab, width, layers, heads, seq_len).to(device)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
-    def step(wrapped: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    def step(wrapped: nn.Module, opt: torch.optim.Optimizer, i: int, events: list[Any] | None = None) -> None:
         tokens = batches[i % len(batches)]
+        if events:
+            events[0].record()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # as allreduce_vs_ddp.py
             logits = wrapped(tokens[:, :-1])
             loss = nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
+        if events:
+            events[1].record()
         loss.backward()
+        if events:
+            events[2].record()
         opt.step()
+        if events:
+            events[3].record()
 
     def sync() -> None:
         if cuda:
@@ -193,6 +203,10 @@ def worker(args: argparse.Namespace) -> None:
                 sync()
                 speeds[name].append(args.steps * args.batch * world / (time.monotonic() - start))
         median = {k: statistics.median(v) for k, v in speeds.items()}
+        phases = phase_times(variants, step, args.steps, cuda) if args.phases else {}
+        all_phases: list[Any] = [None] * world
+        if phases:
+            dist.all_gather_object(all_phases, {"phases": phases, "memory": memory_note(cuda)})
         best_fixed = max((k for k in median if k.startswith("fixed")), key=lambda k: median[k])
         result = {
             "model": args.model, "world_size": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -218,6 +232,8 @@ def worker(args: argparse.Namespace) -> None:
                     "exposed_wait_ms": round(max((b.wait_ms for b in t.buckets), default=0.0), 2)}
                 w.teardown()
         result["last_step_timings"] = timings
+        if phases:
+            result["phases_by_rank"] = all_phases
         if rank == 0:
             print(RESULT_TAG + json.dumps(result), flush=True)
             report(result)
@@ -229,6 +245,49 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def phase_times(variants: dict[str, Any], step: Any, steps: int, cuda: bool) -> dict[str, list[float]]:
+    """Per variant on this rank: median ms of forward, backward (with its communication) and optimizer.
+
+    Diagnostic (``--phases``): a variant that is slow on one rank only shows up as a long
+    phase there and a long backward (waiting for it) on the others.
+    """
+    import torch
+
+    out: dict[str, list[float]] = {}
+    for name, (w, o) in variants.items():
+        rows = []
+        for i in range(steps):
+            ev = [torch.cuda.Event(enable_timing=True) if cuda else _HostEvent() for _ in range(4)]
+            step(w, o, i, events=ev)
+            rows.append(ev)
+        if cuda:
+            torch.cuda.synchronize()
+        out[name] = [round(statistics.median(r[k].elapsed_time(r[k + 1]) for r in rows), 2) for k in range(3)]
+    return out
+
+
+class _HostEvent:
+    """``torch.cuda.Event``'s ``record``/``elapsed_time`` on the host clock (CPU runs)."""
+
+    t = 0.0
+
+    def record(self) -> None:
+        self.t = time.monotonic()
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return (end.t - self.t) * 1000.0
+
+
+def memory_note(cuda: bool) -> str:
+    import torch
+
+    if not cuda:
+        return "cpu"
+    stats = torch.cuda.memory_stats()
+    return (f"allocated {stats['allocated_bytes.all.current'] / 2**30:.1f} GiB, reserved "
+            f"{stats['reserved_bytes.all.current'] / 2**30:.1f} GiB, cudaMalloc retries {stats['num_alloc_retries']}")
+
+
 def report(result: dict[str, Any]) -> None:
     print(f"\n{result['model']} ({result['params'] / 1e6:.1f}M params), {result['world_size']} ranks on "
           f"{result['device']}{' over netns at ' + result['rate'] if result['netns'] else ''}")
@@ -237,6 +296,10 @@ def report(result: dict[str, Any]) -> None:
     print(f"  tuned plan: {result['tuned_plan']}")
     for name, t in result.get("last_step_timings", {}).items():
         print(f"  {name:>16}: last measured step {t}")
+    for rank, entry in enumerate(result.get("phases_by_rank") or []):
+        print(f"  rank {rank}: {entry['memory']}")
+        for name, (fwd, bwd, opt) in entry["phases"].items():
+            print(f"    {name:>16}: forward {fwd:7.2f} ms, backward+comm {bwd:7.2f} ms, optimizer {opt:6.2f} ms")
     print(f"  autotuned / best fixed ({result['best_fixed']}): {result['autotuned_vs_best_fixed']:.3f}x")
     print(f"  autotuned / DDP default: {result['autotuned_vs_ddp']:.3f}x")
     print(f"  steps until settled: {result['steps_until_settled']} (interval {result['interval']}, "

@@ -3,6 +3,9 @@
 #
 #   benchmarks/device_suite.sh OUT_DIR [tests] [bench] [autotune]
 #
+# Environment: NGPU (ranks; default every GPU, e.g. NGPU=2 with CUDA_VISIBLE_DEVICES=0,1),
+# AUTOTUNE_ARGS (extra arguments for autotune_training.py), PYTEST_K (a -k filter for tests).
+#
 # The GPU machine has torch, lightning and grpcio but not the project, grpcio-health-checking,
 # grpcio-reflection or redis-py: wheels for those are carried in .whl/ (git-ignored) and the package is
 # put on PYTHONPATH through .ci/linktree. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -16,7 +19,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$(.ci/linktree)${PYTHONPATH:+:$PYTHONPATH}"
-ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+ngpu=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 rc=0
 for what in "$@"; do
@@ -33,7 +36,7 @@ for what in "$@"; do
         --variants ddp,gradient_allreduce,gradient_allreduce+25MiB,bytegrad,decentralized,low_precision_decentralized \
         --json "$out/allreduce_vs_ddp_${ngpu}gpu.json" 2>&1 | tee "$out/allreduce_vs_ddp_${ngpu}gpu.log" || rc=1 ;;
     autotune)
-      torchrun --nproc_per_node "$ngpu" benchmarks/autotune_training.py 2>&1 \
+      torchrun --nproc_per_node "$ngpu" benchmarks/autotune_training.py ${AUTOTUNE_ARGS:-} 2>&1 \
         | tee "$out/autotune_training_${ngpu}gpu.log" || rc=1 ;;
     *) echo "unknown part $what"; rc=2 ;;
   esac
