@@ -43,20 +43,24 @@ SHAPES: dict[str, Callable[[], list[TensorDeclaration]]] = {
     "transformer-24x384": lambda: transformer_like(layers=24, hidden=384),
     "resnet-like": resnet_like,
 }
-# (GB/s, latency ms, nodes, comm/backward): communicating every byte once takes comm/backward x backward.
-# Chosen where the plan matters (the default plan is more than 5% off in most); on a fast single node with
-# few large tensors almost any plan is within 5% and both tuners need one report (see docs/benchmarks.md).
-LINKS = [(3.0, 0.5, 2, 1.2), (12.0, 0.1, 2, 1.0), (0.6, 2.0, 2, 1.3), (25.0, 0.05, 1, 1.0)]
+# (GB/s, latency ms, nodes, comm/backward, compute cost per bucket as a fraction of backward): communicating
+# every byte once takes comm/backward x backward. Chosen where the plan matters (the default plan is more than
+# 5% off in most); on a fast single node with few large tensors almost any plan is within 5% and both tuners
+# need one report (see docs/benchmarks.md). The last is NVLink-like: each bucket costs backward 1% (measured
+# on 2-4 H200s: ~0.3 ms per bucket of a ~25 ms backward+communication, docs/benchmarks.md).
+LINKS = [(3.0, 0.5, 2, 1.2, 0.0), (12.0, 0.1, 2, 1.0, 0.0), (0.6, 2.0, 2, 1.3, 0.0), (25.0, 0.05, 1, 1.0, 0.0),
+         (100.0, 0.02, 1, 0.5, 0.01)]
 
 
-def make_job(shape: str, link: tuple[float, float, int, float], seed: int) -> SimulatedJob:
+def make_job(shape: str, link: tuple[float, float, int, float, float], seed: int) -> SimulatedJob:
     tensors = SHAPES[shape]()
-    gbps, latency, nodes, ratio = link
+    gbps, latency, nodes, ratio, overhead = link
     flat, hier = bandwidth_scenario(gbps, latency, nodes=nodes)
     total = sum(t.nbytes for t in tensors)
     backward_ms = total / (gbps * 1e9) * 1e3 / ratio
     return SimulatedJob(tensors=tensors, compute_ms=compute_proportional(tensors, backward_ms), flat=flat,
-                        hierarchical=hier, forward_ms=0.3 * backward_ms, noise=0.02, seed=seed)
+                        hierarchical=hier, forward_ms=0.3 * backward_ms, noise=0.02, seed=seed,
+                        bucket_overhead_ms=overhead * backward_ms)
 
 
 def reports_to_reach(job: SimulatedJob, tuner: ModelBasedPlanner | BayesianTuner, *, timings: bool,
@@ -83,7 +87,7 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=0.05)
     args = parser.parse_args()
     started = time.perf_counter()
-    print(f"{'scenario':48s} {'best ms':>8s} {'default':>8s} {'ours':>5s} {'bagua':>6s} {'bo-5':>5s}  "
+    print(f"{'scenario':62s} {'best ms':>8s} {'default':>8s} {'ours':>5s} {'bagua':>6s} {'bo-5':>5s}  "
           f"(median reports over {args.seeds} seeds)")
     ours_all: list[int] = []
     base_all: list[int] = []
@@ -105,9 +109,10 @@ def main() -> int:
                     bo = BayesianTuner(job.ready_order, hierarchical_allowed=hier, n_initial=n_initial, seed=seed)
                     out.append(reports_to_reach(job, bo, timings=False, budget=args.budget, target_ms=target))
             default = job.step_ms(BucketPlan(split_into_buckets(job.ready_order, 10 * MB)))
-            gbps, latency, nodes, ratio = link
-            name = f"{shape} {gbps:g}GB/s {latency:g}ms {nodes}node comm/bw={ratio:g}"
-            print(f"{name:48s} {best:8.1f} {100 * (default / best - 1):+7.1f}% {statistics.median(ours):5.1f} "
+            gbps, latency, nodes, ratio, overhead = link
+            name = f"{shape} {gbps:g}GB/s {latency:g}ms {nodes}node comm/bw={ratio:g}" + \
+                (f" +{100 * overhead:g}%/bucket" if overhead else "")
+            print(f"{name:62s} {best:8.1f} {100 * (default / best - 1):+7.1f}% {statistics.median(ours):5.1f} "
                   f"{statistics.median(base):6.1f} {statistics.median(strong):5.1f}  ours={ours} bagua={base} "
                   f"bo-5={strong}")
             ours_all += ours

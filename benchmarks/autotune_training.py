@@ -255,9 +255,9 @@ def phase_times(variants: dict[str, Any], step: Any, steps: int, cuda: bool) -> 
 
     out: dict[str, list[float]] = {}
     for name, (w, o) in variants.items():
-        rows = []
+        rows: list[list[Any]] = []
         for i in range(steps):
-            ev = [torch.cuda.Event(enable_timing=True) if cuda else _HostEvent() for _ in range(4)]
+            ev: list[Any] = [torch.cuda.Event(enable_timing=True) if cuda else _HostEvent() for _ in range(4)]
             step(w, o, i, events=ev)
             rows.append(ev)
         if cuda:

@@ -11,8 +11,15 @@ the cut points minimises the moment the last bucket's communication finishes
 which is optimal because the right-hand side only grows with ``finish(i)``.
 While the data cannot fit a mode's model yet (one bucket size seen), it
 proposes a probe plan with many buckets of different sizes; a mode never
-measured is tried once on the best plan of the other. It is plain Python: no
-server, no torch.
+measured is tried once on the best plan of the other.
+
+The model sees communication, not what each bucket costs the compute side (a
+collective launched from the backward thread, SMs its kernel takes from
+backward); on fast links that cost decides. So once the model has nothing
+clearly better to offer, the *coarsening ladder* measures it: from the best
+measured plan, the model's best plan with at most half as many buckets, again
+and again while the measured speed holds. Measured speed picks the final plan.
+It is plain Python: no server, no torch.
 """
 
 from __future__ import annotations
@@ -50,10 +57,13 @@ class ModelBasedPlanner:
         max_atoms: the dynamic programme cuts between at most this many consecutive
             runs of tensors per dtype group (bounds its O(n^2) cost on huge models).
         tolerance: relative predicted gain below which a new plan is not worth measuring.
+        noise: relative speed difference below which two measured plans count as equal
+            (a coarsening step that is slower by more ends the ladder).
     """
 
     def __init__(self, order: Sequence[TensorDeclaration], *, hierarchical_allowed: bool,
-                 whether_to_bucket: bool = True, max_atoms: int = 512, tolerance: float = 0.01) -> None:
+                 whether_to_bucket: bool = True, max_atoms: int = 512, tolerance: float = 0.01,
+                 noise: float = 0.02) -> None:
         if not order:
             raise ValueError("the planner needs at least one tensor")
         if max_atoms < 1:
@@ -63,6 +73,7 @@ class ModelBasedPlanner:
         self.whether_to_bucket = whether_to_bucket
         self.max_atoms = max_atoms
         self.tolerance = tolerance
+        self.noise = noise
         self._index = {t.name: i for i, t in enumerate(self.order)}
         sizes = np.array([t.nbytes for t in self.order], dtype=float)
         self._end = np.cumsum(sizes)  # position of each tensor: cumulative bytes up to and including it
@@ -113,29 +124,24 @@ class ModelBasedPlanner:
                 acc = 0
         return [a for a in atoms if a]
 
-    def optimal_buckets(self, comm: CommModel, ready: ReadyModel) -> Buckets:
-        """The cut minimising the communication finish time under ``comm`` and ``ready``."""
+    def optimal_buckets(self, comm: CommModel, ready: ReadyModel, max_buckets: int | None = None) -> Buckets:
+        """The cut minimising the communication finish time under ``comm`` and ``ready``.
+
+        ``max_buckets`` caps the number of buckets (shared among dtype groups in proportion
+        to their bytes, at least one each): the best plan of at most that many buckets.
+        """
         if not self.whether_to_bucket:
             return self._ordered([tuple(g) for g in self._groups()], ready)
+        groups = self._groups()
+        total = sum(t.nbytes for g in groups for t in g)
         buckets: list[tuple[TensorDeclaration, ...]] = []
-        for group in self._groups():
+        for group in groups:
             atoms = self._atoms(group)
             sizes = np.array([sum(t.nbytes for t in a) for a in atoms], dtype=float)
             ready_at = ready.ready_ms(np.array([self._end[self._index[a[-1].name]] for a in atoms]))
-            prefix = np.concatenate([[0.0], np.cumsum(sizes)])
-            finish = np.zeros(len(atoms) + 1)
-            cut = np.zeros(len(atoms) + 1, dtype=int)
-            for j in range(1, len(atoms) + 1):
-                cand = np.maximum(ready_at[j - 1], finish[:j]) + comm.latency_ms \
-                    + (prefix[j] - prefix[:j]) * comm.ms_per_byte
-                best = int(np.argmin(cand))  # ties go to the earliest cut: fewer, larger buckets
-                finish[j], cut[j] = cand[best], best
-            bounds: list[tuple[int, int]] = []
-            j = len(atoms)
-            while j > 0:
-                bounds.append((int(cut[j]), j))
-                j = int(cut[j])
-            for i, j in reversed(bounds):
+            budget = None if max_buckets is None else \
+                max(1, round(max_buckets * float(sizes.sum()) / max(1, total)))
+            for i, j in _cut(ready_at, sizes, comm, budget):
                 buckets.append(tuple(t for a in atoms[i:j] for t in a))
         return self._ordered(buckets, ready)
 
@@ -164,24 +170,16 @@ class ModelBasedPlanner:
                 return plan
         return None
 
-    def final(self, samples: Sequence[Sample], noise: float = 0.02) -> Sample:
-        """Among samples scoring within ``noise`` of the best, the one the model predicts fastest.
+    def final(self, samples: Sequence[Sample]) -> Sample:
+        """The measured sample with the best score.
 
-        A single measurement cannot tell apart plans closer than its noise; the
-        model, fitted on every bucket of every report, can.
+        Measured speed decides, not the model: the model sees communication but not
+        what each bucket costs the compute side (a launch on the backward thread, SMs
+        taken by the collective), which is what the coarsening ladder measures.
         """
         if not samples:
             raise ValueError("no samples to choose from")
-        top = max(s.score for s in samples)
-        close = [s for s in samples if s.score >= top - noise * abs(top)]
-        fitted = self.fit(samples)
-
-        def predicted(sample: Sample) -> float:
-            mode = sample.plan.is_hierarchical_reduce
-            comm = fitted.comm[mode] or _one_point_model(samples, mode)
-            return self.predict_ms(sample.plan.buckets, comm, fitted.ready) if comm else float("inf")
-
-        return min(close, key=lambda s: (predicted(s), -s.score))
+        return max(samples, key=lambda s: s.score)
 
     def propose(self, samples: Sequence[Sample]) -> Proposal:
         """The next plan to measure given every sample so far."""
@@ -215,7 +213,7 @@ class ModelBasedPlanner:
             if mode not in fitted.measured_modes:
                 return Proposal(plan=self._plan(plan.buckets, mode), reason="explore-mode",
                                 predicted_ms=None)
-        # Converged once the model predicts no plan clearly better (1%) than one already measured:
+        # The model is done once it predicts no plan clearly better (1%) than one already measured:
         # chasing smaller predicted gains would only follow the noise.
         measured_best = min(
             (self.predict_ms(s.plan.buckets, comm, fitted.ready) for s in samples
@@ -223,9 +221,89 @@ class ModelBasedPlanner:
              if comm is not None),
             default=float("inf"),
         )
-        converged = (plan.fingerprint(), plan.is_hierarchical_reduce) in measured \
+        model_done = (plan.fingerprint(), plan.is_hierarchical_reduce) in measured \
             or predicted >= measured_best - self.tolerance * measured_best
-        return Proposal(plan=plan, converged=converged, reason="model", predicted_ms=predicted)
+        if not model_done:
+            return Proposal(plan=plan, reason="model", predicted_ms=predicted)
+        return self._coarsen(samples, fitted, measured)
+
+    def _coarsen(self, samples: Sequence[Sample], fitted: FittedModels,
+                 measured: set[tuple[str, bool]]) -> Proposal:
+        """The coarsening ladder: from the best measured plan, halve the bucket count while speed holds.
+
+        Each level is the model's best plan of at most half as many buckets as the level
+        before; a level measured slower than the best plan by more than the noise ends the
+        walk (converged), as does reaching one bucket per dtype group.
+        """
+        best = max(samples, key=lambda s: s.score)
+        mode = best.plan.is_hierarchical_reduce
+        comm = fitted.comm[mode] or _one_point_model(samples, mode)
+        if comm is None or not self.whether_to_bucket:
+            return Proposal(plan=best.plan, converged=True, reason="best")
+        by_key = {(s.plan.fingerprint(), s.plan.is_hierarchical_reduce): s for s in samples}
+        floor = len(self._groups())
+        count = len(best.plan.buckets)
+        seen: set[str] = {best.plan.fingerprint()}
+        while count > floor:
+            count = max(floor, -(-count // 2))
+            plan = self._plan(self.optimal_buckets(comm, fitted.ready, max_buckets=count), mode)
+            key = (plan.fingerprint(), mode)
+            if plan.fingerprint() in seen:
+                continue
+            seen.add(plan.fingerprint())
+            if key not in measured:
+                return Proposal(plan=plan, reason="coarsen",
+                                predicted_ms=self.predict_ms(plan.buckets, comm, fitted.ready))
+            if by_key[key].score < best.score - self.noise * abs(best.score):
+                break  # clearly slower: coarser plans will not win either
+            count = len(plan.buckets)
+        return Proposal(plan=best.plan, converged=True, reason="best")
+
+
+def _cut(ready_at: np.ndarray, sizes: np.ndarray, comm: CommModel, budget: int | None) -> list[tuple[int, int]]:
+    """Bucket bounds ``[(i, j), ...]`` over consecutive atoms minimising the last bucket's finish time.
+
+    ``finish(j) = min over i < j of max(ready(j), finish(i)) + comm(bytes(i..j))``; with a
+    ``budget``, the same programme indexed by the number of buckets so far (at most ``budget``).
+    Ties go to the earliest cut and the fewest buckets.
+    """
+    n = len(sizes)
+    prefix = np.concatenate([[0.0], np.cumsum(sizes)])
+    if budget is None:
+        finish = np.zeros(n + 1)
+        cut = np.zeros(n + 1, dtype=int)
+        for j in range(1, n + 1):
+            cand = np.maximum(ready_at[j - 1], finish[:j]) + comm.latency_ms + (prefix[j] - prefix[:j]) * comm.ms_per_byte
+            best = int(np.argmin(cand))
+            finish[j], cut[j] = cand[best], best
+        bounds: list[tuple[int, int]] = []
+        j = n
+        while j > 0:
+            bounds.append((int(cut[j]), j))
+            j = int(cut[j])
+        return list(reversed(bounds))
+    k_max = max(1, min(budget, n))
+    # cost[i, j - 1]: bucket of atoms i..j-1; only i < j is a bucket.
+    cost = comm.latency_ms + (prefix[None, 1:] - prefix[:-1, None]) * comm.ms_per_byte
+    invalid = np.arange(n)[:, None] >= np.arange(1, n + 1)[None, :]
+    finish_k = np.full((k_max + 1, n + 1), np.inf)
+    finish_k[0, 0] = 0.0
+    cut_k = np.zeros((k_max + 1, n + 1), dtype=int)
+    cols = np.arange(n)
+    for k in range(1, k_max + 1):
+        cand = np.maximum(ready_at[None, :], finish_k[k - 1, :-1, None]) + cost
+        cand[invalid] = np.inf
+        best_i = np.argmin(cand, axis=0)
+        finish_k[k, 1:] = cand[best_i, cols]
+        cut_k[k, 1:] = best_i
+    k = int(np.argmin(finish_k[:, n]))
+    bounds = []
+    j = n
+    while j > 0:
+        i = int(cut_k[k, j])
+        bounds.append((i, j))
+        j, k = i, k - 1
+    return list(reversed(bounds))
 
 
 def _one_point_model(samples: Sequence[Sample], mode: bool) -> CommModel | None:

@@ -3,8 +3,12 @@
 Backward produces gradients one after another (``compute_ms`` each, in ready
 order); each bucket is communicated once its last gradient is ready and the
 previous bucket is done, costing ``latency_ms + bytes / bandwidth`` (per mode),
-times log-normal noise. A step is forward + backward + the communication left
-after backward. Measurements come back in the shape trainers report them.
+times log-normal noise. Launching a bucket also costs the compute side
+``bucket_overhead_ms`` (the launch on the backward thread, SMs the collective
+takes from backward): every later gradient is that much later and backward that
+much longer; a trainer's communication timings do not show it. A step is forward
++ backward + the communication left after backward. Measurements come back in
+the shape trainers report them.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class SimulatedJob:
         forward_ms: forward time per step, ms.
         batch_size: samples per step per rank (speed = batch_size / step seconds).
         noise: relative standard deviation of every measured duration.
+        bucket_overhead_ms: compute-side cost of launching one bucket, ms (see the module docstring).
         seed: seed of the noise.
     """
 
@@ -53,6 +58,7 @@ class SimulatedJob:
     forward_ms: float = 30.0
     batch_size: int = 32
     noise: float = 0.02
+    bucket_overhead_ms: float = 0.0
     seed: int = 0
     _rng: np.random.Generator = field(init=False, repr=False)
 
@@ -84,9 +90,11 @@ class SimulatedJob:
         """Noise-free step time of ``plan``."""
         ready = self._ready_times()
         link = self._link(plan)
-        _, exposed = simulate_overlap([max(ready[t.name] for t in b) for b in plan.buckets],
-                                     [link.cost_ms(n) for n in plan.bucket_bytes], self.backward_ms)
-        return self.forward_ms + self.backward_ms + exposed
+        ovh = self.bucket_overhead_ms
+        backward = self.backward_ms + ovh * len(plan.buckets)
+        _, exposed = simulate_overlap([max(ready[t.name] for t in b) + ovh * i for i, b in enumerate(plan.buckets)],
+                                     [link.cost_ms(n) for n in plan.bucket_bytes], backward)
+        return self.forward_ms + backward + exposed
 
     def measure(self, plan: BucketPlan) -> tuple[float, list[BucketTimingRecord], float]:
         """A noisy measurement of one step: (speed in samples/s, bucket timings, backward_ms)."""
@@ -95,12 +103,14 @@ class SimulatedJob:
 
         ready = self._ready_times()
         link = self._link(plan)
-        backward = noisy(self.backward_ms)
-        scale = backward / self.backward_ms
+        compute = noisy(self.backward_ms)
+        scale = compute / self.backward_ms
+        ovh = self.bucket_overhead_ms
+        backward = compute + ovh * len(plan.buckets)
         free = 0.0
         timings = []
         for index, (bucket, nbytes) in enumerate(zip(plan.buckets, plan.bucket_bytes, strict=True)):
-            ready_ms = max(ready[t.name] for t in bucket) * scale
+            ready_ms = max(ready[t.name] for t in bucket) * scale + ovh * index
             comm = noisy(link.cost_ms(nbytes))
             free = max(free, ready_ms) + comm
             timings.append(BucketTimingRecord(bucket_index=index, bytes=nbytes, ready_ms=ready_ms, comm_ms=comm,
@@ -126,11 +136,15 @@ def oracle_plan(job: SimulatedJob) -> BucketPlan:
         if link is None:
             continue
         comm = CommModel(latency_ms=link.latency_ms, ms_per_byte=1e-6 / link.gbytes_per_s)
-        buckets = planner.optimal_buckets(comm, ready)
-        plan = BucketPlan(buckets=buckets, bucket_size=max(1, int(ends[-1] / len(buckets))),
-                          is_hierarchical_reduce=mode)
-        if best is None or job.step_ms(plan) < job.step_ms(best):
-            best = plan
+        unbounded = planner.optimal_buckets(comm, ready)
+        # With a per-bucket overhead the best plan may have fewer buckets: try every cap.
+        caps = [None, *range(1, len(unbounded))] if job.bucket_overhead_ms > 0 else [None]
+        for cap in caps:
+            buckets = unbounded if cap is None else planner.optimal_buckets(comm, ready, max_buckets=cap)
+            plan = BucketPlan(buckets=buckets, bucket_size=max(1, int(ends[-1] / len(buckets))),
+                              is_hierarchical_reduce=mode)
+            if best is None or job.step_ms(plan) < job.step_ms(best):
+                best = plan
     assert best is not None
     return best
 

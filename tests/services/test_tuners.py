@@ -36,10 +36,13 @@ def test_ready_model_interpolates_and_never_goes_back() -> None:
     assert list(ready.ready_ms(np.array([0.0, 50.0, 100.0, 200.0, 400.0]))) == [0.0, 5.0, 10.0, 10.0, 40.0]
 
 
-def _brute_force(order: list[TensorDeclaration], comm: CommModel, ready_ms: list[float]) -> float:
+def _brute_force(order: list[TensorDeclaration], comm: CommModel, ready_ms: list[float],
+                 max_buckets: int | None = None) -> float:
     best = math.inf
     n = len(order)
     for cuts in itertools.product([False, True], repeat=n - 1):
+        if max_buckets is not None and sum(cuts) + 1 > max_buckets:
+            continue
         free, start = 0.0, 0
         for end in [i + 1 for i, c in enumerate(cuts) if c] + [n]:
             nbytes = sum(t.nbytes for t in order[start:end])
@@ -60,6 +63,22 @@ def test_cut_programme_is_optimal_against_brute_force() -> None:
         buckets = planner.optimal_buckets(comm, ready)
         assert [t for b in buckets for t in b] == order
         assert planner.predict_ms(buckets, comm, ready) == pytest.approx(_brute_force(order, comm, ready_ms))
+
+
+def test_capped_cut_programme_is_optimal_against_brute_force() -> None:
+    rng = np.random.default_rng(5)
+    order = [TensorDeclaration(f"t{i}", int(rng.integers(1, 50)) * 10_000, "f32") for i in range(9)]
+    ends = np.cumsum([t.nbytes for t in order])
+    ready_ms = list(np.cumsum(rng.uniform(0.1, 2.0, len(order))))
+    ready = ReadyModel(list(zip(ends, ready_ms, strict=True)), float(ends[-1]), ready_ms[-1])
+    planner = ModelBasedPlanner(order, hierarchical_allowed=False)
+    comm = CommModel(0.01, 2e-7)  # cheap latency: unbounded, the programme wants many buckets
+    assert len(planner.optimal_buckets(comm, ready)) > 3
+    for cap in (1, 2, 3):
+        buckets = planner.optimal_buckets(comm, ready, max_buckets=cap)
+        assert len(buckets) <= cap
+        assert [t for b in buckets for t in b] == order
+        assert planner.predict_ms(buckets, comm, ready) == pytest.approx(_brute_force(order, comm, ready_ms, cap))
 
 
 def _run(tuner: object, job: SimulatedJob, timings: bool, reports: int) -> list[Sample]:
@@ -86,6 +105,42 @@ def test_planner_reaches_near_best_in_a_few_reports(bandwidth: float, latency: f
     assert len(samples) <= 6
     final = planner.final(samples)
     assert job.step_ms(final.plan) <= 1.05 * job.step_ms(oracle_plan(job))
+
+
+def test_coarsening_ladder_finds_fewer_buckets_when_each_costs_compute() -> None:
+    # Each bucket costs backward 0.4 ms, which bucket timings do not show: the communication model alone
+    # (even fed the true link costs) wants many small buckets; measured speed along the ladder finds the
+    # coarse plan.
+    tensors = transformer_like(layers=12, hidden=512)
+    flat, _ = bandwidth_scenario(40.0, 0.02)
+    job = SimulatedJob(tensors=tensors, compute_ms=compute_proportional(tensors, 30.0), flat=flat,
+                       forward_ms=10.0, bucket_overhead_ms=0.4, noise=0.005)
+    planner = ModelBasedPlanner(job.ready_order, hierarchical_allowed=False)
+    best = job.step_ms(oracle_plan(job))
+    ready_at = np.cumsum(list(reversed(job.compute_ms)))
+    ends = np.cumsum([t.nbytes for t in job.ready_order])
+    truth = ReadyModel(list(zip(ends, ready_at, strict=True)), float(ends[-1]), job.backward_ms)
+    model_pick = planner.optimal_buckets(CommModel(flat.latency_ms, 1e-6 / flat.gbytes_per_s), truth)
+    assert job.step_ms(BucketPlan(model_pick)) > 1.05 * best
+
+    samples = _run(planner, job, timings=True, reports=20)
+    final = planner.final(samples)
+    assert job.step_ms(final.plan) <= 1.03 * best
+    assert len(final.plan.buckets) < len(model_pick)
+    assert len(samples) <= 8
+
+
+def test_coarsening_ladder_stops_when_coarser_is_slower() -> None:
+    # No per-bucket overhead and a slow link: overlap matters, so the first coarser step is slower and ends it.
+    tensors = transformer_like(layers=6, hidden=512)
+    flat, _ = bandwidth_scenario(1.25, 0.3)
+    job = SimulatedJob(tensors=tensors, compute_ms=compute_proportional(tensors, 60.0), flat=flat, forward_ms=20.0,
+                       noise=0.005)
+    planner = ModelBasedPlanner(job.ready_order, hierarchical_allowed=False)
+    samples = _run(planner, job, timings=True, reports=20)
+    reasons = [planner.propose(samples[: i + 1]).reason for i in range(len(samples))]
+    assert reasons.count("coarsen") == 1 and reasons[-1] == "best"
+    assert planner.final(samples).plan.fingerprint() != samples[-1].plan.fingerprint()  # the coarser one lost
 
 
 def test_planner_explores_when_one_bucket_size_was_seen() -> None:
