@@ -317,6 +317,8 @@ class BucketEngine:
         pad_multiple: buffer lengths are rounded up to a multiple of this (chunked collectives).
         timing_every: measure per-bucket timings on every n-th communicating backward
             (1: every one). Measured backwards always take the side-stream/thread path.
+        plan_is_default: ``plan`` is the default cut, rebuilt in gradient-ready order after
+            the first backward (:meth:`adopt_ready_order`); False keeps a chosen plan as given.
     """
 
     def __init__(
@@ -330,6 +332,7 @@ class BucketEngine:
         flatten: bool = True,
         pad_multiple: int = 1,
         timing_every: int = 10,
+        plan_is_default: bool = True,
     ) -> None:
         if not named_params:
             raise ValueError("BucketEngine needs at least one parameter")
@@ -354,7 +357,7 @@ class BucketEngine:
         self._lock = threading.Lock()
         self.observed_order: list[str] = []
         self._observe = True
-        self.plan_is_default = True
+        self.plan_is_default = plan_is_default
         self._build(plan)
 
     # ---------------------------------------------------------------- building

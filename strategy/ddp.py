@@ -90,6 +90,7 @@ class BaguaDistributedDataParallel(nn.Module):
             broadcast_module_state(module, comm.group, src=dist.get_global_rank(comm.group, 0)
                                    if comm.group is not None else 0)
         named = trainable_parameters(module)
+        algorithm.plan_is_default = plan is None  # a given plan is kept; the default one is re-cut in ready order
         if plan is None:
             plan = default_plan(named, bucket_size=bucket_size,
                                 hierarchical=bool(getattr(algorithm, "hierarchical", False)))

@@ -80,6 +80,9 @@ class Algorithm(abc.ABC):
     keeps_replicas_identical: ClassVar[bool] = True
     #: Flat buckets with tensors as views (BaguaStrategy(flatten=...)); set before setup.
     flatten: bool = True
+    #: True when setup's plan is the default cut (re-cut in gradient-ready order after the
+    #: first backward); False when the caller chose it (kept as given). Set before setup.
+    plan_is_default: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Algorithm:

@@ -69,6 +69,7 @@ class GradientBucketAlgorithm(Algorithm):
             bind_grads=True,
             flatten=self.flatten,
             pad_multiple=self.pad_multiple(comm, plan),
+            plan_is_default=self.plan_is_default,
         )
 
     @property

@@ -171,7 +171,7 @@ class QAdamAlgorithm(Algorithm):
         self._comm, self._module, self._plan = comm, module, plan
         self._grad_engine = BucketEngine(
             trainable_parameters(module), plan, communicate=self._allreduce, flatten=self.flatten,
-            can_defer=lambda: not self._grad_engine_plan_hierarchical(),
+            can_defer=lambda: not self._grad_engine_plan_hierarchical(), plan_is_default=self.plan_is_default,
         )
 
     def _grad_engine_plan_hierarchical(self) -> bool:

@@ -124,3 +124,34 @@ def test_qadam_optimizer_alone_is_adam_during_warmup() -> None:
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q)
     assert qa.completed_steps == 5 and not qa.in_warmup
+
+
+def test_wrapper_keeps_a_given_plan_and_recuts_only_the_default_one() -> None:
+    from bagua_lightning.strategy.algorithms.base import get_algorithm_class
+    from bagua_lightning.strategy.comm import CommContext
+    from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+
+    comm = CommContext(rank=0, world_size=1, local_rank=0, local_size=1)  # one rank: collectives are no-ops
+    named = trainable_parameters(_model())
+    decls = declare(named)
+    # A chosen plan in registration order, one tensor per bucket: not what the ready-order cut would give.
+    given = BucketPlan(buckets=tuple((d,) for d in decls), bucket_size=64)
+
+    def train(plan: BucketPlan | None) -> BaguaDistributedDataParallel:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        algo = get_algorithm_class("gradient_allreduce").from_kwargs()
+        wrapped = BaguaDistributedDataParallel(model, algo, comm, bucket_size=10**6, plan=plan, optimizers=[opt])
+        for _ in range(3):
+            wrapped(torch.randn(5, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return wrapped
+
+    kept = train(given)
+    assert kept.bucket_plan is not None and kept.bucket_plan.same_layout(given)
+    recut = train(None)  # the default plan: one bucket at this size, re-cut in the observed ready order
+    assert recut.bucket_plan is not None and len(recut.bucket_plan.buckets) == 1
+    assert recut.bucket_plan.tensor_names[0][0] == "4.bias"  # last layer's gradient first
+    kept.teardown()
+    recut.teardown()
