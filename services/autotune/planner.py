@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import nnls
 
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration, split_into_buckets
 
@@ -44,7 +45,8 @@ class FittedModels:
     comm: dict[bool, CommModel | None]  # by is_hierarchical_reduce
     measured_modes: frozenset[bool]
     ready: ReadyModel
-    backward_ms: float
+    backward_ms: float  # backward with no bucket overhead (the fit's intercept)
+    overhead_ms: float = 0.0  # what each bucket adds to backward (0 until two bucket counts were measured)
 
 
 class ModelBasedPlanner:
@@ -84,6 +86,7 @@ class ModelBasedPlanner:
         comm_points: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         ready_points: list[tuple[float, float]] = []
         backward = [s.backward_ms for s in samples if s.backward_ms > 0]
+        base_ms, overhead_ms = _fit_bucket_overhead(samples)
         for sample in samples:
             mode = sample.plan.is_hierarchical_reduce
             for timing in sample.bucket_timings:
@@ -94,13 +97,18 @@ class ModelBasedPlanner:
                 comm_points[mode].append((float(nbytes), timing.comm_ms))
                 positions = [self._end[self._index[t.name]] for t in bucket if t.name in self._index]
                 if positions:
-                    ready_points.append((float(max(positions)), timing.ready_ms))
-        backward_ms = float(np.mean(backward)) if backward else max((ms for _, ms in ready_points), default=0.0)
+                    # Without the launches of the buckets before it, the gradient was ready this much sooner.
+                    ready_points.append((float(max(positions)), timing.ready_ms - overhead_ms * timing.bucket_index))
+        if overhead_ms > 0:
+            backward_ms = base_ms
+        else:
+            backward_ms = float(np.mean(backward)) if backward else max((ms for _, ms in ready_points), default=0.0)
         return FittedModels(
             comm={mode: fit_comm_model(points) for mode, points in comm_points.items()},
             measured_modes=frozenset(mode for mode, points in comm_points.items() if points),
             ready=ReadyModel(ready_points, self.total_bytes, backward_ms),
             backward_ms=backward_ms,
+            overhead_ms=overhead_ms,
         )
 
     # -- planning ----------------------------------------------------------------------------------
@@ -124,11 +132,15 @@ class ModelBasedPlanner:
                 acc = 0
         return [a for a in atoms if a]
 
-    def optimal_buckets(self, comm: CommModel, ready: ReadyModel, max_buckets: int | None = None) -> Buckets:
+    def optimal_buckets(self, comm: CommModel, ready: ReadyModel, max_buckets: int | None = None,
+                        overhead_ms: float = 0.0, backward_ms: float = 0.0) -> Buckets:
         """The cut minimising the communication finish time under ``comm`` and ``ready``.
 
         ``max_buckets`` caps the number of buckets (shared among dtype groups in proportion
         to their bytes, at least one each): the best plan of at most that many buckets.
+        ``overhead_ms`` > 0: each bucket delays every later gradient and the end of
+        backward (``backward_ms`` without overhead) by that much; the step ends when both
+        the communication and backward have.
         """
         if not self.whether_to_bucket:
             return self._ordered([tuple(g) for g in self._groups()], ready)
@@ -141,7 +153,7 @@ class ModelBasedPlanner:
             ready_at = ready.ready_ms(np.array([self._end[self._index[a[-1].name]] for a in atoms]))
             budget = None if max_buckets is None else \
                 max(1, round(max_buckets * float(sizes.sum()) / max(1, total)))
-            for i, j in _cut(ready_at, sizes, comm, budget):
+            for i, j in _cut(ready_at, sizes, comm, budget, overhead_ms, backward_ms):
                 buckets.append(tuple(t for a in atoms[i:j] for t in a))
         return self._ordered(buckets, ready)
 
@@ -149,12 +161,26 @@ class ModelBasedPlanner:
         # Across dtype groups, communicate buckets in the order they become ready.
         return tuple(sorted(buckets, key=lambda b: max(self._index[t.name] for t in b)))
 
-    def predict_ms(self, buckets: Buckets, comm: CommModel, ready: ReadyModel) -> float:
-        """Predicted communication finish time of ``buckets``, ms from the start of backward."""
+    def predict_ms(self, buckets: Buckets, comm: CommModel, ready: ReadyModel, overhead_ms: float = 0.0,
+                   backward_ms: float = 0.0) -> float:
+        """Predicted communication finish time of ``buckets``, ms from the start of backward.
+
+        With ``overhead_ms`` > 0 (see :meth:`optimal_buckets`): the later of that and the end
+        of backward.
+        """
         ends = np.array([max(self._end[self._index[t.name]] for t in b) for b in buckets])
         costs = [float(comm.cost_ms(sum(t.nbytes for t in b))) for b in buckets]
-        finish, _ = simulate_overlap(list(ready.ready_ms(ends)), costs, 0.0)
+        ready_ms = ready.ready_ms(ends) + overhead_ms * np.arange(len(buckets))
+        finish, _ = simulate_overlap(list(ready_ms), costs, 0.0)
+        if overhead_ms > 0:
+            finish = max(finish, backward_ms + overhead_ms * len(buckets))
         return finish
+
+    def _predict(self, buckets: Buckets, comm: CommModel, fitted: FittedModels) -> float:
+        return self.predict_ms(buckets, comm, fitted.ready, fitted.overhead_ms, fitted.backward_ms)
+
+    def _optimal(self, comm: CommModel, fitted: FittedModels, max_buckets: int | None = None) -> Buckets:
+        return self.optimal_buckets(comm, fitted.ready, max_buckets, fitted.overhead_ms, fitted.backward_ms)
 
     def _plan(self, buckets: Buckets, hierarchical: bool) -> BucketPlan:
         mean = int(sum(t.nbytes for b in buckets for t in b) / len(buckets))
@@ -202,8 +228,8 @@ class ModelBasedPlanner:
                 comm = _one_point_model(samples, mode)
             if comm is None:
                 continue
-            buckets = self.optimal_buckets(comm, fitted.ready)
-            options.append((self.predict_ms(buckets, comm, fitted.ready), self._plan(buckets, mode)))
+            buckets = self._optimal(comm, fitted)
+            options.append((self._predict(buckets, comm, fitted), self._plan(buckets, mode)))
         if not options:  # no timings at all: nothing to model
             best = max(samples, key=lambda s: s.score)
             return Proposal(plan=best.plan, converged=True, reason="no-timings")
@@ -216,7 +242,7 @@ class ModelBasedPlanner:
         # The model is done once it predicts no plan clearly better (1%) than one already measured:
         # chasing smaller predicted gains would only follow the noise.
         measured_best = min(
-            (self.predict_ms(s.plan.buckets, comm, fitted.ready) for s in samples
+            (self._predict(s.plan.buckets, comm, fitted) for s in samples
              for comm in [fitted.comm[s.plan.is_hierarchical_reduce] or _one_point_model(samples, s.plan.is_hierarchical_reduce)]
              if comm is not None),
             default=float("inf"),
@@ -246,30 +272,53 @@ class ModelBasedPlanner:
         seen: set[str] = {best.plan.fingerprint()}
         while count > floor:
             count = max(floor, -(-count // 2))
-            plan = self._plan(self.optimal_buckets(comm, fitted.ready, max_buckets=count), mode)
+            plan = self._plan(self._optimal(comm, fitted, max_buckets=count), mode)
             key = (plan.fingerprint(), mode)
             if plan.fingerprint() in seen:
                 continue
             seen.add(plan.fingerprint())
             if key not in measured:
                 return Proposal(plan=plan, reason="coarsen",
-                                predicted_ms=self.predict_ms(plan.buckets, comm, fitted.ready))
+                                predicted_ms=self._predict(plan.buckets, comm, fitted))
             if by_key[key].score < best.score - self.noise * abs(best.score):
                 break  # clearly slower: coarser plans will not win either
             count = len(plan.buckets)
         return Proposal(plan=best.plan, converged=True, reason="best")
 
 
-def _cut(ready_at: np.ndarray, sizes: np.ndarray, comm: CommModel, budget: int | None) -> list[tuple[int, int]]:
+def _fit_bucket_overhead(samples: Sequence[Sample]) -> tuple[float, float]:
+    """``(backward_ms, ms per bucket)``: least squares (both >= 0) of backward against the bucket count.
+
+    (mean backward, 0) until backward was measured with two different bucket counts.
+    """
+    points = [(len(s.plan.buckets), s.backward_ms) for s in samples if s.backward_ms > 0 and s.plan.buckets]
+    if not points:
+        return 0.0, 0.0
+    counts = np.array([c for c, _ in points], dtype=float)
+    times = np.array([t for _, t in points])
+    if len(set(counts)) < 2:
+        return float(times.mean()), 0.0
+    (base, per_bucket), _ = nnls(np.column_stack([np.ones_like(counts), counts]), times)
+    return float(base), float(per_bucket)
+
+
+# With a per-bucket overhead the programme is indexed by the bucket count: at most this many per dtype group.
+MAX_BUCKETS_WITH_OVERHEAD = 64
+
+
+def _cut(ready_at: np.ndarray, sizes: np.ndarray, comm: CommModel, budget: int | None, overhead_ms: float = 0.0,
+         backward_ms: float = 0.0) -> list[tuple[int, int]]:
     """Bucket bounds ``[(i, j), ...]`` over consecutive atoms minimising the last bucket's finish time.
 
     ``finish(j) = min over i < j of max(ready(j), finish(i)) + comm(bytes(i..j))``; with a
-    ``budget``, the same programme indexed by the number of buckets so far (at most ``budget``).
-    Ties go to the earliest cut and the fewest buckets.
+    ``budget`` or an ``overhead_ms``, the same programme indexed by the number of buckets so
+    far (at most ``budget``): the k-th bucket's gradients are ready ``(k - 1) * overhead_ms``
+    later, and a plan of k buckets ends at the later of its finish and ``backward_ms + k *
+    overhead_ms``. Ties go to the earliest cut and the fewest buckets.
     """
     n = len(sizes)
     prefix = np.concatenate([[0.0], np.cumsum(sizes)])
-    if budget is None:
+    if budget is None and overhead_ms <= 0:
         finish = np.zeros(n + 1)
         cut = np.zeros(n + 1, dtype=int)
         for j in range(1, n + 1):
@@ -282,7 +331,7 @@ def _cut(ready_at: np.ndarray, sizes: np.ndarray, comm: CommModel, budget: int |
             bounds.append((int(cut[j]), j))
             j = int(cut[j])
         return list(reversed(bounds))
-    k_max = max(1, min(budget, n))
+    k_max = max(1, min(budget if budget is not None else MAX_BUCKETS_WITH_OVERHEAD, n))
     # cost[i, j - 1]: bucket of atoms i..j-1; only i < j is a bucket.
     cost = comm.latency_ms + (prefix[None, 1:] - prefix[:-1, None]) * comm.ms_per_byte
     invalid = np.arange(n)[:, None] >= np.arange(1, n + 1)[None, :]
@@ -291,12 +340,14 @@ def _cut(ready_at: np.ndarray, sizes: np.ndarray, comm: CommModel, budget: int |
     cut_k = np.zeros((k_max + 1, n + 1), dtype=int)
     cols = np.arange(n)
     for k in range(1, k_max + 1):
-        cand = np.maximum(ready_at[None, :], finish_k[k - 1, :-1, None]) + cost
+        cand = np.maximum(ready_at[None, :] + overhead_ms * (k - 1), finish_k[k - 1, :-1, None]) + cost
         cand[invalid] = np.inf
         best_i = np.argmin(cand, axis=0)
         finish_k[k, 1:] = cand[best_i, cols]
         cut_k[k, 1:] = best_i
-    k = int(np.argmin(finish_k[:, n]))
+    ends = np.maximum(finish_k[:, n], backward_ms + overhead_ms * np.arange(k_max + 1))
+    ends[0] = np.inf
+    k = int(np.argmin(ends))
     bounds = []
     j = n
     while j > 0:

@@ -139,8 +139,14 @@ def oracle_plan(job: SimulatedJob) -> BucketPlan:
         unbounded = planner.optimal_buckets(comm, ready)
         # With a per-bucket overhead the best plan may have fewer buckets: try every cap.
         caps = [None, *range(1, len(unbounded))] if job.bucket_overhead_ms > 0 else [None]
+        if job.bucket_overhead_ms > 0:
+            caps.append(-1)  # the programme that knows the overhead
         for cap in caps:
-            buckets = unbounded if cap is None else planner.optimal_buckets(comm, ready, max_buckets=cap)
+            if cap == -1:
+                buckets = planner.optimal_buckets(comm, ready, overhead_ms=job.bucket_overhead_ms,
+                                                  backward_ms=job.backward_ms)
+            else:
+                buckets = unbounded if cap is None else planner.optimal_buckets(comm, ready, max_buckets=cap)
             plan = BucketPlan(buckets=buckets, bucket_size=max(1, int(ends[-1] / len(buckets))),
                               is_hierarchical_reduce=mode)
             if best is None or job.step_ms(plan) < job.step_ms(best):

@@ -107,10 +107,10 @@ def test_planner_reaches_near_best_in_a_few_reports(bandwidth: float, latency: f
     assert job.step_ms(final.plan) <= 1.05 * job.step_ms(oracle_plan(job))
 
 
-def test_coarsening_ladder_finds_fewer_buckets_when_each_costs_compute() -> None:
-    # Each bucket costs backward 0.4 ms, which bucket timings do not show: the communication model alone
-    # (even fed the true link costs) wants many small buckets; measured speed along the ladder finds the
-    # coarse plan.
+def test_planner_finds_fewer_buckets_when_each_costs_compute() -> None:
+    # Each bucket costs backward 0.4 ms, which communication timings do not show: the communication model
+    # alone (even fed the true link costs) wants many small buckets. Backward measured at different bucket
+    # counts reveals the cost, and measured speed (the coarsening ladder) confirms the coarse plan.
     tensors = transformer_like(layers=12, hidden=512)
     flat, _ = bandwidth_scenario(40.0, 0.02)
     job = SimulatedJob(tensors=tensors, compute_ms=compute_proportional(tensors, 30.0), flat=flat,
@@ -126,6 +126,7 @@ def test_coarsening_ladder_finds_fewer_buckets_when_each_costs_compute() -> None
     samples = _run(planner, job, timings=True, reports=20)
     final = planner.final(samples)
     assert job.step_ms(final.plan) <= 1.03 * best
+    assert planner.fit(samples).overhead_ms == pytest.approx(0.4, rel=0.25)  # read off backward vs bucket count
     assert len(final.plan.buckets) < len(model_pick)
     assert len(samples) <= 8
 
