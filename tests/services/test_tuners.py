@@ -37,41 +37,44 @@ def test_ready_model_interpolates_and_never_goes_back() -> None:
 
 
 def _brute_force(order: list[TensorDeclaration], comm: CommModel, ready_ms: list[float],
-                 max_buckets: int | None = None) -> float:
+                 max_buckets: int | None = None, overhead_ms: float = 0.0, backward_ms: float = 0.0) -> float:
+    """The best plan's predicted end by trying every cut (k-th bucket ready (k - 1) x overhead later)."""
     best = math.inf
     n = len(order)
     for cuts in itertools.product([False, True], repeat=n - 1):
         if max_buckets is not None and sum(cuts) + 1 > max_buckets:
             continue
         free, start = 0.0, 0
-        for end in [i + 1 for i, c in enumerate(cuts) if c] + [n]:
+        for k, end in enumerate([i + 1 for i, c in enumerate(cuts) if c] + [n]):
             nbytes = sum(t.nbytes for t in order[start:end])
-            free = max(free, ready_ms[end - 1]) + comm.latency_ms + nbytes * comm.ms_per_byte
+            free = max(free, ready_ms[end - 1] + k * overhead_ms) + comm.latency_ms + nbytes * comm.ms_per_byte
             start = end
+        if overhead_ms > 0:
+            free = max(free, backward_ms + (sum(cuts) + 1) * overhead_ms)
         best = min(best, free)
     return best
 
 
-def test_cut_programme_is_optimal_against_brute_force() -> None:
-    rng = np.random.default_rng(3)
+def _random_chain(seed: int) -> tuple[list[TensorDeclaration], list[float], ReadyModel, ModelBasedPlanner]:
+    """Nine tensors of random sizes with random gaps between their ready times."""
+    rng = np.random.default_rng(seed)
     order = [TensorDeclaration(f"t{i}", int(rng.integers(1, 50)) * 10_000, "f32") for i in range(9)]
     ends = np.cumsum([t.nbytes for t in order])
     ready_ms = list(np.cumsum(rng.uniform(0.1, 2.0, len(order))))
     ready = ReadyModel(list(zip(ends, ready_ms, strict=True)), float(ends[-1]), ready_ms[-1])
-    planner = ModelBasedPlanner(order, hierarchical_allowed=False)
+    return order, ready_ms, ready, ModelBasedPlanner(order, hierarchical_allowed=False)
+
+
+def test_cut_programme_is_optimal_against_brute_force() -> None:
+    order, ready_ms, ready, planner = _random_chain(3)
     for comm in (CommModel(0.05, 1e-6), CommModel(1.0, 1e-7), CommModel(0.0, 5e-6)):
         buckets = planner.optimal_buckets(comm, ready)
         assert [t for b in buckets for t in b] == order
         assert planner.predict_ms(buckets, comm, ready) == pytest.approx(_brute_force(order, comm, ready_ms))
 
 
-def test_capped_cut_programme_is_optimal_against_brute_force() -> None:
-    rng = np.random.default_rng(5)
-    order = [TensorDeclaration(f"t{i}", int(rng.integers(1, 50)) * 10_000, "f32") for i in range(9)]
-    ends = np.cumsum([t.nbytes for t in order])
-    ready_ms = list(np.cumsum(rng.uniform(0.1, 2.0, len(order))))
-    ready = ReadyModel(list(zip(ends, ready_ms, strict=True)), float(ends[-1]), ready_ms[-1])
-    planner = ModelBasedPlanner(order, hierarchical_allowed=False)
+def test_capped_and_overhead_programmes_are_optimal_against_brute_force() -> None:
+    order, ready_ms, ready, planner = _random_chain(5)
     comm = CommModel(0.01, 2e-7)  # cheap latency: unbounded, the programme wants many buckets
     assert len(planner.optimal_buckets(comm, ready)) > 3
     for cap in (1, 2, 3):
@@ -79,6 +82,14 @@ def test_capped_cut_programme_is_optimal_against_brute_force() -> None:
         assert len(buckets) <= cap
         assert [t for b in buckets for t in b] == order
         assert planner.predict_ms(buckets, comm, ready) == pytest.approx(_brute_force(order, comm, ready_ms, cap))
+    backward = ready_ms[-1]
+    for overhead in (0.05, 0.3, 2.0):  # more overhead per bucket: fewer buckets
+        buckets = planner.optimal_buckets(comm, ready, overhead_ms=overhead, backward_ms=backward)
+        assert [t for b in buckets for t in b] == order
+        assert planner.predict_ms(buckets, comm, ready, overhead, backward) == pytest.approx(
+            _brute_force(order, comm, ready_ms, None, overhead, backward))
+    assert len(planner.optimal_buckets(comm, ready, overhead_ms=2.0, backward_ms=backward)) < \
+        len(planner.optimal_buckets(comm, ready))
 
 
 def _run(tuner: object, job: SimulatedJob, timings: bool, reports: int) -> list[Sample]:
