@@ -17,9 +17,11 @@ loop can call :meth:`AutotuneController.on_batch_start` itself). Protocol:
   same on every rank): every rank queues its measurement of the interval (speed,
   per-bucket timings and backward time, means over the interval's steps) for a
   background thread to report; rank 0's thread then asks for hyperparameters. The
-  answer is broadcast at the *next* boundary, where every rank applies it, so a slow
-  or dead service never holds a step longer than that broadcast. After every
-  boundary one ``all_reduce`` compares (plan version, plan fingerprint, model
+  answer is broadcast ``apply_delay`` steps later (default ``interval // 4``; 0: at the
+  next boundary), where every rank applies it, and the next measurement starts there:
+  a plan costs one interval. A slow or dead service never holds a step longer than
+  that broadcast: an answer that is not there yet waits for the next apply point.
+  After every broadcast one ``all_reduce`` compares (plan version, plan fingerprint, model
   fingerprint, apply failure) across ranks; any difference raises
   :class:`~bagua_lightning.errors.PlanMismatchError` on every rank instead of hanging.
 * **faults**: RPCs have short deadlines and few retries; a failure leaves the current
@@ -94,6 +96,12 @@ class AutotuneSettings:
         connect_timeout_s: how long set-up waits for the service before training on
             the default plan, in seconds.
         model_name: name under which the model is tuned; None: :func:`model_name_for`.
+        apply_delay: steps after a boundary at which the service's answer to that
+            boundary's report is broadcast and applied (0: at the next boundary, one
+            interval later); None: ``interval // 4``. With a delay each plan is measured
+            over the rest of the interval it was applied in, so a plan costs one interval
+            instead of two; the service has ``apply_delay`` steps to answer (a later answer
+            waits for the next apply point).
     """
 
     address: str
@@ -102,6 +110,12 @@ class AutotuneSettings:
     rpc_retries: int = 1
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     model_name: str | None = None
+    apply_delay: int | None = None
+
+    @property
+    def delay(self) -> int:
+        """The effective :attr:`apply_delay`, in steps."""
+        return self.interval // 4 if self.apply_delay is None else self.apply_delay
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or ":" not in self.address:
@@ -116,6 +130,11 @@ class AutotuneSettings:
                 raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.rpc_retries < 0:
             raise ConfigurationError(f"rpc_retries must be >= 0, got {self.rpc_retries}")
+        if self.apply_delay is not None and (isinstance(self.apply_delay, bool) or not isinstance(
+                self.apply_delay, int) or not 0 <= self.apply_delay < self.interval):
+            raise ConfigurationError(
+                f"apply_delay must be a whole number of steps in [0, autotune_interval={self.interval}), got "
+                f"{self.apply_delay!r}; or None for interval // 4")
 
 
 def model_name_for(prefix: str, tensors: Sequence[TensorDeclaration]) -> str:
@@ -344,6 +363,8 @@ class AutotuneController:
         self.version = -1  # service version of the plan in use; -1: the strategy's default plan
         self.iter_base = 0
         self.last_boundary = -1
+        self._apply_at: int | None = None  # the step of the next apply point (with a delay)
+        self._measured: float | None = None  # the speed measured at the boundary it belongs to
         self.meter = IntervalMeter()
         self.speeds: list[float] = []
         #: (step, plan version, plan fingerprint) of every plan applied, for cross-rank comparisons.
@@ -423,12 +444,22 @@ class AutotuneController:
         if global_step >= 1 and self._order_hooks:
             self._remove_order_hooks()
         report = None
+        delay = self.settings.delay
         if global_step % self.settings.interval == 0 and global_step > self.last_boundary and global_step > 0:
             speed, timings, backward_ms = self.meter.close(now)
             if speed is not None:
                 self.speeds.append(speed)
             self._queue_report(global_step, speed, timings, backward_ms)
-            report = self._boundary(step=global_step, iter_base=self.iter_base, speed=speed)
+            if delay:
+                # The answer is applied `delay` steps later (same step on every rank: it depends on
+                # global_step alone), and the interval's measurement starts there.
+                self.last_boundary, self._apply_at, self._measured = global_step, global_step + delay, speed
+            else:
+                report = self._boundary(step=global_step, iter_base=self.iter_base, speed=speed)
+        elif self._apply_at is not None and global_step >= self._apply_at:
+            self._apply_at = None
+            report = self._boundary(step=global_step, iter_base=self.iter_base, speed=self._measured)
+            self.meter.close(time.monotonic())  # the steps since the report ran the plan already measured
         if global_step >= 1:
             self.meter.count(batch_size, time.monotonic())
         return report

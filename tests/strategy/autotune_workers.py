@@ -109,7 +109,7 @@ def mismatch(comm: CommContext, address: str) -> str:
 
 def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3, fault_dir: Path | None = None,
         fault_steps: tuple[int, int] = (0, 0), model_name: str | None = None,
-        algorithm: str = "gradient_allreduce") -> dict[str, Any]:
+        algorithm: str = "gradient_allreduce", apply_delay: int | None = None) -> dict[str, Any]:
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     wrapper = BaguaDistributedDataParallel(model, get_algorithm_class(algorithm).from_kwargs(), comm,
@@ -119,7 +119,7 @@ def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3
     ctl = None
     if address is not None:
         settings = AutotuneSettings(address=address, interval=interval, rpc_timeout_s=0.5, connect_timeout_s=1.0,
-                                    model_name=model_name)
+                                    model_name=model_name, apply_delay=apply_delay)
         ctl = AutotuneController(settings, wrapper, model, model_prefix="Net", nproc_per_node=comm.local_size,
                                  group=comm.group)
     records: list[list[Any]] = []
@@ -182,7 +182,9 @@ def main() -> int:
         result["tuned"] = run(comm, args.steps, address=args.address,
                               fault_dir=Path(args.fault_dir) if args.fault_dir else None, fault_steps=(kill, restart))
         result["mismatch"] = mismatch(comm, args.address)
-        result["bytegrad"] = run(comm, 21, address=args.address, model_name="bytegrad-net", algorithm="bytegrad")
+        # Plans applied one step after each boundary (apply_delay=1), measured over the rest of the interval.
+        result["bytegrad"] = run(comm, 21, address=args.address, model_name="bytegrad-net", algorithm="bytegrad",
+                                 apply_delay=1)
         if args.dead_address:
             result["absent"] = run(comm, 12, address=args.dead_address, model_name="absent-net")
     except Exception:
