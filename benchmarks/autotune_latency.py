@@ -155,7 +155,7 @@ def main() -> int:
         for k, v in r.items():
             merged.setdefault(k, []).extend(v)
     print(f"{args.ranks} ranks ({MODELS} models x {world}) in {args.processes} processes, {args.seconds:g} s, "
-          f"one report per rank every ~{args.interval_ms:g} ms; service: 1 process, 32 threads")
+          f"one report per rank every ~{args.interval_ms:g} ms; service: 1 process, {args.server_workers} threads")
     p99 = {}
     for k, v in merged.items():
         ms = np.array(v) * 1e3
