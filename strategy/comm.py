@@ -120,6 +120,11 @@ class CommContext:
         )
 
 
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per call site) for all_gather_single; older
+# releases (the GPU machine has 2.11) may not have the new name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 # Collectives used by the algorithms. Each issues asynchronous operations and waits
 # on them: with NCCL the wait only orders the *current CUDA stream* after the
 # collective (the host does not block; algorithms call these under a side stream);
@@ -358,7 +363,7 @@ def compressed_exchange_stages(
     for s, ((a, b), (send, recv)) in enumerate(zip(bounds, blocks, strict=True)):
         row = send[me : me + 1]  # this segment's all-to-all is done: the row is free
         own.quantise_into(mine[a:b].view(1, -1), _levels(row, s == 0), overwrite_input=True, scratch=ints)
-        gathered.append(dist.all_gather_into_tensor(recv, row, group=group, async_op=True))
+        gathered.append(_all_gather_single(recv, row, group=group, async_op=True))
     yield
 
     # 4. Every rank decompresses every reduced chunk into the bucket as the segments arrive.
