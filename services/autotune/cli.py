@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,7 @@ def register(subparsers: Any) -> None:
     s = sub.add_parser("serve", help="run the autotune service until SIGTERM")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks one)")
-    _add_tuning_options(s, warmup_time_s=30.0, sampling_confidence_time_s=5.0, max_samples=60)
+    _add_tuning_options(s, warmup_time_s=None, sampling_confidence_time_s=None, max_samples=None)
     s.add_argument("--state", default=None,
                    help="where best plans persist: a directory, or a redis:// URL (default: memory only)")
     s.add_argument("--log-dir", default=None, help="directory for one JSONL sample log per model")
@@ -50,16 +52,35 @@ def register(subparsers: Any) -> None:
     m.set_defaults(func=_simulate)
 
 
-def _add_tuning_options(p: argparse.ArgumentParser, *, warmup_time_s: float, sampling_confidence_time_s: float,
-                        max_samples: int) -> None:
+# ``serve`` options whose default an environment variable can set (containers, ``bagua-lightning up``):
+# option dest -> (variable, type, default).
+ENV_DEFAULTS: dict[str, tuple[str, Callable[[str], float], float]] = {
+    "max_samples": ("BAGUA_LIGHTNING_AUTOTUNE_MAX_SAMPLES", int, 60),
+    "warmup_time_s": ("BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S", float, 30.0),
+    "sampling_confidence_time_s": ("BAGUA_LIGHTNING_AUTOTUNE_SAMPLING_CONFIDENCE_TIME_S", float, 5.0),
+}
+
+
+def _default_text(dest: str, value: float | None) -> str:
+    if value is not None:
+        return f"default {value:g}"
+    variable, _, fallback = ENV_DEFAULTS[dest]
+    return f"default ${variable}, else {fallback:g}"
+
+
+def _add_tuning_options(p: argparse.ArgumentParser, *, warmup_time_s: float | None,
+                        sampling_confidence_time_s: float | None, max_samples: int | None) -> None:
+    """The tuning options; a default of None is taken from :data:`ENV_DEFAULTS` when the command runs."""
     p.add_argument("--world-size", type=int, default=1, help="ranks per job when a registration leaves it 0")
     p.add_argument("--autotune-level", type=int, default=1, choices=(0, 1), help="0: default plan only; 1: tune")
     p.add_argument("--max-samples", type=int, default=max_samples,
-                   help=f"plans measured before tuning completes (default {max_samples})")
+                   help=f"plans measured before tuning completes ({_default_text('max_samples', max_samples)})")
     p.add_argument("--warmup-time-s", type=float, default=warmup_time_s,
-                   help=f"seconds of reports ignored after registration (default {warmup_time_s})")
+                   help=f"seconds of reports ignored after registration "
+                        f"({_default_text('warmup_time_s', warmup_time_s)})")
     p.add_argument("--sampling-confidence-time-s", type=float, default=sampling_confidence_time_s,
-                   help=f"seconds each plan is held at least (default {sampling_confidence_time_s})")
+                   help=f"seconds each plan is held at least "
+                        f"({_default_text('sampling_confidence_time_s', sampling_confidence_time_s)})")
     p.add_argument("--default-bucket-size", type=int, default=DEFAULT_BUCKET_SIZE,
                    help=f"bucket size of the initial plan, bytes (default {DEFAULT_BUCKET_SIZE})")
     p.add_argument("--tuner", choices=TUNERS, default="auto",
@@ -70,7 +91,25 @@ def _add_tuning_options(p: argparse.ArgumentParser, *, warmup_time_s: float, sam
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024**2, help="largest gRPC message, bytes")
 
 
+def _fill_env_defaults(args: argparse.Namespace) -> None:
+    """Options left unset take their environment variable, else the built-in default."""
+    for dest, (variable, kind, fallback) in ENV_DEFAULTS.items():
+        if getattr(args, dest) is not None:
+            continue
+        text = os.environ.get(variable, "").strip()
+        if not text:
+            setattr(args, dest, fallback)
+            continue
+        try:
+            setattr(args, dest, kind(text))
+        except ValueError:
+            what = "a whole number" if kind is int else "a number of seconds"
+            raise SystemExit(f"{variable} must be {what}, got {text!r}; fix it, unset it (default {fallback:g}) "
+                             f"or pass --{dest.replace('_', '-')}") from None
+
+
 def _config(args: argparse.Namespace) -> ServiceConfig:
+    _fill_env_defaults(args)
     return ServiceConfig(
         world_size=args.world_size, autotune_level=args.autotune_level, max_samples=args.max_samples,
         warmup_time_s=args.warmup_time_s, sampling_confidence_time_s=args.sampling_confidence_time_s,

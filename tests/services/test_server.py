@@ -266,3 +266,23 @@ def test_cli_help_lists_the_options() -> None:
     for flag in ("--world-size", "--autotune-level", "--max-samples", "--warmup-time-s",
                  "--sampling-confidence-time-s", "--default-bucket-size", "--state", "--log-dir", "--tls-cert"):
         assert flag in out
+
+
+def test_tuning_defaults_from_the_environment(tmp_path: Path) -> None:
+    """`autotune serve` takes unset tuning options from BAGUA_LIGHTNING_AUTOTUNE_* (as `up` and compose pass them)."""
+    port = free_port()
+    env = {**os.environ, "BAGUA_LIGHTNING_NO_STRATEGY": "1", "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S": "0",
+           "BAGUA_LIGHTNING_AUTOTUNE_SAMPLING_CONFIDENCE_TIME_S": "0", "BAGUA_LIGHTNING_AUTOTUNE_MAX_SAMPLES": "1"}
+    cmd = [sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--port", str(port)]
+    with running(cmd, env=env, log_path=str(tmp_path / "service.log")), \
+            AutotuneClient(target=f"127.0.0.1:{port}") as client:
+        wait_until(lambda: client.health_check(timeout_s=0.5), 30.0, "the autotune service")
+        reply = client.register_tensors("env", [t.to_dict() for t in ranks.abcde()], world_size=1)
+        plan = plan_from_proto(reply.recommended_hyperparameters)
+        assert client.report_metrics("env", 0, 1, plan, 10.0).accepted
+        # No warm-up, no hold, one sample: the first report completes tuning (the built-in 30 s warm-up would not).
+        assert client.ask_hyperparameters("env", 0, 2).is_autotune_completed
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                         env={**env, "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S": "soon"})
+    assert bad.returncode != 0
+    assert "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S must be a number of seconds, got 'soon'" in bad.stderr
