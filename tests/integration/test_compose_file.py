@@ -50,6 +50,10 @@ SETTINGS = {
     "BAGUA_LIGHTNING_REDIS_MAXMEMORY": "1gb",
     "BAGUA_LIGHTNING_REDIS_PASSWORD": "",
     "BAGUA_LIGHTNING_REDIS_IMAGE": "redis:7.2-alpine",
+    # Empty: `autotune serve` falls back to its own defaults (60 plans, 30 s warm-up, 5 s per plan).
+    "BAGUA_LIGHTNING_AUTOTUNE_MAX_SAMPLES": "",
+    "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S": "",
+    "BAGUA_LIGHTNING_AUTOTUNE_SAMPLING_CONFIDENCE_TIME_S": "",
 }
 CUSTOM_ENV = {
     "BAGUA_LIGHTNING_BIND_IP": "0.0.0.0",
