@@ -85,8 +85,8 @@ class ModelBasedPlanner:
     def fit(self, samples: Sequence[Sample]) -> FittedModels:
         comm_points: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         ready_points: list[tuple[float, float]] = []
-        backward = [s.backward_ms for s in samples if s.backward_ms > 0]
-        base_ms, overhead_ms = _fit_bucket_overhead(samples)
+        backward_fit = _fit_bucket_overhead(samples)
+        overhead_ms = backward_fit[1] if backward_fit else 0.0
         for sample in samples:
             mode = sample.plan.is_hierarchical_reduce
             for timing in sample.bucket_timings:
@@ -99,10 +99,7 @@ class ModelBasedPlanner:
                 if positions:
                     # Without the launches of the buckets before it, the gradient was ready this much sooner.
                     ready_points.append((float(max(positions)), timing.ready_ms - overhead_ms * timing.bucket_index))
-        if overhead_ms > 0:
-            backward_ms = base_ms
-        else:
-            backward_ms = float(np.mean(backward)) if backward else max((ms for _, ms in ready_points), default=0.0)
+        backward_ms = backward_fit[0] if backward_fit else max((ms for _, ms in ready_points), default=0.0)
         return FittedModels(
             comm={mode: fit_comm_model(points) for mode, points in comm_points.items()},
             measured_modes=frozenset(mode for mode, points in comm_points.items() if points),
@@ -286,14 +283,14 @@ class ModelBasedPlanner:
         return Proposal(plan=best.plan, converged=True, reason="best")
 
 
-def _fit_bucket_overhead(samples: Sequence[Sample]) -> tuple[float, float]:
+def _fit_bucket_overhead(samples: Sequence[Sample]) -> tuple[float, float] | None:
     """``(backward_ms, ms per bucket)``: least squares (both >= 0) of backward against the bucket count.
 
-    (mean backward, 0) until backward was measured with two different bucket counts.
+    (mean backward, 0) until backward was measured with two different bucket counts; None before any.
     """
-    points = [(len(s.plan.buckets), s.backward_ms) for s in samples if s.backward_ms > 0 and s.plan.buckets]
+    points = [(len(s.plan.buckets), s.backward_ms) for s in samples if s.backward_ms > 0]
     if not points:
-        return 0.0, 0.0
+        return None
     counts = np.array([c for c, _ in points], dtype=float)
     times = np.array([t for _, t in points])
     if len(set(counts)) < 2:

@@ -136,17 +136,14 @@ def oracle_plan(job: SimulatedJob) -> BucketPlan:
         if link is None:
             continue
         comm = CommModel(latency_ms=link.latency_ms, ms_per_byte=1e-6 / link.gbytes_per_s)
-        unbounded = planner.optimal_buckets(comm, ready)
-        # With a per-bucket overhead the best plan may have fewer buckets: try every cap.
-        caps = [None, *range(1, len(unbounded))] if job.bucket_overhead_ms > 0 else [None]
+        candidates = [planner.optimal_buckets(comm, ready)]
         if job.bucket_overhead_ms > 0:
-            caps.append(-1)  # the programme that knows the overhead
-        for cap in caps:
-            if cap == -1:
-                buckets = planner.optimal_buckets(comm, ready, overhead_ms=job.bucket_overhead_ms,
-                                                  backward_ms=job.backward_ms)
-            else:
-                buckets = unbounded if cap is None else planner.optimal_buckets(comm, ready, max_buckets=cap)
+            # With a per-bucket overhead the best plan may have fewer buckets: every cap, and the
+            # programme that knows the overhead.
+            candidates += [planner.optimal_buckets(comm, ready, max_buckets=cap) for cap in range(1, len(candidates[0]))]
+            candidates.append(planner.optimal_buckets(comm, ready, overhead_ms=job.bucket_overhead_ms,
+                                                      backward_ms=job.backward_ms))
+        for buckets in candidates:
             plan = BucketPlan(buckets=buckets, bucket_size=max(1, int(ends[-1] / len(buckets))),
                               is_hierarchical_reduce=mode)
             if best is None or job.step_ms(plan) < job.step_ms(best):
