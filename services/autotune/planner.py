@@ -70,6 +70,8 @@ class ModelBasedPlanner:
             raise ValueError("the planner needs at least one tensor")
         if max_atoms < 1:
             raise ValueError(f"max_atoms must be >= 1, got {max_atoms}")
+        if not 0 <= noise < 1:
+            raise ValueError(f"noise must be a relative speed difference in [0, 1), e.g. 0.02, got {noise}")
         self.order = tuple(order)
         self.hierarchical_allowed = hierarchical_allowed
         self.whether_to_bucket = whether_to_bucket
@@ -139,6 +141,10 @@ class ModelBasedPlanner:
         backward (``backward_ms`` without overhead) by that much; the step ends when both
         the communication and backward have.
         """
+        if max_buckets is not None and max_buckets < 1:
+            raise ValueError(f"max_buckets must be >= 1 (or None for no cap), got {max_buckets}")
+        if overhead_ms < 0:
+            raise ValueError(f"overhead_ms must be >= 0 ms per bucket, got {overhead_ms}")
         if not self.whether_to_bucket:
             return self._ordered([tuple(g) for g in self._groups()], ready)
         groups = self._groups()

@@ -66,6 +66,8 @@ class SimulatedJob:
         if len(self.tensors) != len(self.compute_ms) or not self.tensors:
             raise ValueError(f"need one compute time per tensor, got {len(self.compute_ms)} for "
                              f"{len(self.tensors)} tensors")
+        if self.bucket_overhead_ms < 0:
+            raise ValueError(f"bucket_overhead_ms must be >= 0 ms per bucket, got {self.bucket_overhead_ms}")
         self._rng = np.random.default_rng(self.seed)
 
     @property

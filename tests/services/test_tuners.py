@@ -193,3 +193,16 @@ def test_bayesian_baseline_finds_the_20mb_cut() -> None:
     best = tuner.final(samples).plan
     assert best.tensor_names == [["A", "B", "C"], ["D", "E"]]
     assert not best.is_hierarchical_reduce
+
+
+def test_planner_and_simulator_reject_bad_values_with_the_fix() -> None:
+    order, _, ready, planner = _random_chain(1)
+    with pytest.raises(ValueError, match=r"noise must be a relative speed difference in \[0, 1\), e.g. 0.02, got 2"):
+        ModelBasedPlanner(order, hierarchical_allowed=False, noise=2)
+    with pytest.raises(ValueError, match=r"max_buckets must be >= 1 \(or None for no cap\), got 0"):
+        planner.optimal_buckets(CommModel(0.1, 1e-6), ready, max_buckets=0)
+    with pytest.raises(ValueError, match="overhead_ms must be >= 0 ms per bucket, got -1"):
+        planner.optimal_buckets(CommModel(0.1, 1e-6), ready, overhead_ms=-1)
+    with pytest.raises(ValueError, match=r"bucket_overhead_ms must be >= 0 ms per bucket, got -0\.5"):
+        SimulatedJob(tensors=order, compute_ms=[1.0] * len(order), flat=bandwidth_scenario(1.0, 0.1)[0],
+                     bucket_overhead_ms=-0.5)
