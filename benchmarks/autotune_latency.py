@@ -132,8 +132,7 @@ def main() -> int:
     from bagua_lightning.client import AutotuneClient
     from tests.procs import free_port, running, wait_until
 
-    env = {**os.environ, "BAGUA_LIGHTNING_NO_STRATEGY": "1"}
-    os.environ["BAGUA_LIGHTNING_NO_STRATEGY"] = "1"
+    env = dict(os.environ)
     port = free_port()
     target = f"127.0.0.1:{port}"
     world = args.ranks // MODELS

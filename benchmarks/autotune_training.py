@@ -148,7 +148,7 @@ def worker(args: argparse.Namespace) -> None:
                 [sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--host", host,
                  "--port", str(int(port[0])), "--world-size", str(world), "--warmup-time-s", "0",
                  "--sampling-confidence-time-s", "0", "--max-samples", str(args.max_samples)],
-                env={**os.environ, "BAGUA_LIGHTNING_NO_STRATEGY": "1"}, stdout=subprocess.DEVNULL,
+                env=dict(os.environ), stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT, start_new_session=True)
         dist.broadcast(port, src=0)
         address = f"{host}:{int(port[0])}"

@@ -90,8 +90,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for rank, (ns, veth) in enumerate(zip(namespaces, veths, strict=True)):
                 env = dict(os.environ, MASTER_ADDR=ADDRESSES[0], MASTER_PORT=port, RANK=str(rank),
-                           WORLD_SIZE="2", GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1",
-                           BAGUA_LIGHTNING_NO_STRATEGY="1")  # no Lightning needed: faster start
+                           WORLD_SIZE="2", GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1")
                 for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
                     env.pop(var, None)
                 cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--worker",

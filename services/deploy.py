@@ -164,7 +164,7 @@ def start_autotune(cfg: UpConfig, state: str, folder: Path) -> subprocess.Popen[
     argv = [sys.executable, "-m", "bagua_lightning.cli",
             *autotune_service_args(host=cfg.host, port=cfg.autotune_port, state=state,
                                    log_dir=str(folder / AUTOTUNE_SAMPLES))]
-    env = dict(os.environ, BAGUA_LIGHTNING_NO_STRATEGY="1")
+    env = dict(os.environ)
     with open(folder / AUTOTUNE_LOG, "ab") as log_file:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                 env=env, cwd=folder, start_new_session=True, close_fds=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
@@ -25,13 +24,3 @@ def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
-@pytest.fixture(autouse=True)
-def _restore_strategy_switch() -> Iterator[None]:
-    # `cli.main` and some tests set BAGUA_LIGHTNING_NO_STRATEGY=1 in this process; left set, it would reach
-    # later tests' Lightning workers, where Trainer(strategy="bagua") then finds no registered strategy.
-    before = os.environ.get("BAGUA_LIGHTNING_NO_STRATEGY")
-    yield
-    if before is None:
-        os.environ.pop("BAGUA_LIGHTNING_NO_STRATEGY", None)
-    else:
-        os.environ["BAGUA_LIGHTNING_NO_STRATEGY"] = before

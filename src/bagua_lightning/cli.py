@@ -50,8 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Services the CLI spawns never need the Lightning strategy registered.
-    os.environ.setdefault("BAGUA_LIGHTNING_NO_STRATEGY", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

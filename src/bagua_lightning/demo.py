@@ -205,7 +205,6 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"removed {deleted} samples an earlier demo cached (--keep-cache keeps them)", flush=True)
 
     env = {**os.environ, **endpoints.env()}
-    env.pop("BAGUA_LIGHTNING_NO_STRATEGY", None)  # set by the CLI for its own service commands
     common = ["--out", str(out), "--epochs", str(epochs), "--samples", str(samples), "--batch-size",
               str(args.batch_size), "--transform-ms", str(transform_ms), "--autotune-interval", str(interval),
               "--algorithm", args.algorithm, "--workers", str(args.workers), "--dataset-name", DATASET_NAME,

@@ -37,6 +37,8 @@ ENV_FILE = "BAGUA_LIGHTNING_SERVICES_FILE"
 ENV_AUTOTUNE = "BAGUA_LIGHTNING_AUTOTUNE_SERVICE"
 ENV_REDIS_HOSTS = "BAGUA_LIGHTNING_REDIS_HOSTS"
 ENV_REDIS_PASSWORD = "BAGUA_LIGHTNING_REDIS_PASSWORD"
+ENV_AUTOTUNE_TOKEN = "BAGUA_LIGHTNING_AUTOTUNE_TOKEN"
+ENV_CACHE_KEY = "BAGUA_LIGHTNING_CACHE_KEY"
 
 
 def state_dir() -> Path:
@@ -141,3 +143,19 @@ def resolve_redis_hosts() -> tuple[list[dict[str, Any]], bool] | None:
     if info is not None and info.redis_hosts:
         return info.redis_hosts, info.redis_cluster
     return None
+
+
+def resolve_redis_password() -> str | None:
+    """The Redis password trainers and tools use: ``$BAGUA_LIGHTNING_REDIS_PASSWORD``, else None."""
+    return os.environ.get(ENV_REDIS_PASSWORD) or None
+
+
+def resolve_autotune_token() -> str | None:
+    """The bearer token for the autotune service: ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, else None."""
+    return os.environ.get(ENV_AUTOTUNE_TOKEN) or None
+
+
+def resolve_cache_key() -> bytes | None:
+    """The secret that authenticates cache entries: ``$BAGUA_LIGHTNING_CACHE_KEY``, else None (CRC only)."""
+    key = os.environ.get(ENV_CACHE_KEY)
+    return key.encode() if key else None

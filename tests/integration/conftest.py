@@ -141,7 +141,7 @@ def native_deployment(state: Path) -> Iterator[Deployment]:
     for name in ("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", "BAGUA_LIGHTNING_REDIS_HOSTS", "BAGUA_LIGHTNING_REDIS_PASSWORD"):
         env.pop(name, None)
     env.update({"XDG_STATE_HOME": str(state), ENV_FILE: str(state / "services.json"),
-                "BAGUA_LIGHTNING_NO_STRATEGY": "1", "NO_PROXY": "127.0.0.1,localhost"})
+                "NO_PROXY": "127.0.0.1,localhost"})
     autotune_port, redis_port = free_port(), free_port_block(3)
     dep = Deployment(kind="native", autotune=f"127.0.0.1:{autotune_port}",
                      redis_hosts=[{"host": "127.0.0.1", "port": redis_port + i} for i in range(3)], env=env,

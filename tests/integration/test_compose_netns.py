@@ -154,7 +154,7 @@ def test_compose_services_run_and_pass_their_healthchecks(tmp_path: Path, env: d
                 pytest.fail(f"{name} exited with code {proc.returncode}:\n"
                             + (tmp_path / f"{name}.log").read_text()[-3000:])
         port = services["autotune"]["command"][services["autotune"]["command"].index("--port") + 1]
-        client_env = {**_env(services["autotune"]), "BAGUA_LIGHTNING_NO_STRATEGY": "1",
+        client_env = {**_env(services["autotune"]),
                       "BAGUA_LIGHTNING_REDIS_PASSWORD": env.get("BAGUA_LIGHTNING_REDIS_PASSWORD", "")}
         result = subprocess.run(_in(ns, [sys.executable, "-c", CLIENT, f"127.0.0.1:{port}"]), env=client_env,
                                 capture_output=True, text=True, timeout=120, cwd=ROOT)

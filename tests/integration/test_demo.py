@@ -143,7 +143,6 @@ def test_quick_demo_end_to_end(tmp_path: Path) -> None:
 def test_demo_rejects_bad_options_before_starting_anything(capsys: pytest.CaptureFixture[str],
                                                           monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(ENV_FILE, str(tmp_path / "services.json"))
-    monkeypatch.setenv("BAGUA_LIGHTNING_NO_STRATEGY", "1")  # what cli.main sets; undone after the test
     assert cli.main(["demo", "--epochs", "0", "--out", str(tmp_path / "out")]) == 2
     assert "--epochs 0 must be a positive integer" in capsys.readouterr().err
     assert cli.main(["demo", "--devices", "0", "--out", str(tmp_path / "out")]) == 2
@@ -155,7 +154,6 @@ def test_demo_names_unreachable_services_from_the_environment(capsys: pytest.Cap
                                                              monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # Services named in the environment are the user's: the demo reports them down instead of starting others.
     monkeypatch.setenv(ENV_FILE, str(tmp_path / "services.json"))
-    monkeypatch.setenv("BAGUA_LIGHTNING_NO_STRATEGY", "1")
     monkeypatch.setenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", f"127.0.0.1:{free_port()}")
     monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", f"127.0.0.1:{free_port()}")
     assert cli.main(["demo", "--quick", "--out", str(tmp_path / "out")]) == 1

@@ -25,7 +25,7 @@ def autotune_service(*args: str, port: int | None = None, log_path: Path | None 
     port = port or free_port()
     cmd = [sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--port", str(port), *args]
     # The service needs no Lightning: skip registering the strategy (seconds of imports on a small VM).
-    env = {**os.environ, "BAGUA_LIGHTNING_NO_STRATEGY": "1"}
+    env = dict(os.environ)
     with running(cmd, env=env, log_path=str(log_path) if log_path else None) as proc:
         target = f"127.0.0.1:{port}"
         with AutotuneClient(target=target, tls_root_cert=tls_root_cert) as probe:

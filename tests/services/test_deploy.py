@@ -41,7 +41,7 @@ def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, BAGUA_LIGHTNING_NO_STRATEGY="1")
+    env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "bagua_lightning.cli", *args], env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -187,7 +187,7 @@ def test_concurrent_ups_start_one_set_of_services(state: Path) -> None:
     autotune_port, redis_port = free_port(), free_port()
     args = ["up", "--single", "--autotune-port", str(autotune_port), "--redis-port", str(redis_port),
             "--maxmemory", "32mb"]
-    env = dict(os.environ, BAGUA_LIGHTNING_NO_STRATEGY="1")
+    env = dict(os.environ)
     procs = [subprocess.Popen([sys.executable, "-m", "bagua_lightning.cli", *args], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     outputs = [p.communicate(timeout=180) for p in procs]

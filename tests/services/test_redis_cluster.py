@@ -21,7 +21,7 @@ def test_module_imports_without_torch() -> None:
     code = ("import sys, bagua_lightning.services.redis_cluster, bagua_lightning.services.redis_cli; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
-                         env={"BAGUA_LIGHTNING_NO_STRATEGY": "1", "PATH": "/usr/bin:/bin"})
+                         env={"PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "False"
 
 

@@ -28,7 +28,6 @@ MB = 1024**2
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:
-    os.environ["BAGUA_LIGHTNING_NO_STRATEGY"] = "1"  # inherited by the spawned ranks: no Lightning import
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
 
@@ -236,7 +235,7 @@ def test_sigterm_shuts_down_gracefully(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "service.log"
     cmd = [sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--port", str(port)]
-    with running(cmd, env={**os.environ, "BAGUA_LIGHTNING_NO_STRATEGY": "1"}, log_path=str(log)) as proc, AutotuneClient(target=f"127.0.0.1:{port}") as client:
+    with running(cmd, env=dict(os.environ), log_path=str(log)) as proc, AutotuneClient(target=f"127.0.0.1:{port}") as client:
         wait_until(lambda: client.health_check(timeout_s=0.5), 30.0, "the autotune service")
         client.register_tensors("m", [TensorDeclaration("w", 4).to_dict()])
         os.kill(proc.pid, signal.SIGTERM)
@@ -262,7 +261,7 @@ def test_tls(start_service, tmp_path: Path) -> None:
 def test_cli_help_lists_the_options() -> None:
     out = subprocess.run([sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--help"],
                          capture_output=True, text=True, timeout=60, check=True,
-                         env={**os.environ, "BAGUA_LIGHTNING_NO_STRATEGY": "1"}).stdout
+                         env=dict(os.environ)).stdout
     for flag in ("--world-size", "--autotune-level", "--max-samples", "--warmup-time-s",
                  "--sampling-confidence-time-s", "--default-bucket-size", "--state", "--log-dir", "--tls-cert"):
         assert flag in out
@@ -271,7 +270,7 @@ def test_cli_help_lists_the_options() -> None:
 def test_tuning_defaults_from_the_environment(tmp_path: Path) -> None:
     """`autotune serve` takes unset tuning options from BAGUA_LIGHTNING_AUTOTUNE_* (as `up` and compose pass them)."""
     port = free_port()
-    env = {**os.environ, "BAGUA_LIGHTNING_NO_STRATEGY": "1", "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S": "0",
+    env = {**os.environ, "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S": "0",
            "BAGUA_LIGHTNING_AUTOTUNE_SAMPLING_CONFIDENCE_TIME_S": "0", "BAGUA_LIGHTNING_AUTOTUNE_MAX_SAMPLES": "1"}
     cmd = [sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--port", str(port)]
     with running(cmd, env=env, log_path=str(tmp_path / "service.log")), \

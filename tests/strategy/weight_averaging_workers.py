@@ -51,17 +51,8 @@ def run_ranks(
         )
         for rank in range(world_size)
     ]
-    # The children need no Lightning: skip registering the strategy (saves seconds of import per rank).
-    previous = os.environ.get("BAGUA_LIGHTNING_NO_STRATEGY")
-    os.environ["BAGUA_LIGHTNING_NO_STRATEGY"] = "1"
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if previous is None:
-            os.environ.pop("BAGUA_LIGHTNING_NO_STRATEGY", None)
-        else:
-            os.environ["BAGUA_LIGHTNING_NO_STRATEGY"] = previous
+    for p in procs:
+        p.start()
     try:
         got: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
