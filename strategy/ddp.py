@@ -177,6 +177,7 @@ class AlgorithmDriver:
         else:
             check_plan(plan, named)
         algorithm.flatten = flatten
+        self.initial_plan = plan
         algorithm.setup(module, comm, plan)
         algorithm._driven = True
         for _, p in named:
@@ -243,7 +244,7 @@ class AlgorithmDriver:
         self.algorithm.bind_optimizers(list(optimizers))
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.algorithm.on_optimizer_step_end(self.step)
+        self.algorithm.on_optimizer_step(optimizer, self.step)
         self.step += 1
 
     @property

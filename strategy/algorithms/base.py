@@ -116,6 +116,10 @@ class Algorithm(abc.ABC):
     def on_optimizer_step_end(self, step: int) -> None:  # noqa: B027
         """After ``optimizer.step()`` of step ``step``."""
 
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """After ``optimizer.step()`` of step ``step``, with the optimizer (default: :meth:`on_optimizer_step_end`)."""
+        self.on_optimizer_step_end(step)
+
     def apply_plan(self, plan: BucketPlan) -> None:  # noqa: B027
         """Re-bucket with ``plan``; all ranks call this at the same step boundary."""
 
