@@ -305,9 +305,9 @@ def case_acceptance(out: Path, rank: int) -> dict[str, Any]:
     def run(wrap: Callable[[nn.Module, torch.optim.Optimizer], nn.Module], adam: bool = False) -> float:
         model = mlp()
         opt: torch.optim.Optimizer = (QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=20) if adam
-                                      else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+                                      else torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9))
         wrapped = wrap(model, opt)
-        for epoch in range(15):
+        for epoch in range(4):
             for i in range(0, xs.shape[0], 16):
                 opt.zero_grad()
                 F.mse_loss(wrapped(xs[i:i + 16]), ys[i:i + 16]).backward()
@@ -334,6 +334,8 @@ def case_acceptance(out: Path, rank: int) -> dict[str, Any]:
         res[name] = run(lambda m, o, make=make: m.with_bagua([o], make(o)))  # type: ignore[misc]
     res["ddp_adam"] = run(lambda m, o: nn.parallel.DistributedDataParallel(m), adam=True)
     res["qadam"] = run(lambda m, o: m.with_bagua([o], QAdamAlgorithm(o)), adam=True)  # type: ignore[arg-type]
+    res["qadam_flat"] = run(lambda m, o: m.with_bagua([o], QAdamAlgorithm(o, hierarchical=False)),  # type: ignore[arg-type]
+                            adam=True)
     return res
 
 

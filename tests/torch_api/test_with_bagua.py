@@ -110,7 +110,8 @@ def test_bagua_style_script_reaches_ddps_loss(tmp_path: Path) -> None:
     for name in ("bytegrad", "decentralized", "low_precision_decentralized",
                  "bytegrad_flat", "decentralized_flat", "low_precision_decentralized_flat"):
         assert abs(res[name] - res["ddp"]) <= 0.02 * res["ddp"], (name, res)
-    assert abs(res["qadam"] - res["ddp_adam"]) <= 0.02 * res["ddp_adam"], res
+    for name in ("qadam", "qadam_flat"):
+        assert abs(res[name] - res["ddp_adam"]) <= 0.02 * res["ddp_adam"], (name, res)
     # async never waits: how many averaging rounds land in a run depends on the machine's load, so its
     # loss is only held to training well (DDP's loss starts near 0.6 on this data).
-    assert res["async"] < 5 * res["ddp"], res
+    assert res["async"] < 2 * res["ddp"], res
