@@ -300,7 +300,7 @@ def case_acceptance(out: Path, rank: int) -> dict[str, Any]:
 
     def mlp() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+        return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
 
     def run(wrap: Callable[[nn.Module, torch.optim.Optimizer], nn.Module], adam: bool = False) -> float:
         model = mlp()
