@@ -86,7 +86,7 @@ def broadcast_optimizer_state(
     layout: list[Any] = []
     if me == src:
         for opt in optimizers:
-            entries = []
+            entries: list[tuple[int, int, str, str, Any, str]] = []
             for gi, g in enumerate(opt.param_groups):
                 for pi, p in enumerate(g["params"]):
                     if id(p) not in shared:

@@ -307,7 +307,7 @@ def case_acceptance(out: Path, rank: int) -> dict[str, Any]:
         opt: torch.optim.Optimizer = (QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=20) if adam
                                       else torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9))
         wrapped = wrap(model, opt)
-        for epoch in range(4):
+        for _ in range(4):
             for i in range(0, xs.shape[0], 16):
                 opt.zero_grad()
                 F.mse_loss(wrapped(xs[i:i + 16]), ys[i:i + 16]).backward()

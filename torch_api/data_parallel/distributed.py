@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ...strategy.buckets import UNUSED_ATTRIBUTE
+from ...strategy.ddp import AlgorithmDriver
 from .. import distributed as _distributed  # noqa: F401  (patches torch.nn.Module)
 from ..algorithms.base import Algorithm
 from ..algorithms.gradient_allreduce import GradientAllReduceAlgorithm
@@ -57,11 +58,11 @@ def _reached_parameters(out: Any) -> set[int]:
         variable = getattr(fn, "variable", None)
         if variable is not None:
             reached.add(id(variable))
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
     return reached
 
 
-class DistributedDataParallel_V1_9_0(nn.Module):  # noqa: N801  (Bagua's name)
+class DistributedDataParallel_V1_9_0(nn.Module):
     """PyTorch 1.9 DDP's interface over ``with_bagua`` (what :func:`DistributedDataParallel` returns).
 
     Args: as :func:`DistributedDataParallel`.
@@ -127,7 +128,7 @@ class DistributedDataParallel_V1_9_0(nn.Module):  # noqa: N801  (Bagua's name)
                 steps = self.module.bagua_train_step_counter
                 self._wrap(broadcast_state=False)  # the forward's weights are in use; they are equal already
                 self.module.bagua_train_step_counter = steps
-                driver = self.module._bagua_driver
+                driver: AlgorithmDriver | None = getattr(self.module, "_bagua_driver", None)
                 if driver is not None:
                     driver.before_forward()
                     driver.after_forward(out)
@@ -165,7 +166,7 @@ class DistributedDataParallel_V1_9_0(nn.Module):  # noqa: N801  (Bagua's name)
         return super().state_dict(*args, **kwargs)
 
 
-def DistributedDataParallel(  # noqa: N802  (Bagua's name: a function that returns the wrapper)
+def DistributedDataParallel(
     module: nn.Module,
     device_ids: list[int | torch.device] | None = None,
     output_device: int | torch.device | None = None,
