@@ -339,7 +339,43 @@ def case_acceptance(out: Path, rank: int) -> dict[str, Any]:
     return res
 
 
+def case_nccl_one_gpu(out: Path, rank: int) -> dict[str, Any]:
+    """Every algorithm (flat and hierarchical) and a user's AlgorithmImpl through with_bagua on CUDA tensors."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    res: dict[str, Any] = {"backend": dist.get_backend()}
+    names = ["gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async"]
+    for name in names:
+        for hierarchical in (False, True):
+            torch.manual_seed(0)
+            model = Net().to(device)
+            algo, opt = make_algorithm(name, model, hierarchical=hierarchical)
+            model = model.with_bagua([opt], algo)
+            gen = torch.Generator(device=device).manual_seed(1)
+            for _ in range(12):
+                data = torch.randn(4, 2, generator=gen, device=device)
+                target = torch.randn(4, 4, generator=gen, device=device)
+                opt.zero_grad()
+                F.mse_loss(model(data), target).backward()
+                opt.step()
+            if name == "async":
+                model.bagua_algorithm.abort(model)
+            weights = flat(model)
+            assert weights.is_cuda and torch.isfinite(weights).all(), name
+            res[f"{name}/{hierarchical}"] = weights.cpu().tolist()
+            model._bagua_teardown()
+    torch.manual_seed(0)
+    model = Net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = model.with_bagua([opt], Mean(hierarchical=True))
+    F.mse_loss(model(torch.randn(4, 2, device=device)), torch.randn(4, 4, device=device)).backward()
+    assert model.bagua_algorithm.seen == [b.name for b in model.bagua_buckets]
+    model._bagua_teardown()
+    torch.cuda.synchronize()
+    return res
+
+
 CASES: dict[str, Callable[[Path, int], dict[str, Any]]] = {
+    "nccl_one_gpu": case_nccl_one_gpu,
     "bucket_state": case_bucket_state,
     "unused": case_unused,
     "acceptance": case_acceptance,

@@ -18,15 +18,18 @@ WORKERS = Path(__file__).with_name("module_workers.py")
 
 
 def run(case: str, tmp_path: Path, world_size: int, local_size: int | None = None,
-        timeout_s: float = 240) -> list[dict[str, Any]]:
-    """Run ``case`` on ``world_size`` ranks, ``local_size`` per node; every rank's JSON result."""
+        timeout_s: float = 240, cuda: bool = False) -> list[dict[str, Any]]:
+    """Run ``case`` on ``world_size`` ranks, ``local_size`` per node; every rank's JSON result.
+
+    CUDA is hidden (Gloo) unless ``cuda``.
+    """
     local = world_size if local_size is None else local_size
     port = free_port()
     procs, logs = [], []
     for rank in range(world_size):
         log = tmp_path / f"{case}-rank{rank}.log"
         logs.append(log)
-        env = _env({"MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": "", "RANK": str(rank),
+        env = _env({"MASTER_PORT": str(port), **({} if cuda else {"CUDA_VISIBLE_DEVICES": ""}), "RANK": str(rank),
                     "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local),
                     "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(rank // local)})
         with open(log, "wb") as fh:
@@ -115,3 +118,11 @@ def test_bagua_style_script_reaches_ddps_loss(tmp_path: Path) -> None:
     # async never waits: how many averaging rounds land in a run depends on the machine's load, so its
     # loss is only held to training well (DDP's loss starts near 0.6 on this data).
     assert res["async"] < 2 * res["ddp"], res
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+def test_every_algorithm_on_nccl_with_one_gpu(tmp_path: Path) -> None:
+    res = run("nccl_one_gpu", tmp_path, 1, cuda=True)[0]
+    assert res["backend"] == "nccl"
+    # One rank: gradient algorithms are local SGD/Adam, whatever the layout.
+    assert res["bytegrad/True"] == res["gradient_allreduce/False"] == res["bytegrad/False"]
