@@ -6,8 +6,10 @@ Bagua kept this module outside ``torch_api`` (``bagua.bagua_define``); here it i
 
 from __future__ import annotations
 
+import builtins
 import enum
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypedDict
 
@@ -52,7 +54,7 @@ class BaguaHyperparameter:
     bucket_size: int = 0
     is_hierarchical_reduce: bool = False
 
-    def update(self, param_dict: dict[str, Any]) -> BaguaHyperparameter:
+    def update(self, param_dict: Mapping[str, Any]) -> BaguaHyperparameter:
         """Set the fields named in ``param_dict``; returns ``self``.
 
         Raises:
@@ -66,7 +68,7 @@ class BaguaHyperparameter:
             setattr(self, key, value)
         return self
 
-    def dict(self) -> dict[str, Any]:
+    def dict(self) -> builtins.dict[str, Any]:
         """The fields as a plain dict (as pydantic's ``.dict()`` gave in Bagua)."""
         return asdict(self)
 
@@ -75,6 +77,6 @@ class BaguaHyperparameter:
         return json.dumps(self.dict())
 
     @classmethod
-    def parse_obj(cls, obj: dict[str, Any]) -> BaguaHyperparameter:
+    def parse_obj(cls, obj: Mapping[str, Any]) -> BaguaHyperparameter:
         """A hyperparameter set from a dict such as :meth:`dict` returns."""
-        return cls().update(dict(obj))
+        return cls().update(obj)
