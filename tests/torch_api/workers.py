@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import bagua_lightning.torch_api.communication as C
+import bagua_lightning.torch_api.process_group as PG
 from bagua_lightning.torch_api import env
 from bagua_lightning.torch_api.communication import ReduceOp
 
@@ -325,6 +326,20 @@ def case_init_store(path: str) -> None:
     print("init store ok", r, flush=True)
 
 
+def case_adopt_torch(path: str) -> None:
+    """torch.distributed initialised first (as a Lightning strategy does): Bagua's init adopts it."""
+    r, n = int(os.environ["BAGUA_TEST_RANK"]), int(os.environ["BAGUA_TEST_WORLD_SIZE"])
+    dist.init_process_group("gloo", store=dist.FileStore(path, n), rank=r, world_size=n)
+    assert (env.get_rank(), env.get_world_size()) == (r, n)  # from torch.distributed, no variables set
+    C.init_process_group()
+    assert (env.get_rank(), env.get_world_size(), env.get_local_size()) == (r, n, 1)
+    assert PG._get_default_group().torch_group is dist.group.WORLD
+    x = torch.tensor([float(r)])
+    C.allreduce_inplace(x, ReduceOp.MAX)
+    assert x.item() == n - 1
+    print("adopt ok", r, flush=True)
+
+
 def case_env() -> None:
     """The launcher's variables before init_process_group, the same answers after."""
     r, n, local = (int(os.environ[k]) for k in ("BAGUA_TEST_RANK", "BAGUA_TEST_WORLD_SIZE", "BAGUA_TEST_LOCAL_SIZE"))
@@ -392,6 +407,7 @@ CASES: dict[str, Callable[..., None]] = {
     "process_group": case_process_group,
     "init_store": case_init_store,
     "env": case_env,
+    "adopt_torch": case_adopt_torch,
     "checkpoint": case_checkpoint,
 }
 
