@@ -309,6 +309,17 @@ def case_process_group() -> None:
         assert v.item() == 3.0
     else:
         assert bg.get_global_communicator() is C.CommMember.NON_COMM_MEMBER
+    # Bagua's own test: ranks r % 3 == 1 (a one-rank torch group here) and the even ranks.
+    g1, g2 = dist.new_group([1]), dist.new_group([0, 2])
+    b1, b2 = C.from_torch_group(g1), C.from_torch_group(g2)
+    for tg_, bg_, members in ((g1, b1, [1]), (g2, b2, [0, 2])):
+        assert bg_.ranks == members
+        if r in members:
+            comm_ = bg_.get_global_communicator()
+            assert (dist.get_rank(tg_), dist.get_world_size(tg_)) == (comm_.rank(), comm_.nranks())
+            v = torch.tensor([float(r + 1)])
+            C.allreduce(v, v, comm=comm_)
+            assert v.item() == sum(m + 1 for m in members), v
     C.barrier()
     print("process group ok", r, flush=True)
 
@@ -414,4 +425,5 @@ CASES: dict[str, Callable[..., None]] = {
 if __name__ == "__main__":
     CASES[sys.argv[1]](*sys.argv[2:])
     if dist.is_initialized():
+        dist.barrier()  # leave together: a rank tearing down while a peer still talks aborts the process
         dist.destroy_process_group()
