@@ -108,6 +108,16 @@ def _first(names: tuple[str, ...]) -> int | None:
     return None
 
 
+def _launcher_local_size() -> int | None:
+    """Processes per node as a launcher variable gives it, None when none does."""
+    return _first(_LOCAL_SIZE_VARS)
+
+
+def _launcher_local_rank() -> int | None:
+    """Rank on the node as a launcher variable gives it, None when none does."""
+    return _first(_LOCAL_RANK_VARS)
+
+
 def get_world_size() -> int:
     """Number of processes in the job.
 

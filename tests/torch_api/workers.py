@@ -342,13 +342,26 @@ def case_adopt_torch(path: str) -> None:
     r, n = int(os.environ["BAGUA_TEST_RANK"]), int(os.environ["BAGUA_TEST_WORLD_SIZE"])
     dist.init_process_group("gloo", store=dist.FileStore(path, n), rank=r, world_size=n)
     assert (env.get_rank(), env.get_world_size()) == (r, n)  # from torch.distributed, no variables set
-    C.init_process_group()
-    assert (env.get_rank(), env.get_world_size(), env.get_local_size()) == (r, n, 1)
+    C.init_process_group()  # node mates found by hostname through torch's own store
+    assert (env.get_rank(), env.get_world_size(), env.get_local_rank(), env.get_local_size()) == (r, n, r, n)
     assert PG._get_default_group().torch_group is dist.group.WORLD
     x = torch.tensor([float(r)])
     C.allreduce_inplace(x, ReduceOp.MAX)
     assert x.item() == n - 1
     print("adopt ok", r, flush=True)
+
+
+def case_hosts() -> None:
+    """No LOCAL_WORLD_SIZE (Lightning's launcher): the ranks find their node mates by hostname."""
+    from bagua_lightning.torch_api.process_group import _get_default_group
+
+    r, n = int(os.environ["BAGUA_TEST_RANK"]), int(os.environ["BAGUA_TEST_WORLD_SIZE"])
+    assert "LOCAL_WORLD_SIZE" not in os.environ and env.get_local_size() == 1
+    C.init_process_group()
+    assert (env.get_rank(), env.get_local_rank(), env.get_local_size(), env.get_node_rank()) == (r, r, n, 0)
+    cc = _get_default_group().comm
+    assert (cc.local_size, cc.num_nodes) == (n, 1)
+    print("hosts ok", r, flush=True)
 
 
 def case_env() -> None:
@@ -418,6 +431,7 @@ CASES: dict[str, Callable[..., None]] = {
     "process_group": case_process_group,
     "init_store": case_init_store,
     "env": case_env,
+    "hosts": case_hosts,
     "adopt_torch": case_adopt_torch,
     "checkpoint": case_checkpoint,
 }
