@@ -7,7 +7,7 @@ imports. Importing this package patches ``torch.nn.Module`` with ``with_bagua`` 
 
 from __future__ import annotations
 
-from . import algorithms, communication, data_parallel, distributed, env
+from . import algorithms, checkpoint, communication, data_parallel, distributed, env, utils
 from .bucket import BaguaBucket
 from .communication import (
     BaguaProcessGroup,
@@ -72,6 +72,7 @@ __all__ = [
     "broadcast",
     "broadcast_coalesced",
     "broadcast_object",
+    "checkpoint",
     "communication",
     "data_parallel",
     "distributed",
@@ -97,4 +98,5 @@ __all__ = [
     "scatter",
     "scatter_inplace",
     "send",
+    "utils",
 ]
