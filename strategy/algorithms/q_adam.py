@@ -115,7 +115,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         raise KeyError("parameter is not optimised by this QAdamOptimizer")
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
