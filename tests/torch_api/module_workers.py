@@ -105,7 +105,22 @@ def case_broadcast(out: Path, rank: int) -> dict[str, Any]:
     model = model.with_bagua([opt], DecentralizedAlgorithm())
     momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
     model._bagua_teardown()
-    return {"params": flat(model).tolist(), "momentum": momentum.tolist()}
+    res: dict[str, Any] = {"params": flat(model).tolist(), "momentum": momentum.tolist()}
+    # Bagua's test_broadcast_state: Adam and Rprop state through data_parallel's wrapper.
+    for cls in (torch.optim.Adam, torch.optim.Rprop):
+        torch.manual_seed(rank)
+        model = Net()
+        opt = cls(model.parameters(), lr=0.2)
+        train(model, opt, 3 + rank, seed=rank)  # different step counts too
+        ddp = DDP(model, optimizers=[opt], algorithm=DecentralizedAlgorithm())
+        state = opt.state_dict()["state"]
+        res[cls.__name__] = {
+            "model": [v.reshape(-1).tolist() for _, v in sorted(ddp.state_dict().items())],
+            "state": [[k, v.reshape(-1).tolist() if torch.is_tensor(v) else v] for i in sorted(state)
+                      for k, v in sorted(state[i].items())],
+        }
+        model._bagua_teardown()
+    return res
 
 
 def case_shared(out: Path, rank: int) -> dict[str, Any]:
@@ -134,23 +149,38 @@ def case_shared(out: Path, rank: int) -> dict[str, Any]:
 class MeanImpl(AlgorithmImpl):
     """A user's algorithm: a python op that records the bucket and the engine's centralized average."""
 
-    def __init__(self, process_group: Any, hierarchical: bool) -> None:
+    def __init__(self, process_group: Any, hierarchical: bool, compression: str | None) -> None:
         super().__init__(process_group)
         self.hierarchical = hierarchical
+        self.compression = compression
         self.seen: list[str] = []
+        self.inputs: list[int] = []
+        self.steps = 0
 
     def init_operations(self, bagua_module: nn.Module, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         bucket.append_python_op(self.seen.append)
-        bucket.append_centralized_synchronous_op(hierarchical=self.hierarchical, average=True)
+        bucket.append_centralized_synchronous_op(hierarchical=self.hierarchical, average=True,
+                                                 scattergather=self.compression is not None,
+                                                 compression=self.compression)
+
+    def init_forward_pre_hook(self, bagua_module: nn.Module) -> Callable[[Any], None]:
+        return lambda input: self.inputs.append(len(input))
+
+    def init_post_optimizer_step_hook(self, bagua_module: nn.Module) -> Callable[[torch.optim.Optimizer], None]:
+        def hook(optimizer: torch.optim.Optimizer) -> None:
+            self.steps += 1
+
+        return hook
 
 
 class Mean(Algorithm):
-    def __init__(self, hierarchical: bool = False) -> None:
+    def __init__(self, hierarchical: bool = False, compression: str | None = None) -> None:
         self.hierarchical = hierarchical
+        self.compression = compression
 
     def reify(self, process_group: Any) -> MeanImpl:
-        return MeanImpl(process_group, self.hierarchical)
+        return MeanImpl(process_group, self.hierarchical, self.compression)
 
 
 def case_custom(out: Path, rank: int) -> dict[str, Any]:
@@ -171,8 +201,23 @@ def case_custom(out: Path, rank: int) -> dict[str, Any]:
     mean /= dist.get_world_size()
     assert torch.allclose(grads, mean, atol=1e-7), (grads - mean).abs().max()
     assert model.bagua_algorithm.seen == [b.name for b in model.bagua_buckets], model.bagua_algorithm.seen
+    opt.step()
+    assert model.bagua_algorithm.inputs == [1] and model.bagua_algorithm.steps == 1
     model._bagua_teardown()
-    return {"grads": grads.tolist()}
+    # The same with ByteGrad's compressed exchange as the bucket's operation: the mean within quantisation.
+    model = model.with_bagua([opt], Mean(compression="MinMaxUInt8"))
+    opt.zero_grad()
+    F.mse_loss(model(data), target).backward()
+    compressed = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    local = Net()
+    local.load_state_dict(model.state_dict())
+    F.mse_loss(local(data), target).backward()
+    mean = torch.cat([p.grad.reshape(-1) for p in local.parameters()])
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    assert (compressed - mean).abs().max() < 0.02 * mean.abs().max(), (compressed - mean).abs().max()
+    model._bagua_teardown()
+    return {"grads": grads.tolist(), "compressed": compressed.tolist()}
 
 
 def case_hierarchical(out: Path, rank: int) -> dict[str, Any]:

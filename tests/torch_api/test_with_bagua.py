@@ -55,6 +55,8 @@ def test_wrapping_broadcasts_parameters_and_optimizer_state(tmp_path: Path) -> N
     assert results[0]["params"] == results[1]["params"]
     assert results[0]["momentum"] == results[1]["momentum"]
     assert any(abs(x) > 0 for x in results[0]["momentum"])
+    for name in ("Adam", "Rprop"):
+        assert results[0][name] == results[1][name], name
 
 
 def test_one_algorithm_object_serves_two_models(tmp_path: Path) -> None:
@@ -66,6 +68,7 @@ def test_one_algorithm_object_serves_two_models(tmp_path: Path) -> None:
 def test_a_users_algorithm_impl_runs(tmp_path: Path) -> None:
     results = run("custom", tmp_path, 2)
     assert results[0]["grads"] == results[1]["grads"]
+    assert results[0]["compressed"] == results[1]["compressed"]
 
 
 @pytest.mark.parametrize("local_size", [4, 2])
