@@ -419,7 +419,40 @@ def case_nccl_one_gpu(out: Path, rank: int) -> dict[str, Any]:
     return res
 
 
+class WithExpert(nn.Module):
+    """A shared layer and an "expert" layer whose weight is this rank's own (``weight.expert = True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(2, 8)
+        self.expert = nn.Linear(8, 4, bias=False)
+        self.expert.weight.expert = True  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.expert(F.relu(self.shared(x)))
+
+
+def case_experts(out: Path, rank: int) -> dict[str, Any]:
+    """Expert parameters are neither broadcast nor communicated, in every algorithm."""
+    res: dict[str, Any] = {}
+    for name in ["gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async"]:
+        torch.manual_seed(rank)  # different shared and expert weights per rank before wrapping
+        model = WithExpert()
+        before = model.expert.weight.detach().clone()
+        algo, opt = make_algorithm(name, model)
+        model = model.with_bagua([opt], algo)
+        assert torch.equal(model.expert.weight, before), name  # not broadcast
+        train(model, opt, 8, seed=rank)
+        if name == "async":
+            model.bagua_algorithm.abort(model)
+        res[name] = {"expert": model.expert.weight.reshape(-1).tolist(),
+                     "shared": torch.cat([p.detach().reshape(-1) for p in model.shared.parameters()]).tolist()}
+        model._bagua_teardown()
+    return res
+
+
 CASES: dict[str, Callable[[Path, int], dict[str, Any]]] = {
+    "experts": case_experts,
     "nccl_one_gpu": case_nccl_one_gpu,
     "bucket_state": case_bucket_state,
     "unused": case_unused,

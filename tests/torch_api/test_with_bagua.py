@@ -123,6 +123,14 @@ def test_bagua_style_script_reaches_ddps_loss(tmp_path: Path) -> None:
     assert res["async"] < 2 * res["ddp"], res
 
 
+def test_expert_parameters_stay_each_ranks_own(tmp_path: Path) -> None:
+    results = run("experts", tmp_path, 2)
+    for name, res in results[0].items():
+        assert res["expert"] != results[1][name]["expert"], name
+    for name in ("gradient_allreduce", "bytegrad", "qadam"):  # replicas of the shared layer stay identical
+        assert results[0][name]["shared"] == results[1][name]["shared"], name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
 def test_every_algorithm_on_nccl_with_one_gpu(tmp_path: Path) -> None:
     res = run("nccl_one_gpu", tmp_path, 1, cuda=True)[0]
