@@ -451,7 +451,65 @@ def case_experts(out: Path, rank: int) -> dict[str, Any]:
     return res
 
 
+class _MeanGradient(torch.autograd.Function):
+    """Identity forward; backward averages the gradient over the default group (as SyncBatchNorm's backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad / dist.get_world_size()
+
+
+class Synced(nn.Module):
+    """Linear layers with a main-thread collective in each layer's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = _MeanGradient.apply(torch.tanh(layer(x)))
+        return x
+
+
+def case_backward_collectives(out: Path, rank: int) -> dict[str, Any]:
+    """Collectives of the main thread during backward next to the engine's communication thread (Gloo)."""
+    os.environ["BAGUA_DEFAULT_BUCKET_SIZE"] = str(16 * 17 * 4)  # one bucket per layer: the thread is busy
+    res: dict[str, Any] = {}
+    for name in ("gradient_allreduce", "bytegrad"):
+        torch.manual_seed(0)
+        model, ref = Synced(), Synced()
+        ref.load_state_dict(model.state_dict())
+        algo = GradientAllReduceAlgorithm() if name == "gradient_allreduce" else ByteGradAlgorithm(hierarchical=False)
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        model = model.with_bagua([opt], algo)
+        assert len(model.bagua_buckets) == 6
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(12):
+            data, target = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                F.mse_loss(m(data), target).backward()
+                if m is ref:
+                    for p in ref.parameters():
+                        dist.all_reduce(p.grad)  # type: ignore[arg-type]
+                        p.grad /= dist.get_world_size()  # type: ignore[operator]
+                o.step()
+        diff = float((flat(model) - flat(ref)).abs().max())
+        assert diff < (1e-5 if name == "gradient_allreduce" else 0.05), (name, diff)
+        res[name] = diff
+        model._bagua_teardown()
+    return res
+
+
 CASES: dict[str, Callable[[Path, int], dict[str, Any]]] = {
+    "backward_collectives": case_backward_collectives,
     "experts": case_experts,
     "nccl_one_gpu": case_nccl_one_gpu,
     "bucket_state": case_bucket_state,

@@ -131,6 +131,12 @@ def test_expert_parameters_stay_each_ranks_own(tmp_path: Path) -> None:
         assert results[0][name]["shared"] == results[1][name]["shared"], name
 
 
+def test_main_thread_collectives_during_backward(tmp_path: Path) -> None:
+    # Each rank checks its weights against a reference with plain allreduce (see the worker).
+    results = run("backward_collectives", tmp_path, 2)
+    assert results[0]["gradient_allreduce"] < 1e-5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
 def test_every_algorithm_on_nccl_with_one_gpu(tmp_path: Path) -> None:
     res = run("nccl_one_gpu", tmp_path, 1, cuda=True)[0]
