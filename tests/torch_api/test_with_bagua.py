@@ -41,11 +41,12 @@ def run(case: str, tmp_path: Path, world_size: int, local_size: int | None = Non
     return [json.loads((tmp_path / f"{case}-rank{r}.json").read_text()) for r in range(world_size)]
 
 
-def test_switching_algorithms_on_one_model(tmp_path: Path) -> None:
-    results = run("switch", tmp_path, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_switching_algorithms_on_one_model(tmp_path: Path, world_size: int) -> None:
+    results = run("switch", tmp_path, world_size)
     # gradient_allreduce (third in the sequence) starts from decentralized's "all" average and keeps
     # replicas identical; every algorithm trained without error.
-    assert results[0]["gradient_allreduce"] == results[1]["gradient_allreduce"]
+    assert all(r["gradient_allreduce"] == results[0]["gradient_allreduce"] for r in results)
     assert results[0]["decentralized"] != results[1]["decentralized"]  # each rank applies its own gradient
     assert results[0]["buckets"] == [4]
 
@@ -93,13 +94,17 @@ def test_async_on_a_group_without_the_last_rank(tmp_path: Path) -> None:
     run("partial", tmp_path, 3)
 
 
-def test_bucket_state_under_baguas_names(tmp_path: Path) -> None:
-    results = run("bucket_state", tmp_path, 2)  # each rank also checks _peer_weight against a torch reference
-    assert results[0]["all"] == results[1]["all"]  # "all": every rank holds the same average
-    assert results[0]["shift_one"] == results[1]["shift_one"]  # two ranks: each other's peer
-    lp = [r["low_precision"] for r in results]
-    assert lp[0]["_weight"] == lp[1]["_left_peer_weight"] == lp[1]["_right_peer_weight"]
-    assert lp[1]["_weight"] == lp[0]["_left_peer_weight"]
+@pytest.mark.parametrize("n", [2, 4])
+def test_bucket_state_under_baguas_names(tmp_path: Path, n: int) -> None:
+    results = run("bucket_state", tmp_path, n)  # each rank also checks _peer_weight against a torch reference
+    half = n // 2
+    for r in range(n):
+        assert results[r]["all"] == results[0]["all"]  # "all": every rank holds the same average
+        last_peer = half + (r + 5) % half if r < half else (r - half - 5) % half  # "shift_one" at step 5
+        assert results[r]["shift_one"] == results[last_peer]["shift_one"]
+        # Low precision: a rank's public weights are exactly what its ring neighbours hold for it.
+        lp, left, right = (results[x]["low_precision"] for x in (r, (r - 1) % n, (r + 1) % n))
+        assert lp["_weight"] == left["_right_peer_weight"] == right["_left_peer_weight"]
 
 
 def test_find_unused_parameters(tmp_path: Path) -> None:
