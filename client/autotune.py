@@ -40,7 +40,13 @@ from bagua_lightning.errors import (
 )
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
-from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration, plan_from_proto, plan_to_proto
+from bagua_lightning.proto.plan import (
+    BucketPlan,
+    BucketTimingRecord,
+    TensorDeclaration,
+    plan_from_proto,
+    plan_to_proto,
+)
 
 from .retry import ExponentialBackoff, Retry
 

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration
-
-from .config import TUNERS, ServiceConfig
 from bagua_lightning.services_file import ENV_AUTOTUNE_TOKEN
 
+from .config import TUNERS, ServiceConfig
 from .server import DEFAULT_PORT, TlsFiles, read_token_file, serve
 
 

@@ -89,11 +89,9 @@ class SampleLog:
 
 def read_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """The JSON objects of a sample log file, skipping lines that are not one."""
-    try:
-        handle = open(path)
-    except FileNotFoundError:
+    if not os.path.exists(path):
         return
-    with handle:
+    with open(path) as handle:
         for line in handle:
             try:
                 record = json.loads(line)
