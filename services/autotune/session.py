@@ -328,7 +328,7 @@ class ModelSession:
         try:
             return self._canonical(plan)
         except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"hyperparameters: {exc}") from exc
+            raise InvalidArgumentError(f"hyperparameters.buckets: {exc}") from exc
 
     def report(self, rank: int, train_iter: int, plan_ref: PlanRef | None, speed: float,
                bucket_timings: Sequence[BucketTimingRecord] = (), backward_ms: float = 0.0,
