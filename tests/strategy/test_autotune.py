@@ -47,8 +47,14 @@ SERVICE_ARGS = (*FAST, "--max-samples", "4")
 
 
 def test_settings_reject_bad_values_with_the_fix() -> None:
-    with pytest.raises(ConfigurationError, match=r"autotune_service must be 'host:port', got 'localhost'"):
+    with pytest.raises(ConfigurationError, match=r"autotune_service 'localhost' is not 'host:port'"):
         AutotuneSettings(address="localhost")
+    with pytest.raises(ConfigurationError, match=r"autotune_service '127.0.0.1:99999' .* got 99999"):
+        AutotuneSettings(address="127.0.0.1:99999")
+    with pytest.raises(ConfigurationError, match="autotune_token"):
+        AutotuneSettings(address="127.0.0.1:1", token=" ")
+    with pytest.raises(ConfigurationError, match="root certificates file"):
+        AutotuneSettings(address="127.0.0.1:1", root_certificates="/nonexistent/ca.pem")
     with pytest.raises(ConfigurationError, match="autotune_interval must be a positive number of steps, got 0"):
         AutotuneSettings(address="127.0.0.1:1", interval=0)
     with pytest.raises(ConfigurationError, match=r"apply_delay must be a whole number of steps in \[0, autotune_interval=4\), got 4"):
@@ -61,6 +67,8 @@ def test_settings_reject_bad_values_with_the_fix() -> None:
 
 
 def test_strategy_autotune_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import lightning.pytorch  # noqa: F401  # loads first, so its import hook registers the strategy
+
     from bagua_lightning.strategy import BaguaStrategy
 
     # Weight-averaging algorithms have no gradient bucket plan: a clear error, not a silent no-op.
@@ -82,6 +90,13 @@ def test_strategy_autotune_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert s._autotune_settings is not None and (s._autotune_settings.address, s._autotune_settings.interval) == (
         "h:1", 7)
     assert BaguaStrategy()._autotune_settings is None
+    with pytest.raises(ConfigurationError, match="'127.0.0.1:99999'"):
+        BaguaStrategy(autotune=True, autotune_service="127.0.0.1:99999")
+    with pytest.raises(ConfigurationError, match="autotune_tls"):
+        BaguaStrategy(autotune=True, autotune_tls=1)  # type: ignore[arg-type]
+    tuned = BaguaStrategy(autotune=True, autotune_service="h:1", autotune_token="t0k", autotune_tls=True)
+    assert tuned._autotune_settings is not None
+    assert (tuned._autotune_settings.token, tuned._autotune_settings.tls) == ("t0k", True)
 
 
 def _timings(backward_ms: float, comm: list[float]) -> StepTimings:
@@ -92,7 +107,7 @@ def _timings(backward_ms: float, comm: list[float]) -> StepTimings:
 
 def test_interval_meter_means_dedupes_and_excludes_paused_time() -> None:
     m = IntervalMeter()
-    assert m.close(1.0)[0] is None  # nothing measured
+    assert m.close(1.0).speed is None  # nothing measured
     m.count(32, now=10.0)
     m.count(32, now=10.5)
     first = _timings(4.0, [1.0, 3.0])
@@ -102,7 +117,8 @@ def test_interval_meter_means_dedupes_and_excludes_paused_time() -> None:
     m.add_timings(_timings(6.0, [3.0]), num_buckets=2)  # another plan's timings: ignored
     m.pause(11.0)
     m.resume(15.0)  # 4 s of validation
-    speed, timings, backward_ms = m.close(12.0 + 4.0)
+    measured = m.close(12.0 + 4.0)
+    speed, timings, backward_ms = measured.speed, measured.timings, measured.backward_ms
     assert speed == pytest.approx(64 / 2.0)
     assert backward_ms == pytest.approx(5.0)
     assert [(t.bucket_index, t.bytes, t.comm_ms, t.wait_ms) for t in timings] == [(0, 100, 2.0, 1.0),
@@ -121,7 +137,16 @@ def test_reports_summary_and_helpers() -> None:
                            bucket_size=64, hierarchical=True, completed=True, plans_applied=4, speed_before=100.0,
                            speed_after=125.0).line()
     assert "service plan v3, 2 buckets" in line and "hierarchical, completed" in line
-    assert "samples/s before 100.0 -> after 125.0 (1.25x)" in line
+    assert "last interval on the first plan 100.0 -> on the final plan 125.0 (1.25x)" in line
+    # A job that never reached the service says so, and gives no ratio.
+    unreached = AutotuneSummary(model_name="M-1", service="h:1", registered=False, plan_version=-1, num_buckets=2,
+                                bucket_size=64, hierarchical=False, completed=False, plans_applied=0,
+                                speed_before=100.0, speed_after=126.0)
+    assert "not reachable" in unreached.line() and "x)" not in unreached.line() and unreached.ratio is None
+    one_plan = AutotuneSummary(model_name="M-1", service="h:1", registered=True, plan_version=0, num_buckets=2,
+                               bucket_size=64, hierarchical=False, completed=False, plans_applied=1,
+                               speed_before=100.0, speed_after=126.0)
+    assert one_plan.ratio is None and "nothing to compare" in one_plan.line()
     assert model_name_for("Net", t) == model_name_for("Net", t[::-1]) != model_name_for("Net", t[:1])
     assert batch_size_of((torch.zeros(7, 3), torch.zeros(7))) == 7
     assert batch_size_of({"x": [torch.zeros(5, 2)]}) == 5
@@ -161,7 +186,7 @@ def test_lightning_two_ranks_tune_match_log_and_second_job(tmp_path: Path) -> No
         # Re-bucketing changes nothing but float summation order.
         assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5
         assert r["summary_completed"], r["summary"]
-        assert "completed" in r["summary"] and "samples/s before" in r["summary"]
+        assert "completed" in r["summary"] and "samples/s per rank" in r["summary"]
         # A second job of the same model starts on the plan the first one settled on.
         final = records[-1]
         assert r["second_records"][0][1:] == final[1:]
