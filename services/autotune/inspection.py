@@ -9,6 +9,8 @@ service is gone. The plot needs matplotlib (the ``demo`` extra).
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,19 @@ def register_inspection(sub: Any) -> None:
     plot.set_defaults(func=_plot)
 
 
+def _one_line_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Service errors (unknown model, no token, unreachable) end the command with their message, no traceback."""
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from bagua_lightning.errors import AutotuneError, ServiceUnavailableError
+
+        try:
+            return command(args)
+        except (AutotuneError, ServiceUnavailableError, ValueError) as exc:
+            raise SystemExit(f"autotune {args.autotune_command}: {exc}") from None
+    return run
+
+
 def _client(args: argparse.Namespace) -> Any:
     from bagua_lightning.client.autotune import AutotuneClient, quick_retry
     from bagua_lightning.services_file import resolve_autotune_address
@@ -50,6 +65,7 @@ def _client(args: argparse.Namespace) -> Any:
                           retry=quick_retry(1, args.timeout_s), root_certificates=args.tls_root_cert)
 
 
+@_one_line_errors
 def _ls(args: argparse.Namespace) -> int:
     with _client(args) as client:
         models = client.list_models()
@@ -66,6 +82,7 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+@_one_line_errors
 def _show(args: argparse.Namespace) -> int:
     with _client(args) as client:
         d = client.describe_model(args.model)
@@ -102,6 +119,7 @@ def history_from_log(path: Path, model: str) -> list[dict[str, Any]]:
     return rows
 
 
+@_one_line_errors
 def _plot(args: argparse.Namespace) -> int:
     from .plot import plot_history
 
