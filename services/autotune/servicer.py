@@ -117,17 +117,19 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
         # Encoding a plan of many tensors costs far more than the rest of a call: encode each issued plan
         # once, with the digest of its full layout. Keyed by (model, version); the plan object is kept to
         # check the entry is still that plan. Bounded: the least recently used entries go first.
-        self._encoded: OrderedDict[tuple[str, int], tuple[BucketPlan, Any, bytes]] = OrderedDict()
+        # The value also holds the finished responses that carry the plan (built once: copying a plan of
+        # many tensors into a response costs as much as encoding it).
+        self._encoded: OrderedDict[tuple[str, int], tuple[BucketPlan, Any, bytes, dict[Any, Any]]] = OrderedDict()
         self._encoded_lock = threading.Lock()
         self._encoded_tensors = 0
 
-    def _entry(self, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, Any, bytes]:
+    def _entry(self, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, Any, bytes, dict[Any, Any]]:
         key = (model_name, plan.version)
         cached = self._encoded.get(key)
         if cached is not None and cached[0] is plan:
             return cached
         message = plan_to_proto(plan)
-        entry = (plan, message, _digest(message))
+        entry: tuple[BucketPlan, Any, bytes, dict[Any, Any]] = (plan, message, _digest(message), {})
         with self._encoded_lock:
             old = self._encoded.pop(key, None)
             if old is not None:
@@ -140,8 +142,18 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                 self._encoded_tensors -= _tensor_count(dropped[0])
         return entry
 
-    def _encode(self, model_name: str, plan: BucketPlan) -> Any:
-        return self._entry(model_name, plan)[1]
+    def _response(self, model_name: str, plan: BucketPlan, kind: str, completed: bool = False) -> Any:
+        """The (shared, never mutated) response of ``kind`` carrying ``plan``."""
+        _, message, _, responses = self._entry(model_name, plan)
+        response = responses.get((kind, completed))
+        if response is None:
+            if kind == "register":
+                response = pb.RegisterTensorsResponse(recommended_hyperparameters=message)
+            else:
+                response = pb.AskHyperparametersResponse(recommended_hyperparameters=message,
+                                                         is_autotune_completed=completed)
+            responses[(kind, completed)] = response
+        return response
 
     def _plan_ref(self, model_name: str, message: Any) -> PlanRef | None:
         if not message.buckets:
@@ -160,7 +172,7 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
             world_size=int(request.world_size),
             nproc_per_node=int(request.nproc_per_node),
         )
-        return pb.RegisterTensorsResponse(recommended_hyperparameters=self._encode(request.model_name, plan))
+        return self._response(request.model_name, plan, "register")
 
     @_translate_errors
     def ReportMetrics(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -178,8 +190,7 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
     @_translate_errors
     def AskHyperparameters(self, request: Any, context: grpc.ServicerContext) -> Any:
         plan, completed = self.service.ask(request.model_name, int(request.rank), int(request.train_iter))
-        return pb.AskHyperparametersResponse(recommended_hyperparameters=self._encode(request.model_name, plan),
-                                             is_autotune_completed=completed)
+        return self._response(request.model_name, plan, "ask", completed)
 
     @_translate_errors
     def ReportTensorExecutionOrder(self, request: Any, context: grpc.ServicerContext) -> Any:

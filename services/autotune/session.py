@@ -152,15 +152,23 @@ def _check_range(name: str, value: float, high: float, unit: str) -> None:
 
 def check_measurement(speed: float, backward_ms: float, timings: Sequence[BucketTimingRecord],
                       spread: Spread) -> None:
-    """Range-check every number of a report (InvalidArgumentError naming the field)."""
-    _check_range("speed", speed, MAX_SPEED, "samples/s")
-    _check_range("backward_ms", backward_ms, MAX_MS, "ms")
-    for name in ("speed_min", "speed_max", "speed_stddev"):
-        _check_range(name, getattr(spread, name), MAX_SPEED, "samples/s")
+    """Range-check every number of a report (InvalidArgumentError naming the field).
+
+    ``0 <= v <= high`` is False for NaN and for infinities, so one chained comparison per
+    value checks both; the field is named only once one fails (this runs on every report).
+    """
+    if not (0 <= speed <= MAX_SPEED and 0 <= backward_ms <= MAX_MS and 0 <= spread.speed_min <= MAX_SPEED
+            and 0 <= spread.speed_max <= MAX_SPEED and 0 <= spread.speed_stddev <= MAX_SPEED):
+        _check_range("speed", speed, MAX_SPEED, "samples/s")
+        _check_range("backward_ms", backward_ms, MAX_MS, "ms")
+        for name in ("speed_min", "speed_max", "speed_stddev"):
+            _check_range(name, getattr(spread, name), MAX_SPEED, "samples/s")
     for i, t in enumerate(timings):
-        _check_range(f"bucket_timings[{i}].bytes", t.bytes, MAX_BYTES, "bytes")
-        for name in ("ready_ms", "comm_ms", "wait_ms", "comm_ms_max", "wait_ms_max"):
-            _check_range(f"bucket_timings[{i}].{name}", getattr(t, name), MAX_MS, "ms")
+        if not (0 <= t.bytes <= MAX_BYTES and 0 <= t.ready_ms <= MAX_MS and 0 <= t.comm_ms <= MAX_MS
+                and 0 <= t.wait_ms <= MAX_MS and 0 <= t.comm_ms_max <= MAX_MS and 0 <= t.wait_ms_max <= MAX_MS):
+            _check_range(f"bucket_timings[{i}].bytes", t.bytes, MAX_BYTES, "bytes")
+            for name in ("ready_ms", "comm_ms", "wait_ms", "comm_ms_max", "wait_ms_max"):
+                _check_range(f"bucket_timings[{i}].{name}", getattr(t, name), MAX_MS, "ms")
 
 
 class ModelSession:
