@@ -40,6 +40,9 @@ def register(subparsers: Any) -> None:
     s.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     s.add_argument("--max-workers", type=int, default=8,
                    help="server threads (default 8: handlers take ~40 us, and more threads only contend for the GIL)")
+    s.add_argument("--tuning-processes", type=int, default=1,
+                   help="worker processes computing the tuners' proposals, so no request waits for one "
+                        "(default 1; 0: in the request)")
     s.add_argument("--token-file", type=Path, default=None,
                    help="file holding the bearer token every call must carry (default: "
                         "$BAGUA_LIGHTNING_AUTOTUNE_TOKEN, else no token); health checks stay open")
@@ -130,7 +133,8 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         warmup_time_s=args.warmup_time_s, sampling_confidence_time_s=args.sampling_confidence_time_s,
         default_bucket_size=args.default_bucket_size, tuner=args.tuner, early_stop=not args.no_early_stop,
         max_tensors=args.max_tensors, max_models=args.max_models, max_request_bytes=args.max_request_bytes,
-        max_name_bytes=args.max_name_bytes, max_layouts=args.max_layouts, store_timeout_s=args.store_timeout_s)
+        max_name_bytes=args.max_name_bytes, max_layouts=args.max_layouts, store_timeout_s=args.store_timeout_s,
+        tuning_processes=getattr(args, "tuning_processes", 0))
 
 
 def _serve(args: argparse.Namespace) -> int:

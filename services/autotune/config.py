@@ -42,6 +42,9 @@ class ServiceConfig:
             recently reported one is dropped beyond it (the current plan's never).
         max_plans: issued plans a model remembers (by version) for reports that name them.
         store_timeout_s: deadline of one plan-store operation, in seconds.
+        tuning_processes: worker processes that compute the tuners' proposals (0: in the
+            request that takes a sample, which then waits milliseconds for it). With workers
+            a new plan is handed back one ask later, and requests never wait for a tuner.
     """
 
     world_size: int = 1
@@ -62,6 +65,7 @@ class ServiceConfig:
     max_layouts: int = 64
     max_plans: int = 256
     store_timeout_s: float = 1.0
+    tuning_processes: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -91,6 +95,8 @@ class ServiceConfig:
             raise ConfigurationError(
                 f"max_layouts and max_plans must be >= 2 (the current and the best plan), got "
                 f"{self.max_layouts} and {self.max_plans}")
+        if not 0 <= self.tuning_processes <= 64:
+            raise ConfigurationError(f"tuning_processes must be in [0, 64], got {self.tuning_processes}")
         if not math.isfinite(self.store_timeout_s) or self.store_timeout_s <= 0:
             raise ConfigurationError(f"store_timeout_s must be a positive number of seconds, got "
                                      f"{self.store_timeout_s}")

@@ -38,3 +38,8 @@ class Tuner(Protocol):
     def final(self, samples: Sequence[Sample]) -> Sample:
         """The measured sample whose plan is handed back for good once tuning completes."""
         ...
+
+
+def propose_in_worker(tuner: Tuner, history: Sequence[Sample]) -> Proposal:
+    """``tuner.propose(history)``: the function a tuning worker process runs (tuners are pure)."""
+    return tuner.propose(history)

@@ -7,8 +7,10 @@ errors leave as :mod:`.errors` exceptions that it maps to status codes.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from .persistence import PlanStore
+from .proposal import Proposal, Tuner, propose_in_worker
 from .samplelog import SampleLog
 from .session import ModelSession, PlanRef, Registration, Spread
 from .storeio import StoreIO
@@ -76,6 +79,15 @@ class AutotuneService:
         self._lock = threading.Lock()
         self.evicted = 0
         self._retired_plans = 0  # plans issued by sessions since evicted (for the running total)
+        self._tuning_pool: ProcessPoolExecutor | None = None
+        if config.tuning_processes:
+            # Spawned, not forked: the server process runs gRPC threads, which fork does not copy safely.
+            self._tuning_pool = ProcessPoolExecutor(config.tuning_processes,
+                                                    mp_context=multiprocessing.get_context("spawn"))
+
+    def _propose_async(self, tuner: Tuner, history: tuple[Sample, ...]) -> Future[Proposal]:
+        assert self._tuning_pool is not None
+        return self._tuning_pool.submit(propose_in_worker, tuner, history)
 
     @property
     def store(self) -> PlanStore | None:
@@ -86,8 +98,10 @@ class AutotuneService:
         return self.io.sample_log
 
     def close(self) -> None:
-        """Write what is queued to the store and the sample log, then stop the writer."""
+        """Write what is queued to the store and the sample log, stop the writer and the tuning workers."""
         self.io.close()
+        if self._tuning_pool is not None:
+            self._tuning_pool.shutdown(wait=True, cancel_futures=True)
 
     def session(self, model_name: str) -> ModelSession:
         """The session of a registered model; NotFoundError otherwise."""
@@ -160,6 +174,7 @@ class AutotuneService:
             remembered = self.io.load(registration.store_key)
             fresh = ModelSession(registration, self.config, remembered=remembered, persist=self.io.save,
                                  sample_log=self.io.log if self.io.sample_log is not None else None,
+                                 propose_async=self._propose_async if self._tuning_pool else None,
                                  clock=self._clock)
             with self._lock:
                 session = self._sessions.get(model_name)

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ from .costmodel import Sample
 from .errors import FailedPreconditionError, InvalidArgumentError
 from .persistence import StoredPlan, plan_key
 from .planner import ModelBasedPlanner
-from .proposal import Tuner
+from .proposal import Proposal, Tuner
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +184,20 @@ class ModelSession:
             session calls it under its lock; the store is written by the service's writer
             thread, never under a lock). None: nothing persists.
         sample_log: takes ``(model name, record)`` for every measured plan; queues it likewise.
+        propose_async: runs ``tuner.propose(history)`` elsewhere (another process) and returns its
+            future; the session then keeps the current plan until the proposal is there, so no
+            request waits for a tuner. None: proposals run in the request that takes the sample.
         clock: monotonic clock in seconds.
     """
 
     def __init__(self, registration: Registration, config: ServiceConfig, *, remembered: StoredPlan | None = None,
                  persist: Callable[[str, StoredPlan], None] | None = None,
                  sample_log: Callable[[str, dict[str, Any]], None] | None = None,
+                 propose_async: Callable[[Tuner, tuple[Sample, ...]], Future[Proposal]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.registration = registration
+        self._propose_async = propose_async
+        self._proposing: tuple[Future[Proposal], Sample, int] | None = None
         self.config = config
         self._persist_fn = persist
         self._sample_log = sample_log
@@ -480,6 +487,19 @@ class ModelSession:
     def _maybe_advance(self, train_iter: int) -> None:
         if self.completed:
             return
+        if self._proposing is not None:
+            future, sample, sample_iter = self._proposing
+            if not future.done():
+                return  # the tuner is still thinking: the current plan stays
+            self._proposing = None
+            try:
+                proposal = future.result()
+            except Exception as exc:  # a failed worker process must not end tuning: propose here instead
+                logger.warning("event=tuner_worker_failed model=%s error=%r; proposing in the request",
+                               self.registration.model_name, exc)
+                proposal = self._tuner.propose(self._history) if self._tuner else Proposal(plan=self._current)
+            self._conclude(sample, sample_iter, proposal)
+            return
         if self._order_changed:
             self._order_changed = False
             self._issue(BucketPlan(buckets=split_into_buckets(self._order, self._current.bucket_size,
@@ -503,7 +523,19 @@ class ModelSession:
             self._persist(sample, completed=False)
         if self._tuner is None:
             self._tuner = self._make_tuner(sample)
-        proposal = self._tuner.propose(self._history)
+        if len(self._history) >= self.config.max_samples:
+            self._conclude(sample, train_iter, Proposal(plan=self._current, converged=True, reason="max-samples"))
+        elif self._propose_async is not None:
+            # Proposals take milliseconds of CPU: another process computes them, and this ask (and every
+            # other request) does not wait. The plan for this iteration is the current one.
+            self._proposing = (self._propose_async(self._tuner, tuple(self._history)), sample, train_iter)
+            self._fresh_reports = 0
+        else:
+            self._conclude(sample, train_iter, self._tuner.propose(self._history))
+
+    def _conclude(self, sample: Sample, train_iter: int, proposal: Proposal) -> None:
+        """Lock held: log the sample, then complete (hand back the final plan) or issue the proposal."""
+        assert self._tuner is not None
         self._log_sample(sample, train_iter, proposal.reason)
         done = len(self._history) >= self.config.max_samples or (proposal.converged and self.config.early_stop)
         if done:

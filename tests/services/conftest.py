@@ -18,7 +18,9 @@ from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from bagua_lightning.client.retry import ExponentialBackoff, Retry
 from tests.procs import free_port, running, wait_until
 
-FAST = ["--warmup-time-s", "0", "--sampling-confidence-time-s", "0"]
+# Tests that drive the service in tight loops take proposals in the request (deterministic plan sequences);
+# tuning in worker processes (the serve default) is tested on its own.
+FAST = ["--warmup-time-s", "0", "--sampling-confidence-time-s", "0", "--tuning-processes", "0"]
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import json
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -277,3 +278,25 @@ def test_redis_store_down_at_start_connects_as_a_cluster_client_later(tmp_path: 
     finally:
         store.close()
         stop_cluster(port, tmp_path)
+
+
+def test_proposals_in_a_worker_process_never_hold_a_request_and_tuning_completes() -> None:
+    service = AutotuneService(ServiceConfig(max_samples=6, tuning_processes=1, **FAST))
+    try:
+        plan = service.register("m", _tensors(8), True)
+        job_speed = {n: 100.0 + 10 * n for n in range(1, 9)}
+        asked: list[int] = []
+        completed = False
+        for it in range(20_000):
+            plan, completed = service.ask("m", 0, it)
+            asked.append(plan.version)
+            if completed:
+                break
+            service.report("m", 0, it, _ref(plan), job_speed.get(len(plan.buckets), 50.0))
+            time.sleep(0.005)
+        assert completed, asked[-5:]
+        # While a proposal was computed the asks kept the current plan (no request waited for the tuner).
+        assert max(asked.count(v) for v in set(asked)) > 1
+        assert len(service.session("m").samples) <= 6
+    finally:
+        service.close()
