@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ def _worker(target: str, clients: list[tuple[str, int]], world: int, aggregated:
     ready = threading.Barrier(len(clients))  # time only once every client of this process is connected
     start: dict[str, float] = {}
 
-    def timings_of(plan: object) -> list[dict[str, float]]:
+    def timings_of(plan: Any) -> list[dict[str, float]]:
         return [{"bucket_index": i, "bytes": b, "ready_ms": 2.0 * i, "comm_ms": 0.5 + b / 1e7, "wait_ms": 0.0,
                  "comm_ms_max": 0.6 + b / 1e7, "wait_ms_max": 0.1} for i, b in enumerate(plan.bucket_bytes)]
 
@@ -108,8 +109,8 @@ def _worker(target: str, clients: list[tuple[str, int]], world: int, aggregated:
 def handler_cost_us(world: int, calls: int = 3000) -> dict[str, float]:
     """CPU time of the service's own handling per call (no network), in microseconds, single thread."""
     from bagua_lightning.client.autotune import timing_to_proto
-    from bagua_lightning.proto.plan import plan_from_proto, plan_to_proto
     from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
+    from bagua_lightning.proto.plan import plan_from_proto, plan_to_proto
     from bagua_lightning.services.autotune.config import ServiceConfig
     from bagua_lightning.services.autotune.service import AutotuneService
     from bagua_lightning.services.autotune.servicer import AutotuneServicer

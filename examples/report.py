@@ -212,7 +212,7 @@ def format_job(job: JobResult) -> str:
     speeds = [r for r in job.reports if r.samples_per_s is not None]
     if speeds:
         lines.append(f"   autotune reports: {len(speeds)} (samples/s of all ranks, as in the table: "
-                     + ", ".join(f"{r.samples_per_s * job.processes:.0f}" for r in speeds[:12])
+                     + ", ".join(f"{(r.samples_per_s or 0.0) * job.processes:.0f}" for r in speeds[:12])
                      + (", ..." if len(speeds) > 12 else "") + ")")
     warm = [e.epoch for e in job.epochs if e.hit_rate < WARM_HIT_RATE]
     if warm and len(warm) < len(job.epochs):

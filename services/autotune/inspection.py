@@ -109,7 +109,7 @@ def _show(args: argparse.Namespace) -> int:
 
 def history_from_log(path: Path, model: str) -> list[dict[str, Any]]:
     """The samples of ``model`` in a sample log, as plot rows."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for record in read_records(path):
         if record.get("model_name") != model or "speed" not in record:
             continue

@@ -10,8 +10,8 @@ import logging
 import multiprocessing
 import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration

@@ -6,16 +6,16 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from bagua_lightning.client.autotune import AutotuneClient
+from bagua_lightning.client.retry import ExponentialBackoff, Retry
 from bagua_lightning.errors import AutotuneError
 from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
-from bagua_lightning.client.retry import ExponentialBackoff, Retry
 from tests.procs import free_port, running, wait_until
 
 # Tests that drive the service in tight loops take proposals in the request (deterministic plan sequences);

@@ -18,11 +18,15 @@ import pytest
 
 from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
-from bagua_lightning.services.autotune.server import create_server
 from bagua_lightning.services.autotune.config import ServiceConfig
-from bagua_lightning.services.autotune.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from bagua_lightning.services.autotune.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from bagua_lightning.services.autotune.persistence import DirectoryPlanStore, RedisPlanStore, StoredPlan
 from bagua_lightning.services.autotune.samplelog import SampleLog, log_file_name
+from bagua_lightning.services.autotune.server import create_server
 from bagua_lightning.services.autotune.service import AutotuneService
 from bagua_lightning.services.autotune.session import PlanRef, Spread
 from bagua_lightning.services.redis_cluster import ClusterSpec, start_cluster, stop_cluster
@@ -133,7 +137,7 @@ def test_a_forged_plan_with_other_middle_tensors_is_not_the_issued_one() -> None
 
 def test_long_names_are_refused_before_they_are_kept() -> None:
     service = AutotuneService(ServiceConfig(max_name_bytes=256, **FAST))
-    with pytest.raises(ResourceExhaustedError, match="model_name is 8388608 bytes long.*--max-name-bytes"):
+    with pytest.raises(ResourceExhaustedError, match=r"model_name is 8388608 bytes long.*--max-name-bytes"):
         service.register("x" * 8 * MB, _tensors(), True)
     with pytest.raises(ResourceExhaustedError, match=r"tensor_list\[0\].name is 300 bytes"):
         service.register("m", [("é" * 150, 4, "f32")], True)

@@ -42,15 +42,14 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 def test_health_turns_not_serving_while_the_store_fails(start_service, tmp_path: Path) -> None:
     plans = tmp_path / "plans"
-    with start_service(*FAST, "--state", str(plans)) as (target, _):
-        with AutotuneClient(target=target) as client:
-            assert client.health_check() is True
-            shutil.rmtree(plans)
-            plans.write_text("")  # the store's directory is gone: every save and probe fails
-            wait_until(lambda: client.health_check(timeout_s=1.0) is False, 30.0, "health NOT_SERVING")
-            plans.unlink()
-            plans.mkdir()
-            wait_until(lambda: client.health_check(timeout_s=1.0) is True, 30.0, "health SERVING again")
+    with start_service(*FAST, "--state", str(plans)) as (target, _), AutotuneClient(target=target) as client:
+        assert client.health_check() is True
+        shutil.rmtree(plans)
+        plans.write_text("")  # the store's directory is gone: every save and probe fails
+        wait_until(lambda: client.health_check(timeout_s=1.0) is False, 30.0, "health NOT_SERVING")
+        plans.unlink()
+        plans.mkdir()
+        wait_until(lambda: client.health_check(timeout_s=1.0) is True, 30.0, "health SERVING again")
 
 
 def test_metrics_ls_show_and_plot_against_a_real_service(start_service, tmp_path: Path) -> None:

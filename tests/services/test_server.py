@@ -17,14 +17,13 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from bagua_lightning.client.autotune import AutotuneClient
-from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
-from bagua_lightning.client.autotune import PlanAnswer
+from bagua_lightning.client.autotune import AutotuneClient, PlanAnswer
 from bagua_lightning.errors import AutotuneError
+from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
+from bagua_lightning.services.autotune.samplelog import log_file_name
 from tests.procs import free_port, running, wait_until
 from tests.services import ranks
-from bagua_lightning.services.autotune.samplelog import log_file_name
 from tests.services.conftest import FAST, no_retry_client, raw_stub, rpc_code
 
 MB = 1024**2

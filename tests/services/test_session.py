@@ -102,7 +102,7 @@ def test_registration_errors() -> None:
     with pytest.raises(FailedPreconditionError, match="world_size"):
         service.register("m", _rows(abcde()), True, world_size=2)
     with pytest.raises(ResourceExhaustedError, match="--max-tensors"):
-        service.register("big", _rows(abcde() + [TensorDeclaration("F", 1)]), True)
+        service.register("big", _rows([*abcde(), TensorDeclaration("F", 1)]), True)
     with pytest.raises(InvalidArgumentError, match="model_name is empty"):
         service.register("", _rows(abcde()), True)
     with pytest.raises(InvalidArgumentError, match="spans is empty"):

@@ -90,7 +90,7 @@ def test_strategy_autotune_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert s._autotune_settings is not None and (s._autotune_settings.address, s._autotune_settings.interval) == (
         "h:1", 7)
     assert BaguaStrategy()._autotune_settings is None
-    with pytest.raises(ConfigurationError, match="'127.0.0.1:99999'"):
+    with pytest.raises(ConfigurationError, match=r"'127\.0\.0\.1:99999'"):
         BaguaStrategy(autotune=True, autotune_service="127.0.0.1:99999")
     with pytest.raises(ConfigurationError, match="autotune_tls"):
         BaguaStrategy(autotune=True, autotune_tls=1)  # type: ignore[arg-type]
