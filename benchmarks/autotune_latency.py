@@ -142,7 +142,8 @@ def main() -> int:
     parser.add_argument("--protocol", choices=("aggregated", "per-rank"), default="aggregated")
     parser.add_argument("--jobs", type=int, default=64)
     parser.add_argument("--ranks-per-job", type=int, default=64)
-    parser.add_argument("--server-workers", type=int, default=8, help="the service's --max-workers")
+    parser.add_argument("--server", choices=("aio", "threads"), default="aio", help="the service's --server")
+    parser.add_argument("--server-workers", type=int, default=8, help="the service's --max-workers (threads)")
     parser.add_argument("--processes", type=int, default=4, help="load-generator processes")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--interval-ms", type=float, default=1000.0,
@@ -159,7 +160,7 @@ def main() -> int:
     target = f"127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "bagua_lightning.cli", "--log-level", "WARNING", "autotune", "serve", "--port",
            str(port), "--world-size", str(world), "--warmup-time-s", "0", "--sampling-confidence-time-s", "1",
-           "--max-samples", "20", "--max-workers", str(args.server_workers)]
+           "--max-samples", "20", "--max-workers", str(args.server_workers), "--server", args.server]
     with running(cmd, env=dict(os.environ)) as proc, AutotuneClient(target=target) as client:
         wait_until(lambda: proc.poll() is None and client.health_check(0.5), 30.0, "the autotune service")
         ranks = range(1) if aggregated else range(world)
@@ -176,7 +177,8 @@ def main() -> int:
             merged.setdefault(k, []).extend(v)
     print(f"{args.protocol}: {args.jobs} jobs x {world} ranks = {args.jobs * world} ranks, {len(clients)} clients "
           f"in {args.processes} processes, {args.seconds:g} s, one report per client every ~{args.interval_ms:g} ms; "
-          f"service: 1 process, {args.server_workers} threads; {os.cpu_count()} CPUs")
+          f"service: 1 process, --server {args.server}"
+          f"{f' with {args.server_workers} threads' if args.server == 'threads' else ''}; {os.cpu_count()} CPUs")
     arrays = {k: np.array(merged[k]) * 1e3 for k in RPCS if merged.get(k)}
     p99 = {k: float(np.percentile(ms, 99)) for k, ms in arrays.items()}
     floor = p99.get("HealthCheck", float("nan"))

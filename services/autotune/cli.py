@@ -22,7 +22,7 @@ from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDe
 from bagua_lightning.services_file import ENV_AUTOTUNE_TOKEN
 
 from .config import TUNERS, ServiceConfig
-from .server import DEFAULT_PORT, TlsFiles, read_token_file, serve
+from .server import DEFAULT_PORT, SERVER_KINDS, TlsFiles, read_token_file, serve
 
 
 def register(subparsers: Any) -> None:
@@ -40,6 +40,9 @@ def register(subparsers: Any) -> None:
     s.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     s.add_argument("--max-workers", type=int, default=8,
                    help="server threads (default 8: handlers take ~40 us, and more threads only contend for the GIL)")
+    s.add_argument("--server", choices=SERVER_KINDS, default="aio",
+                   help="aio: handlers on grpc.aio's event loop (default; lower tail latency); threads: grpc's "
+                        "thread-pool server with --max-workers threads")
     s.add_argument("--tuning-processes", type=int, default=1,
                    help="worker processes computing the tuners' proposals, so no request waits for one "
                         "(default 1; 0: in the request)")
@@ -152,7 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
         token = os.environ.get(ENV_AUTOTUNE_TOKEN, "").strip() or None
     return serve(_config(args), host=args.host, port=args.port, state=args.state, log_dir=args.log_dir, tls=tls,
                  max_workers=args.max_workers, token=token, metrics_port=args.metrics_port,
-                 metrics_host=args.metrics_host)
+                 metrics_host=args.metrics_host, kind=args.server)
 
 
 # -- simulate ------------------------------------------------------------------------------------------

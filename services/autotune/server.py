@@ -13,6 +13,7 @@ is NOT_SERVING while the plan store or the sample log fails (checked every
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import signal
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AutotuneService"].full_name
 DEFAULT_PORT = 29600
 SHUTDOWN_GRACE_S = 5.0  # seconds in-flight calls get to finish after SIGTERM
+SERVER_KINDS = ("aio", "threads")
 HEALTH_PERIOD_S = 1.0  # seconds between two probes of the store and the sample log
 _OPEN_PREFIX = f"/{health.SERVICE_NAME}/"  # methods callable without a token
 
@@ -88,13 +90,27 @@ def read_token_file(path: str | Path) -> str:
     return token
 
 
-class HealthMonitor:
-    """Sets grpc.health.v1 to NOT_SERVING while the service's store or sample log fails, SERVING otherwise."""
+def _publisher(servicer: health.HealthServicer) -> Callable[[bool], None]:
+    def publish(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            servicer.set(name, status)
+    return publish
 
-    def __init__(self, service: AutotuneService, servicer: health.HealthServicer,
+
+class HealthMonitor:
+    """Publishes NOT_SERVING while the service's store or sample log fails, SERVING otherwise.
+
+    Args:
+        service: the service whose store and sample log are probed.
+        publish: sets the health status (True: SERVING).
+        period_s: seconds between two probes.
+    """
+
+    def __init__(self, service: AutotuneService, publish: Callable[[bool], None],
                  period_s: float = HEALTH_PERIOD_S) -> None:
         self.service = service
-        self.servicer = servicer
+        self.publish = publish
         self.period_s = period_s
         self._stop = threading.Event()
         self._serving: bool | None = None
@@ -109,10 +125,7 @@ class HealthMonitor:
         problem = self.service.io.problem()
         serving = problem is None
         if serving != self._serving:
-            status = health_pb2.HealthCheckResponse.SERVING if serving else \
-                health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", SERVICE_NAME):
-                self.servicer.set(name, status)
+            self.publish(serving)
             if serving:
                 logger.info("event=health status=SERVING")
             else:
@@ -176,15 +189,18 @@ def create_server(address: str, service: AutotuneService, *, max_workers: int = 
 def serve(config: ServiceConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, state: str | None = None,
           log_dir: str | None = None, tls: TlsFiles | None = None, max_workers: int = 8,
           token: str | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-          stop_event: threading.Event | None = None) -> int:
+          kind: str = "aio", stop_event: threading.Event | None = None) -> int:
     """Run the service until SIGTERM/SIGINT (or ``stop_event``); returns the exit code.
 
     ``metrics_port``: serve Prometheus metrics over HTTP on ``metrics_host:metrics_port``
-    (None: no metrics endpoint; 0 picks a free port, printed on stdout).
+    (None: no metrics endpoint; 0 picks a free port, printed on stdout). ``kind``: ``"aio"``
+    (handlers on grpc.aio's event loop) or ``"threads"`` (grpc's thread-pool server with
+    ``max_workers`` threads); docs/benchmarks.md compares them.
     """
+    if kind not in SERVER_KINDS:
+        raise ValueError(f"server kind must be one of {SERVER_KINDS}, got {kind!r}")
     store = open_store(state, timeout_s=config.store_timeout_s)
     service = AutotuneService(config, store=store, sample_log=SampleLog(log_dir) if log_dir else None)
-    health_servicer = health.HealthServicer()
     metrics = None
     http_server = None
     if metrics_port is not None:
@@ -194,29 +210,68 @@ def serve(config: ServiceConfig, *, host: str = "127.0.0.1", port: int = DEFAULT
         http_server, _ = start_http_server(metrics_port, addr=metrics_host, registry=registry)
         metrics_bound = http_server.server_address[1]
         print(f"autotune metrics on http://{metrics_host}:{metrics_bound}/metrics", flush=True)
-    server, bound = create_server(f"{host}:{port}", service, max_workers=max_workers, tls=tls,
-                                  health_servicer=health_servicer, token=token, metrics=metrics)
-    monitor = HealthMonitor(service, health_servicer)
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
-    server.start()
-    monitor.check()
-    monitor.start()
-    logger.info("event=serving address=%s:%d store=%r log_dir=%s tls=%s token=%s metrics_port=%s", host, bound,
-                store, log_dir, bool(tls), bool(token), metrics_port)
-    # One plain line on stdout that scripts and tests can wait for (the port matters when 0 was asked).
-    print(f"autotune service listening on {host}:{bound}", flush=True)
-    while not stop.wait(timeout=1.0):
-        pass
-    logger.info("event=shutting_down grace_s=%.1f models=%d", SHUTDOWN_GRACE_S, len(service.model_names))
-    monitor.stop()
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace=SHUTDOWN_GRACE_S).wait()
+    if kind == "aio":
+        asyncio.run(_serve_aio(service, f"{host}:{port}", tls=tls, token=token, metrics=metrics, stop=stop))
+    else:
+        _serve_threads(service, f"{host}:{port}", max_workers=max_workers, tls=tls, token=token, metrics=metrics,
+                       stop=stop)
     service.close()
     if http_server is not None:
         http_server.shutdown()
     logger.info("event=stopped")
     sys.stdout.flush()
     return 0
+
+
+def _announce(address: str, bound: int, service: AutotuneService, tls: TlsFiles | None, token: str | None,
+              kind: str) -> None:
+    host = address.rsplit(":", 1)[0]
+    logger.info("event=serving address=%s:%d server=%s store=%r log_dir=%s tls=%s token=%s", host, bound, kind,
+                service.store, service.sample_log.directory if service.sample_log else None, bool(tls), bool(token))
+    # One plain line on stdout that scripts and tests can wait for (the port matters when 0 was asked).
+    print(f"autotune service listening on {host}:{bound}", flush=True)
+
+
+def _serve_threads(service: AutotuneService, address: str, *, max_workers: int, tls: TlsFiles | None,
+                   token: str | None, metrics: RpcMetrics | None, stop: threading.Event) -> None:
+    health_servicer = health.HealthServicer()
+    server, bound = create_server(address, service, max_workers=max_workers, tls=tls,
+                                  health_servicer=health_servicer, token=token, metrics=metrics)
+    monitor = HealthMonitor(service, _publisher(health_servicer))
+    server.start()
+    monitor.check()
+    monitor.start()
+    _announce(address, bound, service, tls, token, "threads")
+    while not stop.wait(timeout=1.0):
+        pass
+    logger.info("event=shutting_down grace_s=%.1f models=%d", SHUTDOWN_GRACE_S, len(service.model_names))
+    monitor.stop()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=SHUTDOWN_GRACE_S).wait()
+
+
+async def _serve_aio(service: AutotuneService, address: str, *, tls: TlsFiles | None, token: str | None,
+                     metrics: RpcMetrics | None, stop: threading.Event) -> None:
+    from .aio_server import create_aio_server, set_health
+
+    loop = asyncio.get_running_loop()
+    server, bound, health_servicer = create_aio_server(address, service, tls=tls, token=token, metrics=metrics)
+
+    def publish(serving: bool) -> None:
+        asyncio.run_coroutine_threadsafe(set_health(health_servicer, serving), loop).result(timeout=10)
+
+    monitor = HealthMonitor(service, publish)
+    await server.start()
+    await loop.run_in_executor(None, monitor.check)
+    monitor.start()
+    _announce(address, bound, service, tls, token, "aio")
+    while not await loop.run_in_executor(None, stop.wait, 1.0):
+        pass
+    logger.info("event=shutting_down grace_s=%.1f models=%d", SHUTDOWN_GRACE_S, len(service.model_names))
+    await loop.run_in_executor(None, monitor.stop)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(SHUTDOWN_GRACE_S)

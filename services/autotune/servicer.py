@@ -55,13 +55,14 @@ def _code_of(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+def _status(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a handler's exception leaves as (logged here)."""
     code = _code_of(exc)
     if code is not grpc.StatusCode.INTERNAL:
         logger.info("event=request_refused method=%s code=%s message=%r", method, code.name, str(exc)[:500])
-        context.abort(code, str(exc))
+        return code, str(exc)
     logger.exception("event=internal_error method=%s", method, exc_info=exc)
-    context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {type(exc).__name__}: {exc}")
+    return code, f"{method} failed: {type(exc).__name__}: {exc}"
 
 
 def _translate_errors(method: F) -> F:
@@ -74,14 +75,12 @@ def _translate_errors(method: F) -> F:
         try:
             return method(self, request, context)
         except Exception as exc:
-            if isinstance(exc, grpc.RpcError):  # context.abort's own exception: already handled
-                code = context.code().name if context.code() else "UNKNOWN"  # type: ignore[attr-defined]
-                raise
-            code = _code_of(exc).name
-            _abort(context, name, exc)
+            status, message = _status(name, exc)
+            code = status.name
         finally:
             if self.metrics is not None:
                 self.metrics.observe(name, code, time.perf_counter() - start)
+        context.abort(status, message)  # raises (the one place errors leave)
     return wrapper  # type: ignore[return-value]
 
 

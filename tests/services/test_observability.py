@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from bagua_lightning.client.autotune import AutotuneClient
-from bagua_lightning.errors import AutotuneAuthenticationError
+from bagua_lightning.errors import AutotuneAuthenticationError, ModelNotRegisteredError
 from bagua_lightning.services.autotune.samplelog import log_file_name
 from tests.procs import free_port, wait_until
 from tests.services import ranks
@@ -102,3 +102,20 @@ def test_token_file_protects_every_call_but_health(start_service, tmp_path: Path
     token_file.write_text("")
     empty = _cli("serve", "--port", str(free_port()), "--token-file", str(token_file))
     assert empty.returncode != 0 and "is empty" in empty.stderr
+
+
+@pytest.mark.parametrize("kind", ["threads", "aio"])
+def test_both_server_kinds_serve_refuse_and_check_tokens(start_service, tmp_path: Path, kind: str) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("tok-9")
+    with start_service("--server", kind, "--token-file", str(token_file), *FAST) as (target, _):
+        with no_retry_client(target) as anonymous:
+            assert anonymous.health_check() is True
+            with pytest.raises(AutotuneAuthenticationError):
+                anonymous.register_tensors("m", ranks.abcde())
+        with AutotuneClient(target=target, token="tok-9") as client:
+            plan = client.register_tensors("m", ranks.abcde(), world_size=1)
+            assert client.report_metrics("m", 0, 0, plan, 10.0) is True
+            with pytest.raises(ModelNotRegisteredError):
+                client.describe_model("other")
+            assert client.describe_model("m").summary.reports_accepted == 1
