@@ -2,8 +2,8 @@
 
 The handlers are the threaded servicer's (:class:`AutotuneServicer`), called directly
 from the loop: they take tens of microseconds and never block, except
-``RegisterTensors`` (it may read the plan store, up to its deadline) and
-``DescribeModel`` (it encodes whole plans), which run on the loop's thread pool.
+``RegisterTensors`` with a plan store (it reads the store, up to its deadline), which
+runs on the loop's thread pool.
 A handler's refusal leaves through ``await context.abort`` here. Token check,
 health (open without a token) and reflection behave as in :mod:`.server`.
 """
@@ -26,7 +26,6 @@ from .service import AutotuneService
 from .servicer import AutotuneServicer
 
 _OPEN_PREFIX = f"/{health.SERVICE_NAME}/"
-_BLOCKING = frozenset({"RegisterTensors", "DescribeModel"})
 _METHODS = ("RegisterTensors", "ReportMetrics", "AskHyperparameters", "ReportTensorExecutionOrder", "ListModels",
             "DescribeModel")
 
@@ -46,7 +45,9 @@ class _RecordingContext:
 
 def _handler(sync: AutotuneServicer, name: str) -> Callable[[Any, Any], Awaitable[Any]]:
     method = getattr(sync, name)
-    blocking = name in _BLOCKING
+    # Only a registration reads the store; without one every handler finishes in microseconds, and a
+    # hop to a thread would cost more (the GIL handed back and forth) than the work.
+    blocking = name == "RegisterTensors" and sync.service.store is not None
 
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:

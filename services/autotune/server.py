@@ -215,6 +215,9 @@ def serve(config: ServiceConfig, *, host: str = "127.0.0.1", port: int = DEFAULT
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
     if kind == "aio":
+        # Threads besides the loop (store loads, the writer, the health probe) hand the GIL back within
+        # 1 ms instead of Python's default 5 ms, which would otherwise show in the loop's tail latency.
+        sys.setswitchinterval(0.001)
         asyncio.run(_serve_aio(service, f"{host}:{port}", tls=tls, token=token, metrics=metrics, stop=stop))
     else:
         _serve_threads(service, f"{host}:{port}", max_workers=max_workers, tls=tls, token=token, metrics=metrics,
