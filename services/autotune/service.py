@@ -124,6 +124,8 @@ class AutotuneService:
         return self._retired_plans + sum(s.plans_issued for s in sessions)
 
     def _check_name(self, what: str, name: str) -> None:
+        if 4 * len(name) <= self.config.max_name_bytes:  # UTF-8 takes at most 4 bytes per character
+            return
         size = len(name.encode("utf-8", "surrogatepass"))
         if size > self.config.max_name_bytes:
             raise ResourceExhaustedError(
