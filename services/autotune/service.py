@@ -21,8 +21,9 @@ from .costmodel import Sample
 from .errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from .persistence import PlanStore
 from .proposal import Proposal, Tuner, propose_in_worker
+from .reports import PlanRef, Spread
 from .samplelog import SampleLog
-from .session import ModelSession, PlanRef, Registration, Spread
+from .session import ModelSession, Registration
 from .storeio import StoreIO
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from .errors import (
     ResourceExhaustedError,
 )
 from .metrics import RpcMetrics
+from .reports import PlanRef, Spread
 from .service import AutotuneService, ModelInfo, Span
-from .session import PlanRef, Spread
 
 logger = logging.getLogger(__name__)
 

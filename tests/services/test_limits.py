@@ -25,10 +25,10 @@ from bagua_lightning.services.autotune.errors import (
     ResourceExhaustedError,
 )
 from bagua_lightning.services.autotune.persistence import DirectoryPlanStore, RedisPlanStore, StoredPlan
+from bagua_lightning.services.autotune.reports import PlanRef, Spread
 from bagua_lightning.services.autotune.samplelog import SampleLog, log_file_name
 from bagua_lightning.services.autotune.server import create_server
 from bagua_lightning.services.autotune.service import AutotuneService
-from bagua_lightning.services.autotune.session import PlanRef, Spread
 from bagua_lightning.services.redis_cluster import ClusterSpec, start_cluster, stop_cluster
 from tests.client.conftest import free_port_block
 

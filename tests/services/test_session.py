@@ -23,8 +23,8 @@ from bagua_lightning.services.autotune.persistence import (
     StoredPlan,
     open_store,
 )
+from bagua_lightning.services.autotune.reports import PlanRef
 from bagua_lightning.services.autotune.service import AutotuneService, Span
-from bagua_lightning.services.autotune.session import PlanRef
 from tests.procs import free_port, running, wait_until
 from tests.services.ranks import abcde, sim_job
 
