@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, StepTimings, TensorDeclaration
 from bagua_lightning.strategy.autotune import (
@@ -180,6 +181,12 @@ def test_lightning_two_ranks_tune_match_log_and_second_job(tmp_path: Path) -> No
     with autotune_service(*SERVICE_ARGS, "--world-size", "2", log_path=tmp_path / "service.log") as (target, _):
         run_ranks(LIGHTNING_WORKER, [str(tmp_path), "--address", target], world_size=2, log_dir=tmp_path,
                   timeout_s=420, env={"GROUP_RANK": "0"})
+        with AutotuneClient(target=target) as client:
+            (model,) = client.list_models()
+            samples = client.describe_model(model.model_name).samples
+    # Reports are aggregated: one per interval for the job (rank 0, after an all_gather), not one per rank.
+    # The first plan was measured over one interval: one report (two ranks reporting their own would be two).
+    assert samples and samples[0].reports == 1, samples
     res = _load(tmp_path, "lightning_rank", 2)
     records = _check_same_plan_every_step([r["tuned_records"] for r in res])
     for r in res:
