@@ -105,15 +105,17 @@ def reduce_over_ranks(mine: Measurement, num_buckets: int, *, group: dist.Proces
     """
     if world_size == 1:
         return mine
-    width = 3 + 3 * num_buckets
+    # One row per rank: [speed measured?, speed, backward_ms (0: no timings), then per bucket bytes, ready_ms,
+    # comm_ms, wait_ms]. Every rank gets every row and computes the same view from them.
+    width = 3 + 4 * num_buckets
     row = torch.zeros(width, dtype=torch.float64)
     if mine.speed is not None:
         row[0], row[1] = 1.0, mine.speed
     if len(mine.timings) == num_buckets and num_buckets:
         row[2] = mine.backward_ms if mine.backward_ms > 0 else -1.0
         for t in mine.timings:
-            row[3 + 3 * t.bucket_index: 6 + 3 * t.bucket_index] = torch.tensor(
-                [t.ready_ms, t.comm_ms, t.wait_ms], dtype=torch.float64)
+            row[3 + 4 * t.bucket_index: 7 + 4 * t.bucket_index] = torch.tensor(
+                [t.bytes, t.ready_ms, t.comm_ms, t.wait_ms], dtype=torch.float64)
     row = row.to(device)
     rows = [torch.empty_like(row) for _ in range(world_size)]
     dist.all_gather(rows, row, group=group)
@@ -123,15 +125,14 @@ def reduce_over_ranks(mine: Measurement, num_buckets: int, *, group: dist.Proces
     speed = sum(speeds) / len(speeds) if speeds else None
     std = math.sqrt(sum((s - speed) ** 2 for s in speeds) / len(speeds)) if speed is not None else 0.0
     timings: list[BucketTimingRecord] = []
+    for i in range(num_buckets if timed else 0):
+        cols = [r[3 + 4 * i: 7 + 4 * i] for r in timed]
+        n = len(cols)
+        timings.append(BucketTimingRecord(
+            bucket_index=i, bytes=round(cols[0][0]), ready_ms=sum(c[1] for c in cols) / n,
+            comm_ms=sum(c[2] for c in cols) / n, wait_ms=sum(c[3] for c in cols) / n,
+            comm_ms_max=max(c[2] for c in cols), wait_ms_max=max(c[3] for c in cols)))
     backward = [r[2] for r in timed if r[2] > 0]
-    if timed:
-        n = len(timed)
-        for i, own in enumerate(mine.timings if len(mine.timings) == num_buckets else []):
-            cols = [(r[3 + 3 * i], r[4 + 3 * i], r[5 + 3 * i]) for r in timed]
-            timings.append(BucketTimingRecord(
-                bucket_index=i, bytes=own.bytes, ready_ms=sum(c[0] for c in cols) / n,
-                comm_ms=sum(c[1] for c in cols) / n, wait_ms=sum(c[2] for c in cols) / n,
-                comm_ms_max=max(c[1] for c in cols), wait_ms_max=max(c[2] for c in cols)))
     return Measurement(speed=speed, timings=timings, backward_ms=sum(backward) / len(backward) if backward else 0.0,
                        ranks=len(speeds) or world_size, speed_min=min(speeds, default=0.0),
                        speed_max=max(speeds, default=0.0), speed_stddev=std)

@@ -277,3 +277,16 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
     assert all(r["absent"]["warnings"] == [] for r in res[1:])
     assert {rec[1] for rec in absent["records"]} == {-1} and len(absent["losses"]) == 12
     assert not absent["registered"] and "the service was not reachable" in absent["summary"]
+
+
+def test_measurements_reduce_to_the_jobs_view_on_every_rank(tmp_path: Path) -> None:
+    run_ranks(str(HERE / "autotune_reduce_worker.py"), [str(tmp_path)], world_size=3, log_dir=tmp_path,
+              timeout_s=180)
+    views = [json.loads((tmp_path / f"reduce{r}.json").read_text()) for r in range(3)]
+    assert views[0] == views[1] == views[2]  # every rank holds the same job's view
+    view = views[0]
+    assert (view["speed"], view["ranks"], view["min"], view["max"]) == (200.0, 3, 100.0, 300.0)
+    assert view["std"] == pytest.approx((20000 / 3) ** 0.5)
+    # Timings from the two ranks that measured them (rank 2 had none): means and the slowest rank.
+    assert view["backward_ms"] == pytest.approx(10.5)
+    assert view["timings"] == [[0, 1000, 0.0, 0.0, 0.25, 0.5], [1, 2000, 1.5, 2.0, 0.25, 0.5]]
