@@ -238,6 +238,8 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
                                  "--dead-address", f"127.0.0.1:{dead_port}"],
                   world_size=4, log_dir=tmp_path, timeout_s=420)
         driver.join(timeout=60)
+        with AutotuneClient(target=f"127.0.0.1:{port}") as client:
+            per_rank = client.describe_model("per-rank-net").summary
     assert not errors, errors
     res = _load(tmp_path, "rank", 4)
     records = _check_same_plan_every_step([r["tuned"]["records"] for r in res])
@@ -265,6 +267,10 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
     assert bytegrad[-1][1] >= 1
     for r in res:  # same init and batches as the reference: only the uint8 compression error separates them
         assert max(abs(a - b) for a, b in zip(r["bytegrad"]["losses"], r["reference"]["losses"], strict=False)) < 1e-2
+    # Per-rank reports (aggregate_reports=False): every rank reported its own intervals (12 steps at interval 3
+    # are 3 boundaries: at most 3 reports if only rank 0 reported for the job).
+    assert per_rank.reports_accepted >= 4, per_rank
+    assert all(r["per_rank"]["registered"] and r["per_rank"]["threads"] == [] for r in res)
     # A rank that cannot apply a plan makes every rank fail loudly at that boundary, none hangs.
     for r in res:
         assert r["mismatch"].startswith("ranks disagree at step 0 on: plan version, plan layout, apply failure"), \
