@@ -7,11 +7,16 @@ while different models proceed concurrently. The protocol:
   (identified by its layout); duplicates of a (rank, train_iter) are ignored.
 * ``AskHyperparameters(train_iter)`` decides the plan for that iteration once
   and caches it, so every rank asking for the same iteration gets the identical
-  plan. A new plan is chosen only for an iteration newer than every one decided
-  so far, once the current plan has been held ``sampling_confidence_time_s``,
-  the warm-up is over, and at least one report measured it.
+  plan. An iteration asked for the first time may get a new plan, once the
+  current plan has been held ``sampling_confidence_time_s``, the warm-up is
+  over, and at least one report measured it; the measured sample goes to the
+  tuner (in the request, or in a worker process whose proposal a later ask
+  hands back).
 * After ``max_samples`` measured plans (or when the planner converged), the best
   measured plan is handed back for good and persisted.
+
+Every collection here is bounded (layouts, issued plans, decisions, remembered
+iterations); numbers were range-checked on entry (:mod:`.reports`).
 """
 
 from __future__ import annotations
