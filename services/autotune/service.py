@@ -28,6 +28,8 @@ from .storeio import StoreIO
 
 logger = logging.getLogger(__name__)
 
+MAX_WORLD_SIZE = 1 << 20  # ranks of one job
+
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -162,8 +164,9 @@ class AutotuneService:
         self._check_name("model_name", model_name)
         tensors = self._tensors(tensor_list)
         world = world_size or self.config.world_size
-        if world < 1:
-            raise InvalidArgumentError(f"world_size must be >= 0 (0: the service's default), got {world_size}")
+        if not 1 <= world <= MAX_WORLD_SIZE:
+            raise InvalidArgumentError(
+                f"world_size must be in [0, {MAX_WORLD_SIZE}] (0: the service's default), got {world_size}")
         per_node = nproc_per_node or world
         if not 1 <= per_node <= world:
             raise InvalidArgumentError(

@@ -51,7 +51,8 @@ from .reports import MAX_TRAIN_ITER, LayoutStats, PlanRef, Spread, check_measure
 
 logger = logging.getLogger(__name__)
 
-_MAX_ITERS_PER_RANK = 4096  # remembered (rank, train_iter) pairs per rank before the oldest are dropped
+_MAX_ITERS_PER_RANK = 4096  # remembered train_iters per rank before the oldest half is dropped
+_MAX_ITERS = 65536  # remembered (rank, train_iter) pairs per model before every rank drops its oldest half
 _MAX_DECISIONS = 4096  # cached train_iter -> plan decisions before the oldest are dropped
 
 
@@ -125,6 +126,7 @@ class ModelSession:
         self._stats: OrderedDict[tuple[str, bool], LayoutStats] = OrderedDict()
         self._seen: dict[int, set[int]] = {}
         self._seen_floor: dict[int, int] = {}
+        self._seen_total = 0
         self._decisions: OrderedDict[int, tuple[BucketPlan, bool]] = OrderedDict()
         self._decided_iters: list[int] = []
         self._issued: OrderedDict[int, BucketPlan] = OrderedDict()
@@ -282,10 +284,12 @@ class ModelSession:
                 self.reports_ignored += 1
                 return False
             seen.add(train_iter)
+            self._seen_total += 1
             if len(seen) > _MAX_ITERS_PER_RANK:
-                keep = sorted(seen)[len(seen) // 2:]
-                self._seen_floor[rank] = keep[0] - 1
-                self._seen[rank] = set(keep)
+                self._forget_oldest(rank)
+            if self._seen_total > _MAX_ITERS:
+                for r in list(self._seen):
+                    self._forget_oldest(r)
             self.reports_accepted += 1
             if self._clock() - self.started_at < self.config.warmup_time_s:
                 return True  # accepted, but start-up speeds are not representative
@@ -339,6 +343,15 @@ class ModelSession:
                 logger.info("event=execution_order model=%s first=%s", self.registration.model_name, first[:3])
 
     # -- internals (lock held) ---------------------------------------------------------------------
+    def _forget_oldest(self, rank: int) -> None:
+        """Keep the newer half of ``rank``'s remembered iterations; older ones count as duplicates."""
+        seen = sorted(self._seen[rank])
+        keep = seen[len(seen) // 2:]
+        self._seen_total -= len(seen) - len(keep)
+        if len(keep) < len(seen):
+            self._seen_floor[rank] = keep[0] - 1
+        self._seen[rank] = set(keep)
+
     def _trim_stats(self) -> None:
         current = self._key_of(self._current)
         best = _layout_key(self._best.plan) if self._best is not None else None
