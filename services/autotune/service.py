@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -20,7 +21,7 @@ from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from .persistence import PlanStore
-from .proposal import Proposal, Tuner, propose_in_worker
+from .proposal import Proposal, Tuner, exit_with_parent, propose_in_worker
 from .reports import PlanRef, Spread
 from .samplelog import SampleLog
 from .session import ModelSession, Registration
@@ -86,7 +87,8 @@ class AutotuneService:
         if config.tuning_processes:
             # Spawned, not forked: the server process runs gRPC threads, which fork does not copy safely.
             self._tuning_pool = ProcessPoolExecutor(config.tuning_processes,
-                                                    mp_context=multiprocessing.get_context("spawn"))
+                                                    mp_context=multiprocessing.get_context("spawn"),
+                                                    initializer=exit_with_parent, initargs=(os.getpid(),))
 
     def _propose_async(self, tuner: Tuner, history: tuple[Sample, ...]) -> Future[Proposal]:
         assert self._tuning_pool is not None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 from PIL import Image
 
@@ -119,3 +121,15 @@ def test_both_server_kinds_serve_refuse_and_check_tokens(start_service, tmp_path
             with pytest.raises(ModelNotRegisteredError):
                 client.describe_model("other")
             assert client.describe_model("m").summary.reports_accepted == 1
+
+
+def test_tuning_workers_exit_with_a_killed_service(start_service) -> None:
+    with start_service("--warmup-time-s", "0", "--sampling-confidence-time-s", "0", "--tuning-processes", "1") \
+            as (target, proc):
+        _tune(target, rounds=8)  # proposals: the worker process is started
+        workers = psutil.Process(proc.pid).children(recursive=True)  # type: ignore[attr-defined]
+        assert workers
+        os.kill(proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        proc.wait(timeout=10)  # type: ignore[attr-defined]
+        wait_until(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), 30.0,
+                   "the tuning workers to exit after their service")
