@@ -2,40 +2,63 @@
 
 Every call has a deadline and is retried with exponential backoff while the
 service answers UNAVAILABLE or DEADLINE_EXCEEDED (starting, restarting, busy).
-Inputs may be the proto messages, the shared plan dataclasses, or plain dicts
-in Bagua's shape; calls return the response messages.
+Results are the shared plan dataclasses and small typed records, never proto
+messages; refusals raise the project's errors (:mod:`bagua_lightning.errors`):
+:class:`ModelNotRegisteredError` for NOT_FOUND, :class:`AutotuneRequestRejectedError`
+for INVALID_ARGUMENT / FAILED_PRECONDITION / RESOURCE_EXHAUSTED,
+:class:`AutotuneAuthenticationError` for UNAUTHENTICATED, :class:`ServiceUnavailableError`
+once retries are spent, :class:`AutotuneError` for anything else.
 
 Example::
 
     client = AutotuneClient("127.0.0.1", 29600)
     plan = client.register_tensors("resnet50", [{"name": "fc.weight", "num_elements": 2048000, "dtype": "f32"}])
-    client.report_metrics("resnet50", rank=0, train_iter=100,
-                          hyperparameters=plan.recommended_hyperparameters, speed=812.5)
-    reply = client.ask_hyperparameters("resnet50", rank=0, train_iter=100)
+    client.report_metrics("resnet50", rank=0, train_iter=100, hyperparameters=plan, speed=812.5)
+    answer = client.ask_hyperparameters("resnet50", rank=0, train_iter=100)
+    answer.plan, answer.completed
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bagua_lightning.errors import ServiceUnavailableError
+from bagua_lightning.errors import (
+    AutotuneAuthenticationError,
+    AutotuneError,
+    AutotuneRequestRejectedError,
+    ModelNotRegisteredError,
+    ServiceUnavailableError,
+)
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
-from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration, plan_to_proto
+from bagua_lightning.proto.plan import (
+    BucketPlan,
+    BucketTimingRecord,
+    TensorDeclaration,
+    plan_from_proto,
+    plan_to_proto,
+)
 
 from .retry import ExponentialBackoff, Retry
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_PORT = 29600
 DEFAULT_TIMEOUT_S = 5.0  # seconds: deadline of one attempt
 DEFAULT_RETRIES = 5
 RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_REJECTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
+_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})?")
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -47,66 +70,161 @@ def default_retry() -> Retry:
     return Retry(backoff=ExponentialBackoff(), retries=DEFAULT_RETRIES, retryable=_retryable, budget_s=30.0)
 
 
-def tensor_to_proto(value: Any) -> Any:
-    """A ``TensorDeclaration`` message from a message, the dataclass or a dict in Bagua's shape."""
-    if isinstance(value, pb.TensorDeclaration):
-        return value
+def quick_retry(retries: int, timeout_s: float) -> Retry:
+    """For calls from a training loop: ``retries`` quick retries within twice ``timeout_s`` in all."""
+    return Retry(backoff=ExponentialBackoff(base_s=0.05, cap_s=0.5), retries=retries, retryable=_retryable,
+                 budget_s=2 * timeout_s)
+
+
+def check_port(port: object, what: str = "port") -> int:
+    """``port`` as an int in 1..65535; ValueError naming it otherwise."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"{what} must be a whole number in 1..65535, got {port!r}")
+    return port
+
+
+def check_host(host: object) -> str:
+    """``host`` as a host name or IP address; ValueError naming it otherwise."""
+    if isinstance(host, str):
+        text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            ipaddress.ip_address(text)
+            return host
+        except ValueError:
+            if _HOSTNAME.fullmatch(text):
+                return host
+    raise ValueError(f"host must be a host name or an IP address, got {host!r}")
+
+
+def parse_target(target: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for IPv6) as (host, port); ValueError naming the value otherwise."""
+    if not isinstance(target, str):
+        raise ValueError(f"the autotune service address must be 'host:port', got {target!r}")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"the autotune service address must be 'host:port', got {target!r}")
+    try:
+        check_host(host)
+        check_port(int(port))
+    except ValueError as exc:
+        raise ValueError(f"the autotune service address {target!r} is not 'host:port': {exc}") from None
+    return host, int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanAnswer:
+    """The service's answer to AskHyperparameters.
+
+    Attributes:
+        plan: the plan to use from the asked iteration on (identical for every rank).
+        completed: True once tuning finished; the plan is then final.
+    """
+
+    plan: BucketPlan
+    completed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSummary:
+    """One model the service holds (see ``ModelSummary`` in the proto; scores in samples/s or -ms)."""
+
+    model_name: str
+    tensors: int
+    total_bytes: int
+    world_size: int
+    nproc_per_node: int
+    plan_version: int
+    completed: bool
+    samples: int
+    reports_accepted: int
+    reports_ignored: int
+    best_score: float | None
+    idle_s: float
+    tuner: str
+    layouts_tracked: int
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSummary:
+    """One measured plan: its layout in bytes per bucket and what it scored (speed in samples/s per rank)."""
+
+    index: int
+    plan_version: int
+    bucket_size: int
+    is_hierarchical_reduce: bool
+    bucket_bytes: tuple[int, ...]
+    speed: float
+    score: float
+    exposed_ms: float
+    reports: int
+    train_iter: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDescription:
+    """DescribeModel's answer: the summary, the current and best plans, every measured plan."""
+
+    summary: ModelSummary
+    current: BucketPlan
+    best: BucketPlan | None
+    samples: tuple[SampleSummary, ...]
+
+
+def _summary(m: Any) -> ModelSummary:
+    return ModelSummary(model_name=m.model_name, tensors=m.tensors, total_bytes=m.total_bytes,
+                        world_size=m.world_size, nproc_per_node=m.nproc_per_node, plan_version=m.plan_version,
+                        completed=m.completed, samples=m.samples, reports_accepted=m.reports_accepted,
+                        reports_ignored=m.reports_ignored, best_score=m.best_score if m.has_best else None,
+                        idle_s=m.idle_s, tuner=m.tuner, layouts_tracked=m.layouts_tracked)
+
+
+def tensor_to_proto(value: TensorDeclaration | Mapping[str, Any]) -> Any:
+    """A ``TensorDeclaration`` message from the dataclass or a dict in Bagua's shape."""
     t = TensorDeclaration.coerce(value)
     return pb.TensorDeclaration(name=t.name, num_elements=t.num_elements, dtype=t.dtype)
 
 
-def hyperparameters_to_proto(value: Any) -> Any:
-    """A ``Hyperparameters`` message from a message, a response holding one, a ``BucketPlan`` or a dict.
-
-    Dicts may be Bagua's shape (``{"buckets": [[{name, num_elements, dtype}, ...], ...], "bucket_size",
-    "is_hierarchical_reduce"}``, as :meth:`BucketPlan.to_dict` returns) or the message's JSON shape
-    (buckets as ``{"tensors": [...]}``).
-    """
-    if value is None:
-        return pb.Hyperparameters()
-    if isinstance(value, pb.Hyperparameters):
-        return value
-    if isinstance(value, pb.AskHyperparametersResponse | pb.RegisterTensorsResponse):
-        return value.recommended_hyperparameters
+def plan_of(value: BucketPlan | Mapping[str, Any]) -> BucketPlan:
+    """A plan from the dataclass or a dict in Bagua's shape (:meth:`BucketPlan.to_dict`)."""
     if isinstance(value, BucketPlan):
-        return plan_to_proto(value)
-    if isinstance(value, Mapping):
-        if "recommended_hyperparameters" in value:
-            return hyperparameters_to_proto(value["recommended_hyperparameters"])
-        buckets = [b["tensors"] if isinstance(b, Mapping) else b for b in value.get("buckets", ())]
-        return pb.Hyperparameters(
-            buckets=[pb.Bucket(tensors=[tensor_to_proto(t) for t in bucket]) for bucket in buckets],
-            bucket_size=int(value.get("bucket_size", 0)),
-            is_hierarchical_reduce=bool(value.get("is_hierarchical_reduce", False)),
-            plan_version=int(value.get("plan_version", 0)),
-        )
-    raise TypeError(f"hyperparameters must be a Hyperparameters message, a BucketPlan or a dict, "
-                    f"got {type(value).__name__}")
-
-
-def timing_to_proto(value: Any) -> Any:
-    """A ``BucketTiming`` message from a message, a ``BucketTimingRecord`` or a dict of its fields."""
-    if isinstance(value, pb.BucketTiming):
         return value
+    if isinstance(value, Mapping):
+        return BucketPlan.from_dict(value)
+    raise TypeError(f"hyperparameters must be a BucketPlan or a dict in Bagua's shape, got {type(value).__name__}")
+
+
+def timing_to_proto(value: BucketTimingRecord | Mapping[str, Any]) -> Any:
+    """A ``BucketTiming`` message from a ``BucketTimingRecord`` or a dict of its fields."""
     if isinstance(value, BucketTimingRecord):
         value = value.to_dict()
     if isinstance(value, Mapping):
-        unknown = set(value) - {"bucket_index", "bytes", "ready_ms", "comm_ms", "wait_ms"}
+        unknown = set(value) - {"bucket_index", "bytes", "ready_ms", "comm_ms", "wait_ms", "comm_ms_max",
+                                "wait_ms_max"}
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)} in bucket timing {dict(value)!r}; expected "
-                             "bucket_index, bytes, ready_ms, comm_ms, wait_ms")
+                             "bucket_index, bytes, ready_ms, comm_ms, wait_ms (comm_ms_max, wait_ms_max)")
         return pb.BucketTiming(**value)
-    raise TypeError(f"a bucket timing must be a BucketTiming, a BucketTimingRecord or a dict, "
-                    f"got {type(value).__name__}")
+    raise TypeError(f"a bucket timing must be a BucketTimingRecord or a dict, got {type(value).__name__}")
 
 
-def span_to_proto(value: Any) -> Any:
-    """An ``ExecutionSpan`` message from a message or a dict (Bagua's span shape)."""
-    if isinstance(value, pb.ExecutionSpan):
-        return value
+def span_to_proto(value: Mapping[str, Any]) -> Any:
+    """An ``ExecutionSpan`` message from a dict (Bagua's span shape)."""
     if isinstance(value, Mapping):
         return pb.ExecutionSpan(**value)
-    raise TypeError(f"a span must be an ExecutionSpan or a dict, got {type(value).__name__}")
+    raise TypeError(f"a span must be a dict, got {type(value).__name__}")
+
+
+def _error(method: str, target: str, exc: grpc.RpcError) -> AutotuneError:
+    code = exc.code()  # type: ignore[attr-defined]
+    detail = f"autotune {method} at {target}: {code.name}: {exc.details()}"  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ModelNotRegisteredError(detail, code.name)
+    if code in _REJECTED:
+        return AutotuneRequestRejectedError(detail, code.name)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AutotuneAuthenticationError(
+            f"{detail}; pass token= or set BAGUA_LIGHTNING_AUTOTUNE_TOKEN to the service's token", code.name)
+    return AutotuneError(detail, code.name)
 
 
 class AutotuneClient:
@@ -114,20 +232,36 @@ class AutotuneClient:
 
     Args:
         host: service host (ignored when ``target`` is given).
-        port: service port (ignored when ``target`` is given).
-        target: ``"host:port"`` (or any gRPC target) instead of host and port.
+        port: service port, 1..65535 (ignored when ``target`` is given).
+        target: ``"host:port"`` instead of host and port.
         timeout_s: deadline of each attempt, in seconds.
         retry: retry policy for UNAVAILABLE / DEADLINE_EXCEEDED (default: :func:`default_retry`).
-        tls_root_cert: PEM file of the CA that signed the server's certificate; enables TLS.
+        token: bearer token sent with every call (``authorization`` metadata); None: from
+            :func:`bagua_lightning.services_file.resolve_autotune_token` (none when unset).
+        tls: connect over TLS (the system's root certificates unless ``root_certificates``).
+        root_certificates: PEM of the CA that signed the server's certificate (bytes, or a
+            file path); implies ``tls``.
         max_message_bytes: largest message sent or received, in bytes.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 29600, *, target: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, retry: Retry | None = None,
-                 tls_root_cert: str | Path | None = None, max_message_bytes: int = 64 * 1024**2) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
-        self.target = target or f"{host}:{port}"
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, target: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, retry: Retry | None = None, token: str | None = None,
+                 tls: bool = False, root_certificates: bytes | str | Path | None = None,
+                 max_message_bytes: int = 64 * 1024**2) -> None:
+        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if target is not None:
+            parse_target(target)
+            self.target = target
+        else:
+            self.target = f"{check_host(host)}:{check_port(port)}"
+        if token is None:
+            from bagua_lightning.services_file import resolve_autotune_token
+
+            token = resolve_autotune_token()
+        if token is not None and (not isinstance(token, str) or not token.strip() or "\n" in token):
+            raise ValueError("token must be a non-empty single-line string (or None for no token)")
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s = timeout_s
         self.retry = retry or default_retry()
         options = [("grpc.max_send_message_length", max_message_bytes),
@@ -136,9 +270,11 @@ class AutotuneClient:
                    # Reconnect quickly to a service that is (re)starting; the Retry object paces the calls.
                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
-        if tls_root_cert is not None:
-            credentials = grpc.ssl_channel_credentials(Path(tls_root_cert).read_bytes())
-            self._channel = grpc.secure_channel(self.target, credentials, options=options)
+        if tls or root_certificates is not None:
+            roots = root_certificates
+            if isinstance(roots, str | Path):
+                roots = Path(roots).read_bytes()
+            self._channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(roots), options=options)
         else:
             self._channel = grpc.insecure_channel(self.target, options=options)
         self._stub = pb_grpc.AutotuneServiceStub(self._channel)
@@ -149,7 +285,7 @@ class AutotuneClient:
         rpc = getattr(self._stub, method)
 
         def attempt() -> Any:
-            return rpc(request, timeout=self.timeout_s)
+            return rpc(request, timeout=self.timeout_s, metadata=self._metadata)
 
         def log_retry(exc: BaseException, failures: int, wait_s: float) -> None:
             logger.debug("autotune %s to %s failed (%s); retry %d in %.3f s", method, self.target,
@@ -164,7 +300,7 @@ class AutotuneClient:
                     f"({exc.code().name}: {exc.details()}) after {self.retry.retries} retries; "  # type: ignore[attr-defined]
                     "start it with `bagua-lightning autotune serve` or point BAGUA_LIGHTNING_AUTOTUNE_SERVICE at it"
                 ) from exc
-            raise
+            raise _error(method, self.target, exc) from exc
 
     def close(self) -> None:
         self._channel.close()
@@ -176,34 +312,75 @@ class AutotuneClient:
         self.close()
 
     # -- the API (Bagua's names) -------------------------------------------------------------------
-    def register_tensors(self, model_name: str, tensor_list: Iterable[Any], whether_to_bucket: bool = True, *,
-                         world_size: int = 0, nproc_per_node: int = 0) -> Any:
-        """Declare a model's tensors; returns a ``RegisterTensorsResponse`` with the initial plan."""
+    def register_tensors(self, model_name: str, tensor_list: Iterable[TensorDeclaration | Mapping[str, Any]],
+                         whether_to_bucket: bool = True, *, world_size: int = 0,
+                         nproc_per_node: int = 0) -> BucketPlan:
+        """Declare a model's tensors; returns the initial plan."""
         request = pb.RegisterTensorsRequest(model_name=model_name,
                                             tensor_list=[tensor_to_proto(t) for t in tensor_list],
                                             whether_to_bucket=whether_to_bucket, world_size=world_size,
                                             nproc_per_node=nproc_per_node)
-        return self._call("RegisterTensors", request)
+        return self._plan("RegisterTensors", request)
 
-    def report_metrics(self, model_name: str, rank: int, train_iter: int, hyperparameters: Any, speed: float,
-                       bucket_timings: Sequence[Any] | None = None, *, backward_ms: float = 0.0) -> Any:
-        """Report one rank's measurement of ``hyperparameters``; returns a ``ReportMetricsResponse``."""
+    def _plan(self, method: str, request: Any) -> BucketPlan:
+        reply = self._call(method, request)
+        try:
+            return plan_from_proto(reply.recommended_hyperparameters)
+        except (ValueError, TypeError) as exc:
+            raise AutotuneError(f"the autotune service at {self.target} answered {method} with a malformed "
+                                f"plan: {exc}", "INTERNAL") from exc
+
+    def report_metrics(self, model_name: str, rank: int, train_iter: int,
+                       hyperparameters: BucketPlan | Mapping[str, Any] | None, speed: float,
+                       bucket_timings: Sequence[BucketTimingRecord | Mapping[str, Any]] | None = None, *,
+                       backward_ms: float = 0.0, ranks: int = 0, speed_min: float = 0.0, speed_max: float = 0.0,
+                       speed_stddev: float = 0.0) -> bool:
+        """Report a measurement of ``hyperparameters`` (None: the plan the service handed back for
+        ``train_iter``); returns False when the service already had one for (rank, train_iter).
+
+        ``ranks > 1`` makes it the job's aggregated report (from rank 0): speed and timings are
+        means over the ranks, ``speed_min/max/stddev`` their spread.
+        """
         request = pb.ReportMetricsRequest(
-            model_name=model_name, rank=rank, train_iter=train_iter,
-            hyperparameters=hyperparameters_to_proto(hyperparameters), speed=speed,
-            bucket_timings=[timing_to_proto(t) for t in bucket_timings or ()], backward_ms=backward_ms)
-        return self._call("ReportMetrics", request)
+            model_name=model_name, rank=rank, train_iter=train_iter, speed=speed,
+            bucket_timings=[timing_to_proto(t) for t in bucket_timings or ()], backward_ms=backward_ms,
+            ranks=ranks, speed_min=speed_min, speed_max=speed_max, speed_stddev=speed_stddev)
+        if hyperparameters is not None:
+            request.hyperparameters.CopyFrom(plan_to_proto(plan_of(hyperparameters)))
+        return bool(self._call("ReportMetrics", request).accepted)
 
-    def ask_hyperparameters(self, model_name: str, rank: int, train_iter: int) -> Any:
-        """The plan to use from ``train_iter`` on; returns an ``AskHyperparametersResponse``."""
-        return self._call("AskHyperparameters",
-                          pb.AskHyperparametersRequest(model_name=model_name, rank=rank, train_iter=train_iter))
+    def ask_hyperparameters(self, model_name: str, rank: int, train_iter: int) -> PlanAnswer:
+        """The plan to use from ``train_iter`` on, and whether tuning completed."""
+        request = pb.AskHyperparametersRequest(model_name=model_name, rank=rank, train_iter=train_iter)
+        reply = self._call("AskHyperparameters", request)
+        try:
+            plan = plan_from_proto(reply.recommended_hyperparameters)
+        except (ValueError, TypeError) as exc:
+            raise AutotuneError(f"the autotune service at {self.target} answered with a malformed plan: {exc}",
+                                "INTERNAL") from exc
+        return PlanAnswer(plan=plan, completed=bool(reply.is_autotune_completed))
 
-    def report_tensor_execution_order(self, spans: Iterable[Any], model_name: str = "") -> Any:
+    def report_tensor_execution_order(self, spans: Iterable[Mapping[str, Any]], model_name: str = "") -> None:
         """Report when tensors became ready; later plans cut buckets in that order."""
         request = pb.ReportTensorExecutionOrderRequest(spans=[span_to_proto(s) for s in spans],
                                                        model_name=model_name)
-        return self._call("ReportTensorExecutionOrder", request)
+        self._call("ReportTensorExecutionOrder", request)
+
+    def list_models(self) -> list[ModelSummary]:
+        """Every model the service holds, by name."""
+        return [_summary(m) for m in self._call("ListModels", pb.ListModelsRequest()).models]
+
+    def describe_model(self, model_name: str) -> ModelDescription:
+        """One model's plans and samples; ModelNotRegisteredError when the service does not hold it."""
+        reply = self._call("DescribeModel", pb.DescribeModelRequest(model_name=model_name))
+        samples = tuple(SampleSummary(index=s.index, plan_version=s.plan_version, bucket_size=s.bucket_size,
+                                      is_hierarchical_reduce=s.is_hierarchical_reduce,
+                                      bucket_bytes=tuple(s.bucket_bytes), speed=s.speed, score=s.score,
+                                      exposed_ms=s.exposed_ms, reports=s.reports, train_iter=s.train_iter)
+                        for s in reply.samples)
+        return ModelDescription(summary=_summary(reply.summary), current=plan_from_proto(reply.current),
+                                best=plan_from_proto(reply.best) if reply.HasField("best") else None,
+                                samples=samples)
 
     def health_check(self, timeout_s: float = 1.0) -> bool:
         """True when the service answers SERVING within ``timeout_s``; never raises."""

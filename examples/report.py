@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+WARM_HIT_RATE = 0.95  # an epoch below this cache hit rate is still warming the cache
 MIB = 1024**2
 DATASET_NAME = "bagua-lightning-demo"  # the demo dataset's cache name
 
@@ -75,7 +76,8 @@ class ReportRecord:
 
     Attributes:
         step: ``global_step`` of the boundary (0: set-up).
-        samples_per_s: rank 0's speed over the interval that ended here; None at set-up.
+        samples_per_s: samples/s per rank over the interval that ended here (the mean over the job's
+            ranks); None at set-up. Multiply by the processes for the job's samples/s (the table's unit).
         plan_version: the plan in use from this step on (-1: the default plan).
         bucket_size: its bucket size, in bytes.
         num_buckets: its number of buckets.
@@ -209,9 +211,14 @@ def format_job(job: JobResult) -> str:
         lines += [f"     bucket {i}: {', '.join(names)}" for i, names in enumerate(final.tensors)]
     speeds = [r for r in job.reports if r.samples_per_s is not None]
     if speeds:
-        lines.append(f"   autotune reports: {len(speeds)} (rank 0 samples/s: "
-                     + ", ".join(f"{r.samples_per_s:.0f}" for r in speeds[:12])
+        lines.append(f"   autotune reports: {len(speeds)} (samples/s of all ranks, as in the table: "
+                     + ", ".join(f"{(r.samples_per_s or 0.0) * job.processes:.0f}" for r in speeds[:12])
                      + (", ..." if len(speeds) > 12 else "") + ")")
+    warm = [e.epoch for e in job.epochs if e.hit_rate < WARM_HIT_RATE]
+    if warm and len(warm) < len(job.epochs):
+        lines.append(f"   note: epoch(s) {', '.join(map(str, warm))} read a cold cache (hit rate below "
+                     f"{100 * WARM_HIT_RATE:.0f}%); their throughput reflects the slow transform, not the bucket "
+                     "plan: compare plans within warm epochs")
     if job.autotune_summary:
         lines.append(f"   {job.autotune_summary}")
     return "\n".join(lines)
@@ -237,7 +244,8 @@ def format_comparison(jobs: list[JobResult]) -> str:
         if first.epochs and first.epochs[0].samples_per_s > 0:
             ratio = e.samples_per_s / first.epochs[0].samples_per_s
             lines.append(f"   epoch 1 samples/s: {first.job} {first.epochs[0].samples_per_s:.1f} -> "
-                         f"{later.job} {e.samples_per_s:.1f} ({ratio:.2f}x)")
+                         f"{later.job} {e.samples_per_s:.1f} ({ratio:.2f}x; the cache's effect: {first.job} "
+                         f"epoch 1 computed its samples, {later.job} read them)")
         if first.plans and later.plans:
             lines.append(f"   {later.job} started on {_plan_line(later.plans[0]).split(': ', 1)[1]} "
                          f"({first.job} ended on v{first.plans[-1].version})")
@@ -248,12 +256,16 @@ def format_comparison(jobs: list[JobResult]) -> str:
 
 
 def plot_trajectory(jobs: list[JobResult], path: Path) -> Path:
-    """Draw every job's autotune trajectory into one PNG: reported samples/s and the bucket size per step.
+    """Draw every job's autotune trajectory into one PNG: samples/s and the bucket size per step.
 
-    Jobs follow each other on the step axis (a dashed line where the next one starts).
+    Jobs follow each other on the step axis (a dashed line where the next one starts); epoch
+    boundaries are dotted lines, and epochs that read a cold cache are shaded, so a reader does
+    not take the cache warming up for tuning. Speeds are samples/s of all ranks, the table's unit.
     """
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("the demo's plot needs matplotlib: pip install 'bagua-lightning[demo]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FormatStrFormatter
@@ -266,10 +278,26 @@ def plot_trajectory(jobs: list[JobResult], path: Path) -> Path:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, job in enumerate(jobs):
         color = colors[i % len(colors)]
-        speeds = [(offset + r.step, r.samples_per_s) for r in job.reports if r.samples_per_s is not None]
+        speeds = [(offset + r.step, r.samples_per_s * job.processes) for r in job.reports
+                  if r.samples_per_s is not None]
         if speeds:
             xs, ys = zip(*speeds, strict=True)
-            ax_speed.plot(xs, ys, "o-", color=color, label=f"{job.job}: rank 0 samples/s per report")
+            ax_speed.plot(xs, ys, "o-", color=color, label=f"{job.job}: samples/s (all ranks) per report")
+        step = offset
+        for e in job.epochs:
+            start = step
+            step += math.ceil(e.samples / max(1, job.processes * job.batch_size))
+            if e.hit_rate < WARM_HIT_RATE:
+                for ax in (ax_speed, ax_size):
+                    ax.axvspan(start, step, color="orange", alpha=0.12, linewidth=0)
+                ax_speed.annotate(f"cache warming ({100 * e.hit_rate:.0f}% hits)", (start, 1),
+                                  xycoords=("data", "axes fraction"), xytext=(3, -12), textcoords="offset points",
+                                  fontsize=7, color="darkorange")
+            if e is not job.epochs[-1]:
+                for ax in (ax_speed, ax_size):
+                    ax.axvline(step, color="gray", linestyle=":", linewidth=0.7)
+                ax_size.annotate(f"epoch {e.epoch + 1}", (step, 0), xycoords=("data", "axes fraction"),
+                                 xytext=(2, 2), textcoords="offset points", fontsize=7, color="gray")
         steps = [offset + p.step for p in job.plans]
         sizes = [p.bucket_size / MIB for p in job.plans]
         end = offset + max(job.steps, 1)
@@ -294,7 +322,7 @@ def plot_trajectory(jobs: list[JobResult], path: Path) -> Path:
             ax_speed.annotate(f"{job.job} starts", (offset, 0), xycoords=("data", "axes fraction"),
                               xytext=(3, 3), textcoords="offset points", fontsize=8, color="gray")
         offset = end
-    ax_speed.set_ylabel("samples/s (rank 0)")
+    ax_speed.set_ylabel("samples/s (all ranks)")
     ax_speed.set_title("bagua-lightning demo: autotune trajectory")
     ax_size.set_ylabel("bucket size (MiB)")
     ax_size.set_yscale("log")

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -72,6 +73,10 @@ class BaguaStrategy(DDPStrategy):
             variable ``BAGUA_LIGHTNING_AUTOTUNE_SERVICE``, else the file
             ``bagua-lightning up`` writes, else ``127.0.0.1:29600``.
         autotune_interval: steps between two autotune step boundaries (report, ask, apply).
+        autotune_token: bearer token of the autotune service; None: ``BAGUA_LIGHTNING_AUTOTUNE_TOKEN``
+            (or the services file), else no token.
+        autotune_tls: True: talk TLS with the system's root certificates; a path: TLS with
+            that PEM file as the CA of the service's certificate; False: plaintext.
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``,
             ``average``, ``peer_selection_mode``, ``sync_interval_ms``); unknown ones
             raise :class:`~bagua_lightning.errors.ConfigurationError` listing the accepted ones.
@@ -96,6 +101,8 @@ class BaguaStrategy(DDPStrategy):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         autotune_service: str | None = None,
         autotune_interval: int = DEFAULT_AUTOTUNE_INTERVAL,
+        autotune_token: str | None = None,
+        autotune_tls: bool | str | Path = False,
         **bagua_kwargs: Any,
     ) -> None:
         if not isinstance(flatten, bool):
@@ -107,6 +114,11 @@ class BaguaStrategy(DDPStrategy):
         if not isinstance(autotune, bool):
             raise ConfigurationError(f"autotune must be a bool, got {autotune!r}")
         self._autotune_settings: AutotuneSettings | None = None
+        if not isinstance(autotune_tls, bool | str | Path):
+            raise ConfigurationError(f"autotune_tls must be a bool or a CA certificate path, got {autotune_tls!r}")
+        tls_roots = None if isinstance(autotune_tls, bool) else autotune_tls
+        if autotune_service is not None and not autotune:
+            AutotuneSettings(address=autotune_service)  # a bad address fails now, naming it
         if autotune:
             if not self._algorithm_class.uses_gradient_buckets:
                 raise ConfigurationError(
@@ -114,7 +126,8 @@ class BaguaStrategy(DDPStrategy):
                     "averages weights outside backward, so there is no bucket plan to tune. Use "
                     "gradient_allreduce, bytegrad or qadam, or drop autotune=True")
             self._autotune_settings = AutotuneSettings(
-                address=resolve_autotune_address(autotune_service), interval=autotune_interval)
+                address=resolve_autotune_address(autotune_service), interval=autotune_interval,
+                token=autotune_token, tls=autotune_tls is not False, root_certificates=tls_roots)
         self._autotune: AutotuneController | None = None
         self.autotune_summary: AutotuneSummary | None = None
         super().__init__(

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration, plan_from_proto
+from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration
+from bagua_lightning.services_file import ENV_AUTOTUNE_TOKEN
 
 from .config import TUNERS, ServiceConfig
-from .server import DEFAULT_PORT, TlsFiles, serve
+from .server import DEFAULT_PORT, SERVER_KINDS, TlsFiles, read_token_file, serve
 
 
 def register(subparsers: Any) -> None:
@@ -39,7 +40,23 @@ def register(subparsers: Any) -> None:
     s.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     s.add_argument("--max-workers", type=int, default=8,
                    help="server threads (default 8: handlers take ~40 us, and more threads only contend for the GIL)")
+    s.add_argument("--server", choices=SERVER_KINDS, default="aio",
+                   help="aio: handlers on grpc.aio's event loop (default; lower tail latency); threads: grpc's "
+                        "thread-pool server with --max-workers threads")
+    s.add_argument("--tuning-processes", type=int, default=1,
+                   help="worker processes computing the tuners' proposals, so no request waits for one "
+                        "(default 1; 0: in the request)")
+    s.add_argument("--token-file", type=Path, default=None,
+                   help="file holding the bearer token every call must carry (default: "
+                        "$BAGUA_LIGHTNING_AUTOTUNE_TOKEN, else no token); health checks stay open")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (default: off; 0 picks one)")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default 127.0.0.1)")
     s.set_defaults(func=_serve)
+
+    from .inspection import register_inspection
+
+    register_inspection(sub)
 
     m = sub.add_parser("simulate", help="drive the service with simulated ranks and print the plans it hands back")
     m.add_argument("--target", default=None, help="use this running service (host:port) instead of starting one")
@@ -87,8 +104,12 @@ def _add_tuning_options(p: argparse.ArgumentParser, *, warmup_time_s: float | No
                    help="auto: model-based planner when reports carry bucket timings, else Bayesian")
     p.add_argument("--no-early-stop", action="store_true", help="always measure --max-samples plans")
     p.add_argument("--max-tensors", type=int, default=100_000, help="tensors per model / spans per request")
-    p.add_argument("--max-models", type=int, default=1024, help="models tuned at once")
+    p.add_argument("--max-models", type=int, default=1024,
+                   help="models held at once; one more evicts the least recently used (default 1024)")
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024**2, help="largest gRPC message, bytes")
+    p.add_argument("--max-name-bytes", type=int, default=1024, help="longest model or tensor name, bytes")
+    p.add_argument("--max-layouts", type=int, default=64, help="measured layouts kept per model")
+    p.add_argument("--store-timeout-s", type=float, default=1.0, help="deadline of one --state operation, s")
 
 
 def _fill_env_defaults(args: argparse.Namespace) -> None:
@@ -114,15 +135,27 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         world_size=args.world_size, autotune_level=args.autotune_level, max_samples=args.max_samples,
         warmup_time_s=args.warmup_time_s, sampling_confidence_time_s=args.sampling_confidence_time_s,
         default_bucket_size=args.default_bucket_size, tuner=args.tuner, early_stop=not args.no_early_stop,
-        max_tensors=args.max_tensors, max_models=args.max_models, max_request_bytes=args.max_request_bytes)
+        max_tensors=args.max_tensors, max_models=args.max_models, max_request_bytes=args.max_request_bytes,
+        max_name_bytes=args.max_name_bytes, max_layouts=args.max_layouts, store_timeout_s=args.store_timeout_s,
+        tuning_processes=getattr(args, "tuning_processes", 0))
 
 
 def _serve(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together: give both to enable TLS, or neither")
     tls = TlsFiles(cert=args.tls_cert, key=args.tls_key) if args.tls_cert else None
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    if args.token_file is not None:
+        try:
+            token: str | None = read_token_file(args.token_file)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    else:
+        token = os.environ.get(ENV_AUTOTUNE_TOKEN, "").strip() or None
     return serve(_config(args), host=args.host, port=args.port, state=args.state, log_dir=args.log_dir, tls=tls,
-                 max_workers=args.max_workers)
+                 max_workers=args.max_workers, token=token, metrics_port=args.metrics_port,
+                 metrics_host=args.metrics_host, kind=args.server)
 
 
 # -- simulate ------------------------------------------------------------------------------------------
@@ -183,17 +216,17 @@ def _drive(client: Any, model: _SimModel, args: argparse.Namespace, lock: thread
     for round_ in range(args.reports):
         train_iter = round_ * args.steps_per_report
         reply = client.ask_hyperparameters(model.name, rank=0, train_iter=train_iter)
-        plan = plan_from_proto(reply.recommended_hyperparameters)
+        plan = reply.plan
         step = job.step_ms(plan)
         with lock:
             print(f"[{model.name}] iter {train_iter:5d}  v{plan.version:<2d} {_describe(plan)}  step {step:6.1f} ms"
                   f"  (+{100 * (step / best_ms - 1):4.1f}% vs best)"
-                  f"{'  completed' if reply.is_autotune_completed else ''}")
-        if reply.is_autotune_completed:
+                  f"{'  completed' if reply.completed else ''}")
+        if reply.completed:
             break
         for rank in range(model.world_size):
             speed, timings, backward_ms = job.measure(plan)
-            client.report_metrics(model.name, rank, train_iter, reply.recommended_hyperparameters, speed,
+            client.report_metrics(model.name, rank, train_iter, plan, speed,
                                   None if args.speed_only else timings, backward_ms=backward_ms)
 
 

@@ -9,6 +9,7 @@ from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE
 
 TUNERS = ("auto", "bayes", "planner")
+MAX_SAMPLES = 10_000  # measured plans per model: the tuners' work grows with it
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,9 +33,18 @@ class ServiceConfig:
         min_log2_bucket_size: lower end of the Bayesian search space, log2 of bytes.
         max_log2_bucket_size: upper end of the Bayesian search space, log2 of bytes.
         seed: seed of the Bayesian baseline's random initial points.
-        max_models: models tuned at once; more registrations get RESOURCE_EXHAUSTED.
+        max_models: models held at once; registering one more evicts the least recently
+            used model (its best plan stays in the store; its trainers register again).
         max_tensors: tensors per model / spans per request; more get RESOURCE_EXHAUSTED.
         max_request_bytes: largest accepted gRPC message, in bytes.
+        max_name_bytes: longest model or tensor name, in UTF-8 bytes; longer get RESOURCE_EXHAUSTED.
+        max_layouts: measured layouts (plans) whose statistics a model keeps; the least
+            recently reported one is dropped beyond it (the current plan's never).
+        max_plans: issued plans a model remembers (by version) for reports that name them.
+        store_timeout_s: deadline of one plan-store operation, in seconds.
+        tuning_processes: worker processes that compute the tuners' proposals (0: in the
+            request that takes a sample, which then waits milliseconds for it). With workers
+            a new plan is handed back one ask later, and requests never wait for a tuner.
     """
 
     world_size: int = 1
@@ -51,6 +61,11 @@ class ServiceConfig:
     max_models: int = 1024
     max_tensors: int = 100_000
     max_request_bytes: int = 16 * 1024**2
+    max_name_bytes: int = 1024
+    max_layouts: int = 64
+    max_plans: int = 256
+    store_timeout_s: float = 1.0
+    tuning_processes: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -58,8 +73,8 @@ class ServiceConfig:
         if self.autotune_level not in (0, 1):
             raise ConfigurationError(
                 f"autotune_level must be 0 (default plan only) or 1 (tune), got {self.autotune_level}")
-        if self.max_samples < 1:
-            raise ConfigurationError(f"max_samples must be >= 1, got {self.max_samples}")
+        if not 1 <= self.max_samples <= MAX_SAMPLES:
+            raise ConfigurationError(f"max_samples must be in [1, {MAX_SAMPLES}], got {self.max_samples}")
         for name in ("warmup_time_s", "sampling_confidence_time_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -72,6 +87,16 @@ class ServiceConfig:
             raise ConfigurationError(
                 "the Bayesian search space needs 0 < min_log2_bucket_size < max_log2_bucket_size <= 40, got "
                 f"{self.min_log2_bucket_size}, {self.max_log2_bucket_size}")
-        for name in ("max_models", "max_tensors", "max_request_bytes"):
+        for name in ("max_models", "max_tensors", "max_request_bytes", "max_name_bytes", "max_layouts",
+                     "max_plans"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_layouts < 2 or self.max_plans < 2:
+            raise ConfigurationError(
+                f"max_layouts and max_plans must be >= 2 (the current and the best plan), got "
+                f"{self.max_layouts} and {self.max_plans}")
+        if not 0 <= self.tuning_processes <= 64:
+            raise ConfigurationError(f"tuning_processes must be in [0, 64], got {self.tuning_processes}")
+        if not math.isfinite(self.store_timeout_s) or self.store_timeout_s <= 0:
+            raise ConfigurationError(f"store_timeout_s must be a positive number of seconds, got "
+                                     f"{self.store_timeout_s}")

@@ -8,11 +8,14 @@ service execute code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,18 +58,35 @@ class StoredPlan:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StoredPlan:
+        """Parse and range-check a stored plan; ValueError/KeyError/TypeError when it is malformed."""
+        if len(text) > MAX_STORED_BYTES:
+            raise ValueError(f"stored plan is {len(text)} bytes, more than {MAX_STORED_BYTES}")
         data: dict[str, Any] = json.loads(text)
-        return cls(plan=BucketPlan.from_dict(data["plan"]), score=float(data["score"]),
-                   completed=bool(data["completed"]), model_name=str(data.get("model_name", "")),
-                   saved_at=float(data.get("saved_at", 0.0)))
+        score = float(data["score"])
+        if not math.isfinite(score) or abs(score) > 1e12:
+            raise ValueError(f"stored score must be finite and within 1e12, got {score}")
+        completed = data["completed"]
+        if not isinstance(completed, bool):
+            raise TypeError(f"stored completed must be a bool, got {completed!r}")
+        return cls(plan=BucketPlan.from_dict(data["plan"]), score=score, completed=completed,
+                   model_name=str(data.get("model_name", ""))[:1024], saved_at=float(data.get("saved_at", 0.0)))
+
+
+MAX_STORED_BYTES = 64 * 1024**2  # a stored plan of 100k tensors with long names stays well below
 
 
 class PlanStore(Protocol):
-    """Where best plans are kept; ``load`` returns None for unknown or unreadable keys."""
+    """Where best plans are kept; ``load`` returns None for unknown or unreadable keys.
+
+    Calls may block up to the store's deadline and raise on failure; the service calls
+    them outside its locks. ``ping`` raises when the store cannot be used now.
+    """
 
     def load(self, key: str) -> StoredPlan | None: ...
 
     def save(self, key: str, stored: StoredPlan) -> None: ...
+
+    def ping(self) -> None: ...
 
 
 class DirectoryPlanStore:
@@ -84,6 +104,8 @@ class DirectoryPlanStore:
     def load(self, key: str) -> StoredPlan | None:
         file = self._file(key)
         try:
+            if file.stat().st_size > MAX_STORED_BYTES:
+                raise ValueError(f"{file} is larger than {MAX_STORED_BYTES} bytes")
             return StoredPlan.from_json(file.read_text())
         except FileNotFoundError:
             return None
@@ -93,59 +115,103 @@ class DirectoryPlanStore:
 
     def save(self, key: str, stored: StoredPlan) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".plan-", suffix=".tmp")
-        with os.fdopen(fd, "w") as handle:
-            handle.write(stored.to_json())
-        os.replace(tmp, self._file(key))
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(stored.to_json())
+            os.replace(tmp, self._file(key))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def ping(self) -> None:
+        """Raise OSError when the directory cannot take a write (gone, read-only, full)."""
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".ping-", suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
 
     def __repr__(self) -> str:
         return f"DirectoryPlanStore({str(self.path)!r})"
 
 
 class RedisPlanStore:
-    """One Redis string per key (``bagua_lightning:autotune:plan:<key>``), JSON encoded."""
+    """One Redis string per key (``bagua_lightning:autotune:plan:<key>``), JSON encoded.
 
-    def __init__(self, url: str, *, timeout_s: float = 2.0) -> None:
-        import redis  # imported here: a directory store needs no redis client
-        from redis.cluster import RedisCluster
+    Whether the server runs in cluster mode is asked on first use and asked again after
+    every failure until it is known, so a store that was down at start connects in the
+    right mode (a cluster client for a cluster) once it is up.
+    """
 
+    def __init__(self, url: str, *, timeout_s: float = 1.0) -> None:
         self.url = url
-        options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        self._options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
         # A password is never put in a URL that lands in logs or process lists: take it from the env.
         password = os.environ.get("BAGUA_LIGHTNING_REDIS_PASSWORD")
         if password and "@" not in url:
-            options["password"] = password
-        probe = redis.Redis.from_url(url, **options)
-        try:
-            cluster = bool(probe.info("cluster").get("cluster_enabled"))
-        except redis.RedisError:
-            cluster = False  # unreachable now: the session logs failed loads/saves and keeps serving
-        if cluster:
-            probe.close()
-            self._client: Any = RedisCluster.from_url(url, **options)
-        else:
-            self._client = probe
+            self._options["password"] = password
+        self._client: Any = None
+        self._lock = threading.Lock()
+        with contextlib.suppress(Exception):  # down now: the first call connects
+            self._connected()
+
+    @property
+    def cluster(self) -> bool | None:
+        """True/False once the server's mode is known, None before."""
+        client = self._client
+        if client is None:
+            return None
+        from redis.cluster import RedisCluster
+        return isinstance(client, RedisCluster)
+
+    def _connected(self) -> Any:
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            import redis  # imported here: a directory store needs no redis client
+            from redis.cluster import RedisCluster
+
+            probe = redis.Redis.from_url(self.url, **self._options)
+            try:
+                cluster = bool(probe.info("cluster").get("cluster_enabled"))
+            except BaseException:
+                probe.close()
+                raise
+            if cluster:
+                probe.close()
+                self._client = RedisCluster.from_url(self.url, **self._options)
+            else:
+                self._client = probe
+            return self._client
 
     def load(self, key: str) -> StoredPlan | None:
-        raw = self._client.get(REDIS_PREFIX + key)
+        raw = self._connected().get(REDIS_PREFIX + key)
         if raw is None:
             return None
         try:
-            return StoredPlan.from_json(raw)  # type: ignore[arg-type]
+            return StoredPlan.from_json(raw)
         except (ValueError, KeyError, TypeError) as exc:
             logger.warning("event=plan_unreadable key=%s error=%r; ignoring it", key, exc)
             return None
 
     def save(self, key: str, stored: StoredPlan) -> None:
-        self._client.set(REDIS_PREFIX + key, stored.to_json())
+        self._connected().set(REDIS_PREFIX + key, stored.to_json())
+
+    def ping(self) -> None:
+        client = self._connected()
+        if client.ping() is False:
+            raise ConnectionError(f"redis at {self.url} did not answer PING")
 
     def close(self) -> None:
-        self._client.close()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     def __repr__(self) -> str:
         return f"RedisPlanStore({self.url!r})"
 
 
-def open_store(location: str | os.PathLike[str] | None) -> PlanStore | None:
+def open_store(location: str | os.PathLike[str] | None, *, timeout_s: float = 1.0) -> PlanStore | None:
     """A Redis store for ``redis://``, ``rediss://`` and ``unix://`` URLs, a directory store otherwise.
 
     None or an empty string keeps plans in memory only.
@@ -154,5 +220,5 @@ def open_store(location: str | os.PathLike[str] | None) -> PlanStore | None:
         return None
     text = str(location)
     if text.startswith(REDIS_SCHEMES):
-        return RedisPlanStore(text)
+        return RedisPlanStore(text, timeout_s=timeout_s)
     return DirectoryPlanStore(text)

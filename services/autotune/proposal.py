@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,3 +41,18 @@ class Tuner(Protocol):
     def final(self, samples: Sequence[Sample]) -> Sample:
         """The measured sample whose plan is handed back for good once tuning completes."""
         ...
+
+
+def exit_with_parent(parent_pid: int, period_s: float = 1.0) -> None:
+    """Worker initializer: exit once the service process is gone (a SIGKILLed service leaves no workers)."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(period_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def propose_in_worker(tuner: Tuner, history: Sequence[Sample]) -> Proposal:
+    """``tuner.propose(history)``: the function a tuning worker process runs (tuners are pure)."""
+    return tuner.propose(history)

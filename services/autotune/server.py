@@ -3,17 +3,28 @@
 :func:`create_server` builds and binds a server (port 0 picks a free one) and
 returns it with the bound port; :func:`serve` runs one until SIGTERM/SIGINT,
 then marks itself NOT_SERVING, lets in-flight calls finish and exits.
+
+With a token configured every call needs the gRPC metadata ``authorization:
+Bearer <token>`` (UNAUTHENTICATED otherwise), except the health service, which
+stays open so that load balancers and ``docker`` health checks can probe. Health
+is NOT_SERVING while the plan store or the sample log fails (checked every
+``HEALTH_PERIOD_S``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import hmac
 import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,6 +34,7 @@ from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 
 from .config import ServiceConfig
+from .metrics import RpcMetrics, make_registry
 from .persistence import open_store
 from .samplelog import SampleLog
 from .service import AutotuneService
@@ -33,6 +45,106 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AutotuneService"].full_name
 DEFAULT_PORT = 29600
 SHUTDOWN_GRACE_S = 5.0  # seconds in-flight calls get to finish after SIGTERM
+SERVER_KINDS = ("aio", "threads")
+HEALTH_PERIOD_S = 1.0  # seconds between two probes of the store and the sample log
+_OPEN_PREFIX = f"/{health.SERVICE_NAME}/"  # methods callable without a token
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED), the health service aside."""
+
+    def __init__(self, token: str, metrics: RpcMetrics | None = None) -> None:
+        if not token:
+            raise ValueError("the autotune token is empty; give a non-empty token or none")
+        self._expected = f"Bearer {token}".encode()
+        self._metrics = metrics
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "this autotune service requires a token: send gRPC metadata 'authorization: Bearer "
+                          "<token>' (AutotuneClient(token=...) or BAGUA_LIGHTNING_AUTOTUNE_TOKEN)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        if details.method.startswith(_OPEN_PREFIX):
+            return continuation(details)
+        for key, value in details.invocation_metadata:
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected):
+                    return continuation(details)
+                break
+        if self._metrics is not None:
+            self._metrics.observe(details.method.rsplit("/", 1)[-1], "UNAUTHENTICATED", 0.0)
+        return self._deny
+
+
+def read_token_file(path: str | Path) -> str:
+    """The token in ``path`` (surrounding whitespace removed); ValueError when empty or unreadable."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the autotune token file {str(path)!r}: {exc}") from exc
+    if not token:
+        raise ValueError(f"the autotune token file {str(path)!r} is empty; write the token into it")
+    return token
+
+
+def _publisher(servicer: health.HealthServicer) -> Callable[[bool], None]:
+    def publish(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            servicer.set(name, status)
+    return publish
+
+
+class HealthMonitor:
+    """Publishes NOT_SERVING while the service's store or sample log fails, SERVING otherwise.
+
+    Args:
+        service: the service whose store and sample log are probed.
+        publish: sets the health status (True: SERVING).
+        period_s: seconds between two probes.
+    """
+
+    def __init__(self, service: AutotuneService, publish: Callable[[bool], None],
+                 period_s: float = HEALTH_PERIOD_S) -> None:
+        self.service = service
+        self.publish = publish
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._serving: bool | None = None
+        self._thread = threading.Thread(target=self._run, name="autotune-health", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def check(self) -> bool:
+        """Probe once and publish the status; True when SERVING."""
+        self.service.io.ping()
+        problem = self.service.io.problem()
+        serving = problem is None
+        if serving != self._serving:
+            self.publish(serving)
+            if serving:
+                logger.info("event=health status=SERVING")
+            else:
+                logger.warning("event=health status=NOT_SERVING reason=%r", problem)
+            self._serving = serving
+        return serving
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.check()
+            except Exception:  # the monitor must outlive any one failed probe
+                logger.exception("event=health_probe_failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.period_s + self.service.io.timeout_s + 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,20 +159,23 @@ class TlsFiles:
 
 
 def create_server(address: str, service: AutotuneService, *, max_workers: int = 8,
-                  tls: TlsFiles | None = None,
-                  health_servicer: health.HealthServicer | None = None) -> tuple[grpc.Server, int]:
+                  tls: TlsFiles | None = None, health_servicer: health.HealthServicer | None = None,
+                  token: str | None = None, metrics: RpcMetrics | None = None) -> tuple[grpc.Server, int]:
     """Build a server for ``service`` bound to ``address`` ("host:port"); returns (server, bound port).
 
     The server is not started. Health status is SERVING for "" and the service name
     once started by the caller (set here already, as grpc answers only once started).
+    ``token``: require ``authorization: Bearer <token>`` on every call but health checks.
     """
     limit = service.config.max_request_bytes
+    interceptors = [TokenInterceptor(token, metrics)] if token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="autotune"),
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                  ("grpc.so_reuseport", 0)],
+        interceptors=interceptors,
     )
-    pb_grpc.add_AutotuneServiceServicer_to_server(AutotuneServicer(service), server)
+    pb_grpc.add_AutotuneServiceServicer_to_server(AutotuneServicer(service, metrics), server)
     health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
@@ -74,29 +189,100 @@ def create_server(address: str, service: AutotuneService, *, max_workers: int = 
 
 def serve(config: ServiceConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, state: str | None = None,
           log_dir: str | None = None, tls: TlsFiles | None = None, max_workers: int = 8,
-          stop_event: threading.Event | None = None) -> int:
-    """Run the service until SIGTERM/SIGINT (or ``stop_event``); returns the exit code."""
-    store = open_store(state)
+          token: str | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+          kind: str = "aio", stop_event: threading.Event | None = None) -> int:
+    """Run the service until SIGTERM/SIGINT (or ``stop_event``); returns the exit code.
+
+    ``metrics_port``: serve Prometheus metrics over HTTP on ``metrics_host:metrics_port``
+    (None: no metrics endpoint; 0 picks a free port, printed on stdout). ``kind``: ``"aio"``
+    (handlers on grpc.aio's event loop) or ``"threads"`` (grpc's thread-pool server with
+    ``max_workers`` threads); docs/benchmarks.md compares them.
+    """
+    if kind not in SERVER_KINDS:
+        raise ValueError(f"server kind must be one of {SERVER_KINDS}, got {kind!r}")
+    store = open_store(state, timeout_s=config.store_timeout_s)
     service = AutotuneService(config, store=store, sample_log=SampleLog(log_dir) if log_dir else None)
-    health_servicer = health.HealthServicer()
-    server, bound = create_server(f"{host}:{port}", service, max_workers=max_workers, tls=tls,
-                                  health_servicer=health_servicer)
+    metrics = None
+    http_server = None
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        registry, metrics = make_registry(service)
+        http_server, _ = start_http_server(metrics_port, addr=metrics_host, registry=registry)
+        metrics_bound = http_server.server_address[1]
+        print(f"autotune metrics on http://{metrics_host}:{metrics_bound}/metrics", flush=True)
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
-    server.start()
-    logger.info("event=serving address=%s:%d store=%r log_dir=%s tls=%s", host, bound, store, log_dir, bool(tls))
-    # One plain line on stdout that scripts and tests can wait for (the port matters when 0 was asked).
-    print(f"autotune service listening on {host}:{bound}", flush=True)
-    while not stop.wait(timeout=1.0):
-        pass
-    logger.info("event=shutting_down grace_s=%.1f models=%d", SHUTDOWN_GRACE_S, len(service.model_names))
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace=SHUTDOWN_GRACE_S).wait()
-    close = getattr(store, "close", None)
-    if close is not None:
-        close()
+    if kind == "aio":
+        # Threads besides the loop (store loads, the writer, the health probe) hand the GIL back within
+        # 1 ms instead of Python's default 5 ms, which would otherwise show in the loop's tail latency.
+        sys.setswitchinterval(0.001)
+        # Requests allocate many short-lived, acyclic objects (freed by reference counting); the default
+        # gen-0 threshold (700) runs the cycle collector every few requests, and its occasional full
+        # passes over every model's plans are the longest pauses in the tail. Collect less often, and
+        # leave what exists at start-up (modules, config) out of every pass.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 20)
+        asyncio.run(_serve_aio(service, f"{host}:{port}", tls=tls, token=token, metrics=metrics, stop=stop))
+    else:
+        _serve_threads(service, f"{host}:{port}", max_workers=max_workers, tls=tls, token=token, metrics=metrics,
+                       stop=stop)
+    service.close()
+    if http_server is not None:
+        http_server.shutdown()
     logger.info("event=stopped")
     sys.stdout.flush()
     return 0
+
+
+def _announce(address: str, bound: int, service: AutotuneService, tls: TlsFiles | None, token: str | None,
+              kind: str) -> None:
+    host = address.rsplit(":", 1)[0]
+    logger.info("event=serving address=%s:%d server=%s store=%r log_dir=%s tls=%s token=%s", host, bound, kind,
+                service.store, service.sample_log.directory if service.sample_log else None, bool(tls), bool(token))
+    # One plain line on stdout that scripts and tests can wait for (the port matters when 0 was asked).
+    print(f"autotune service listening on {host}:{bound}", flush=True)
+
+
+def _serve_threads(service: AutotuneService, address: str, *, max_workers: int, tls: TlsFiles | None,
+                   token: str | None, metrics: RpcMetrics | None, stop: threading.Event) -> None:
+    health_servicer = health.HealthServicer()
+    server, bound = create_server(address, service, max_workers=max_workers, tls=tls,
+                                  health_servicer=health_servicer, token=token, metrics=metrics)
+    monitor = HealthMonitor(service, _publisher(health_servicer))
+    server.start()
+    monitor.check()
+    monitor.start()
+    _announce(address, bound, service, tls, token, "threads")
+    while not stop.wait(timeout=1.0):
+        pass
+    logger.info("event=shutting_down grace_s=%.1f models=%d", SHUTDOWN_GRACE_S, len(service.model_names))
+    monitor.stop()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=SHUTDOWN_GRACE_S).wait()
+
+
+async def _serve_aio(service: AutotuneService, address: str, *, tls: TlsFiles | None, token: str | None,
+                     metrics: RpcMetrics | None, stop: threading.Event) -> None:
+    from .aio_server import create_aio_server, set_health
+
+    loop = asyncio.get_running_loop()
+    server, bound, health_servicer = create_aio_server(address, service, tls=tls, token=token, metrics=metrics)
+
+    def publish(serving: bool) -> None:
+        asyncio.run_coroutine_threadsafe(set_health(health_servicer, serving), loop).result(timeout=10)
+
+    monitor = HealthMonitor(service, publish)
+    await server.start()
+    await loop.run_in_executor(None, monitor.check)
+    monitor.start()
+    _announce(address, bound, service, tls, token, "aio")
+    while not await loop.run_in_executor(None, stop.wait, 1.0):
+        pass
+    logger.info("event=shutting_down grace_s=%.1f models=%d", SHUTDOWN_GRACE_S, len(service.model_names))
+    await loop.run_in_executor(None, monitor.stop)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(SHUTDOWN_GRACE_S)

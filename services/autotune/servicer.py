@@ -8,8 +8,11 @@ server keeps serving.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,10 +29,14 @@ from .errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from .service import AutotuneService, Span
-from .session import PlanRef
+from .metrics import RpcMetrics
+from .reports import PlanRef, Spread
+from .service import AutotuneService, ModelInfo, Span
 
 logger = logging.getLogger(__name__)
+
+_MAX_ENCODED = 1024  # encoded plans kept
+_MAX_ENCODED_TENSORS = 2_000_000  # tensors in all encoded plans kept (one tensor: ~50-1000 bytes)
 
 _STATUS: tuple[tuple[type[AutotuneRequestError], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -41,60 +48,119 @@ _STATUS: tuple[tuple[type[AutotuneRequestError], grpc.StatusCode], ...] = (
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+def _code_of(exc: Exception) -> grpc.StatusCode:
     for category, code in _STATUS:
         if isinstance(exc, category):
-            logger.info("event=request_refused method=%s code=%s message=%r", method, code.name, str(exc))
-            context.abort(code, str(exc))
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _status(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a handler's exception leaves as (logged here)."""
+    code = _code_of(exc)
+    if code is not grpc.StatusCode.INTERNAL:
+        logger.info("event=request_refused method=%s code=%s message=%r", method, code.name, str(exc)[:500])
+        return code, str(exc)
     logger.exception("event=internal_error method=%s", method, exc_info=exc)
-    context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {type(exc).__name__}: {exc}")
+    return code, f"{method} failed: {type(exc).__name__}: {exc}"
 
 
 def _translate_errors(method: F) -> F:
+    name = method.__name__
+
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    def wrapper(self: AutotuneServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        start = time.perf_counter()
+        code = "OK"
         try:
             return method(self, request, context)
         except Exception as exc:
-            if isinstance(exc, grpc.RpcError):  # context.abort's own exception: already handled
-                raise
-            _abort(context, method.__name__, exc)
+            status, message = _status(name, exc)
+            code = status.name
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe(name, code, time.perf_counter() - start)
+        context.abort(status, message)  # raises (the one place errors leave)
     return wrapper  # type: ignore[return-value]
 
 
-def _plan_ref(message: Any) -> PlanRef | None:
-    if not message.buckets:
-        return None
-    return PlanRef(
-        version=int(message.plan_version),
-        bucket_names=tuple((b.tensors[0].name, b.tensors[-1].name) if b.tensors else ("", "")
-                           for b in message.buckets),
-        bucket_lengths=tuple(len(b.tensors) for b in message.buckets),
-        decode=lambda: plan_from_proto(message),
-    )
+def _tensor_count(plan: BucketPlan) -> int:
+    return sum(len(b) for b in plan.buckets)
+
+
+def _digest(message: Any) -> bytes:
+    return hashlib.blake2b(message.SerializeToString(deterministic=True), digest_size=16).digest()
+
+
+def _summary(info: ModelInfo) -> Any:
+    reg = info.registration
+    return pb.ModelSummary(
+        model_name=reg.model_name, tensors=len(reg.tensors), total_bytes=sum(t.nbytes for t in reg.tensors),
+        world_size=reg.world_size, nproc_per_node=reg.nproc_per_node, plan_version=info.current.version,
+        completed=info.completed, samples=info.sample_count, reports_accepted=info.reports_accepted,
+        reports_ignored=info.reports_ignored, best_score=info.best.score if info.best else 0.0,
+        has_best=info.best is not None, idle_s=info.idle_s, tuner=info.tuner, layouts_tracked=info.layouts_tracked)
 
 
 class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
-    """``bagua_lightning.autotune.v1.AutotuneService`` over an :class:`AutotuneService`."""
+    """``bagua_lightning.autotune.v1.AutotuneService`` over an :class:`AutotuneService`.
 
-    def __init__(self, service: AutotuneService) -> None:
+    Args:
+        service: the logic.
+        metrics: counts every call by method and status code (None: not counted).
+    """
+
+    def __init__(self, service: AutotuneService, metrics: RpcMetrics | None = None) -> None:
         self.service = service
+        self.metrics = metrics
         # Encoding a plan of many tensors costs far more than the rest of a call: encode each issued plan
-        # once. Keyed by (model, version); the plan object is kept to check the entry is still that plan.
-        self._encoded: dict[tuple[str, int], tuple[BucketPlan, Any]] = {}
+        # once, with the digest of its full layout. Keyed by (model, version); the plan object is kept to
+        # check the entry is still that plan. Bounded: the least recently used entries go first.
+        # The value also holds the finished responses that carry the plan (built once: copying a plan of
+        # many tensors into a response costs as much as encoding it).
+        self._encoded: OrderedDict[tuple[str, int], tuple[BucketPlan, Any, bytes, dict[Any, Any]]] = OrderedDict()
         self._encoded_lock = threading.Lock()
+        self._encoded_tensors = 0
 
-    def _encode(self, model_name: str, plan: BucketPlan) -> Any:
+    def _entry(self, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, Any, bytes, dict[Any, Any]]:
         key = (model_name, plan.version)
         cached = self._encoded.get(key)
         if cached is not None and cached[0] is plan:
-            return cached[1]
+            return cached
         message = plan_to_proto(plan)
+        entry: tuple[BucketPlan, Any, bytes, dict[Any, Any]] = (plan, message, _digest(message), {})
         with self._encoded_lock:
-            if len(self._encoded) > 65536:
-                self._encoded.clear()
-            self._encoded[key] = (plan, message)
-        return message
+            old = self._encoded.pop(key, None)
+            if old is not None:
+                self._encoded_tensors -= _tensor_count(old[0])
+            self._encoded[key] = entry
+            self._encoded_tensors += _tensor_count(plan)
+            while len(self._encoded) > 1 and (len(self._encoded) > _MAX_ENCODED
+                                              or self._encoded_tensors > _MAX_ENCODED_TENSORS):
+                _, dropped = self._encoded.popitem(last=False)
+                self._encoded_tensors -= _tensor_count(dropped[0])
+        return entry
+
+    def _response(self, model_name: str, plan: BucketPlan, kind: str, completed: bool = False) -> Any:
+        """The (shared, never mutated) response of ``kind`` carrying ``plan``."""
+        _, message, _, responses = self._entry(model_name, plan)
+        response = responses.get((kind, completed))
+        if response is None:
+            if kind == "register":
+                response = pb.RegisterTensorsResponse(recommended_hyperparameters=message)
+            else:
+                response = pb.AskHyperparametersResponse(recommended_hyperparameters=message,
+                                                         is_autotune_completed=completed)
+            responses[(kind, completed)] = response
+        return response
+
+    def _plan_ref(self, model_name: str, message: Any) -> PlanRef | None:
+        if not message.buckets:
+            return None
+        digest = _digest(message)
+        return PlanRef(version=int(message.plan_version),
+                       matches=lambda issued: self._entry(model_name, issued)[2] == digest,
+                       decode=lambda: plan_from_proto(message))
 
     @_translate_errors
     def RegisterTensors(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -105,23 +171,25 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
             world_size=int(request.world_size),
             nproc_per_node=int(request.nproc_per_node),
         )
-        return pb.RegisterTensorsResponse(recommended_hyperparameters=self._encode(request.model_name, plan))
+        return self._response(request.model_name, plan, "register")
 
     @_translate_errors
     def ReportMetrics(self, request: Any, context: grpc.ServicerContext) -> Any:
         timings = [BucketTimingRecord(bucket_index=int(t.bucket_index), bytes=int(t.bytes), ready_ms=t.ready_ms,
-                                      comm_ms=t.comm_ms, wait_ms=t.wait_ms) for t in request.bucket_timings]
-        accepted = self.service.report(
-            request.model_name, int(request.rank), int(request.train_iter),
-            _plan_ref(request.hyperparameters) if request.HasField("hyperparameters") else None,
-            float(request.speed), timings, float(request.backward_ms))
+                                      comm_ms=t.comm_ms, wait_ms=t.wait_ms, comm_ms_max=t.comm_ms_max,
+                                      wait_ms_max=t.wait_ms_max) for t in request.bucket_timings]
+        spread = Spread(ranks=int(request.ranks) or 1, speed_min=request.speed_min, speed_max=request.speed_max,
+                        speed_stddev=request.speed_stddev)
+        ref = self._plan_ref(request.model_name, request.hyperparameters) \
+            if request.HasField("hyperparameters") else None
+        accepted = self.service.report(request.model_name, int(request.rank), int(request.train_iter), ref,
+                                       float(request.speed), timings, float(request.backward_ms), spread)
         return pb.ReportMetricsResponse(accepted=accepted)
 
     @_translate_errors
     def AskHyperparameters(self, request: Any, context: grpc.ServicerContext) -> Any:
         plan, completed = self.service.ask(request.model_name, int(request.rank), int(request.train_iter))
-        return pb.AskHyperparametersResponse(recommended_hyperparameters=self._encode(request.model_name, plan),
-                                             is_autotune_completed=completed)
+        return self._response(request.model_name, plan, "ask", completed)
 
     @_translate_errors
     def ReportTensorExecutionOrder(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -129,3 +197,21 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                       start_time=int(s.start_time), end_time=int(s.end_time)) for s in request.spans]
         self.service.report_execution_order(spans, request.model_name)
         return pb.ReportTensorExecutionOrderResponse()
+
+    @_translate_errors
+    def ListModels(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return pb.ListModelsResponse(models=[_summary(info) for info in self.service.list_models()])
+
+    @_translate_errors
+    def DescribeModel(self, request: Any, context: grpc.ServicerContext) -> Any:
+        info = self.service.describe(request.model_name)
+        reply = pb.DescribeModelResponse(summary=_summary(info), current=plan_to_proto(info.current))
+        if info.best is not None:
+            reply.best.CopyFrom(plan_to_proto(info.best.plan))
+        reply.samples.extend(
+            pb.SampleRecord(index=i + 1, plan_version=s.plan.version, bucket_size=s.plan.bucket_size,
+                            is_hierarchical_reduce=s.plan.is_hierarchical_reduce, bucket_bytes=s.plan.bucket_bytes,
+                            speed=s.speed, score=s.score, exposed_ms=s.exposed_ms, reports=s.reports,
+                            train_iter=s.train_iter)
+            for i, s in enumerate(info.samples))
+        return reply

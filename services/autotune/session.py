@@ -7,11 +7,16 @@ while different models proceed concurrently. The protocol:
   (identified by its layout); duplicates of a (rank, train_iter) are ignored.
 * ``AskHyperparameters(train_iter)`` decides the plan for that iteration once
   and caches it, so every rank asking for the same iteration gets the identical
-  plan. A new plan is chosen only for an iteration newer than every one decided
-  so far, once the current plan has been held ``sampling_confidence_time_s``,
-  the warm-up is over, and at least one report measured it.
+  plan. An iteration asked for the first time may get a new plan, once the
+  current plan has been held ``sampling_confidence_time_s``, the warm-up is
+  over, and at least one report measured it; the measured sample goes to the
+  tuner (in the request, or in a worker process whose proposal a later ask
+  hands back).
 * After ``max_samples`` measured plans (or when the planner converged), the best
   measured plan is handed back for good and persisted.
+
+Every collection here is bounded (layouts, issued plans, decisions, remembered
+iterations); numbers were range-checked on entry (:mod:`.reports`).
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
 
 from bagua_lightning.proto.plan import (
     BucketPlan,
@@ -37,15 +44,16 @@ from .bayes import BayesianTuner
 from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import FailedPreconditionError, InvalidArgumentError
-from .persistence import PlanStore, StoredPlan, plan_key
+from .persistence import StoredPlan, plan_key
 from .planner import ModelBasedPlanner
-from .proposal import Tuner
-from .samplelog import SampleLog
+from .proposal import Proposal, Tuner
+from .reports import MAX_TRAIN_ITER, LayoutStats, PlanRef, Spread, check_measurement
 
 logger = logging.getLogger(__name__)
 
-_MAX_ITERS_PER_RANK = 65536  # remembered (rank, train_iter) pairs per rank before the oldest are dropped
-_MAX_DECISIONS = 65536  # cached train_iter -> plan decisions before the oldest are dropped
+_MAX_ITERS_PER_RANK = 4096  # remembered train_iters per rank before the oldest half is dropped
+_MAX_ITERS = 65536  # remembered (rank, train_iter) pairs per model before every rank drops its oldest half
+_MAX_DECISIONS = 4096  # cached train_iter -> plan decisions before the oldest are dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,100 +80,71 @@ class Registration:
         return plan_key(self.fingerprint, self.world_size, self.nproc_per_node)
 
 
-@dataclass(frozen=True, slots=True)
-class PlanRef:
-    """A plan as reported back by a trainer, decoded only when it is not one this service issued.
-
-    Attributes:
-        version: the reported plan_version.
-        bucket_names: first and last tensor name of each bucket, for a cheap identity check.
-        bucket_lengths: number of tensors of each bucket.
-        decode: builds the full, validated plan (raises ValueError/TypeError when malformed).
-    """
-
-    version: int
-    bucket_names: tuple[tuple[str, str], ...]
-    bucket_lengths: tuple[int, ...]
-    decode: Callable[[], BucketPlan]
-
-
-@dataclass(slots=True)
-class _LayoutStats:
-    """Running sums of the reports that measured one layout."""
-
-    plan: BucketPlan
-    reports: int = 0
-    speed_sum: float = 0.0
-    backward_sum: float = 0.0
-    backward_n: int = 0
-    max_iter: int = -1
-    timing_sums: dict[int, list[float]] = field(default_factory=dict)  # index -> [bytes, ready, comm, wait, n]
-
-    def add(self, speed: float, backward_ms: float, timings: Sequence[BucketTimingRecord], train_iter: int) -> None:
-        self.reports += 1
-        self.speed_sum += speed
-        if backward_ms > 0:
-            self.backward_sum += backward_ms
-            self.backward_n += 1
-        self.max_iter = max(self.max_iter, train_iter)
-        for t in timings:
-            sums = self.timing_sums.setdefault(t.bucket_index, [0.0, 0.0, 0.0, 0.0, 0.0])
-            sums[0] += t.bytes
-            sums[1] += t.ready_ms
-            sums[2] += t.comm_ms
-            sums[3] += t.wait_ms
-            sums[4] += 1
-
-    def sample(self, plan: BucketPlan) -> Sample:
-        timings = tuple(
-            BucketTimingRecord(bucket_index=i, bytes=round(s[0] / s[4]), ready_ms=s[1] / s[4],
-                               comm_ms=s[2] / s[4], wait_ms=s[3] / s[4])
-            for i, s in sorted(self.timing_sums.items())
-        )
-        return Sample(plan=plan, speed=self.speed_sum / max(1, self.reports),
-                      backward_ms=self.backward_sum / self.backward_n if self.backward_n else 0.0,
-                      bucket_timings=timings, reports=self.reports, train_iter=self.max_iter)
-
-
 def _layout_key(plan: BucketPlan) -> tuple[str, bool]:
     return plan.fingerprint(), plan.is_hierarchical_reduce
 
 
 class ModelSession:
-    """The tuning state of one model (see the module docstring for the protocol)."""
+    """The tuning state of one model (see the module docstring for the protocol).
 
-    def __init__(self, registration: Registration, config: ServiceConfig, *, store: PlanStore | None = None,
-                 sample_log: SampleLog | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    Args:
+        registration: what the model declared.
+        config: limits and how to tune.
+        remembered: the plan the store remembered for this model (loaded by the caller,
+            outside every lock), or None.
+        persist: takes ``(store key, plan)`` to save; it must only queue the write (the
+            session calls it under its lock; the store is written by the service's writer
+            thread, never under a lock). None: nothing persists.
+        sample_log: takes ``(model name, record)`` for every measured plan; queues it likewise.
+        propose_async: runs ``tuner.propose(history)`` elsewhere (another process) and returns its
+            future; the session then keeps the current plan until the proposal is there, so no
+            request waits for a tuner. None: proposals run in the request that takes the sample.
+        clock: monotonic clock in seconds.
+    """
+
+    def __init__(self, registration: Registration, config: ServiceConfig, *, remembered: StoredPlan | None = None,
+                 persist: Callable[[str, StoredPlan], None] | None = None,
+                 sample_log: Callable[[str, dict[str, Any]], None] | None = None,
+                 propose_async: Callable[[Tuner, tuple[Sample, ...]], Future[Proposal]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.registration = registration
+        self._propose_async = propose_async
+        self._proposing: tuple[Future[Proposal], Sample, int] | None = None
         self.config = config
-        self._store = store
+        self._persist_fn = persist
         self._sample_log = sample_log
         self._clock = clock
         self._lock = threading.Lock()
         self._names = {t.name: t for t in registration.tensors}
+        self.tensor_names = frozenset(self._names)
         self._order: tuple[TensorDeclaration, ...] = registration.tensors
         self._order_changed = False
         self._tuner: Tuner | None = None
-        self._tuner_kind = ""
+        self.tuner_kind = ""
         self._history: list[Sample] = []
-        self._stats: dict[tuple[str, bool], _LayoutStats] = {}
+        # Bounded by config.max_layouts / max_plans / _MAX_DECISIONS, oldest (least recently used) first.
+        self._stats: OrderedDict[tuple[str, bool], LayoutStats] = OrderedDict()
         self._seen: dict[int, set[int]] = {}
         self._seen_floor: dict[int, int] = {}
-        self._decisions: dict[int, tuple[BucketPlan, bool]] = {}
+        self._seen_total = 0
+        self._decisions: OrderedDict[int, tuple[BucketPlan, bool]] = OrderedDict()
         self._decided_iters: list[int] = []
-        self._issued: dict[int, BucketPlan] = {}
+        self._issued: OrderedDict[int, BucketPlan] = OrderedDict()
         self._issued_keys: dict[int, tuple[str, bool]] = {}
+        self._next_version = 1
         self._fresh_reports = 0
         self._best: Sample | None = None
         self.completed = config.autotune_level == 0
         self.started_at = clock()
+        self.last_used = self.started_at
         self.reports_accepted = 0
         self.reports_ignored = 0
+        self.plans_issued = 0
 
         initial = BucketPlan(buckets=split_into_buckets(self._order, config.default_bucket_size,
                                                         whether_to_bucket=registration.whether_to_bucket),
                              bucket_size=config.default_bucket_size)
-        remembered = self._load_remembered()
+        remembered = self._usable(remembered)
         if remembered is not None:
             initial = dataclasses.replace(remembered.plan, version=0)
             self.completed = self.completed or remembered.completed
@@ -177,32 +156,23 @@ class ModelSession:
         self._issued_at = self.started_at
 
     # -- persistence -------------------------------------------------------------------------------
-    def _load_remembered(self) -> StoredPlan | None:
-        if self._store is None:
-            return None
-        try:
-            stored = self._store.load(self.registration.store_key)
-        except Exception as exc:  # a broken store must not stop registration: fall back to the default plan
-            logger.warning("event=store_load_failed model=%s error=%r", self.registration.model_name, exc)
-            return None
+    def _usable(self, stored: StoredPlan | None) -> StoredPlan | None:
         if stored is None:
             return None
-        flat = [t for b in stored.plan.buckets for t in b]
-        if sorted(flat, key=lambda t: t.name) != sorted(self.registration.tensors, key=lambda t: t.name):
-            logger.warning("event=plan_mismatch model=%s key=%s; the stored plan does not cover the tensor "
-                           "list, ignoring it", self.registration.model_name, self.registration.store_key)
+        try:
+            plan = self._canonical(stored.plan)
+        except InvalidArgumentError as exc:
+            logger.warning("event=plan_mismatch model=%s key=%s; the stored plan does not fit the tensor list "
+                           "(%s), ignoring it", self.registration.model_name, self.registration.store_key, exc)
             return None
-        return stored
+        return dataclasses.replace(stored, plan=plan)
 
     def _persist(self, sample: Sample, completed: bool) -> None:
-        if self._store is None:
+        if self._persist_fn is None:
             return
-        try:
-            self._store.save(self.registration.store_key, StoredPlan(
-                plan=sample.plan, score=sample.score, completed=completed,
-                model_name=self.registration.model_name, saved_at=time.time()))
-        except Exception as exc:  # losing persistence must not fail the trainer's call
-            logger.warning("event=store_save_failed model=%s error=%r", self.registration.model_name, exc)
+        self._persist_fn(self.registration.store_key, StoredPlan(
+            plan=sample.plan, score=sample.score, completed=completed,
+            model_name=self.registration.model_name, saved_at=time.time()))
 
     # -- public API (each takes the lock) ----------------------------------------------------------
     @property
@@ -219,6 +189,16 @@ class ModelSession:
     def best(self) -> Sample | None:
         with self._lock:
             return self._best
+
+    @property
+    def layouts_tracked(self) -> int:
+        """Measured layouts whose statistics this session holds (at most ``config.max_layouts``)."""
+        return len(self._stats)
+
+    @property
+    def plans_remembered(self) -> int:
+        """Issued plans this session remembers by version (at most ``config.max_plans``)."""
+        return len(self._issued)
 
     def check_same_registration(self, other: Registration) -> None:
         """Raise FailedPreconditionError when ``other`` re-registers this model differently."""
@@ -239,45 +219,59 @@ class ModelSession:
             raise InvalidArgumentError(
                 f"rank must be in [0, world_size={self.registration.world_size}) for model "
                 f"{self.registration.model_name!r}, got {rank}")
-        if train_iter < 0:
-            raise InvalidArgumentError(f"train_iter must be >= 0, got {train_iter}")
+        if not 0 <= train_iter <= MAX_TRAIN_ITER:
+            raise InvalidArgumentError(f"train_iter must be in [0, 2**62], got {train_iter}")
+
+    def _canonical(self, plan: BucketPlan) -> BucketPlan:
+        """``plan`` over this model's own declarations (so plans share them); InvalidArgumentError when it
+        names a tensor the model did not register or does not cover every registered one."""
+        buckets = []
+        for bucket in plan.buckets:
+            mine = []
+            for t in bucket:
+                own = self._names.get(t.name)
+                if own != t:
+                    raise InvalidArgumentError(
+                        f"the plan holds tensor {t.to_dict()} which model {self.registration.model_name!r} did "
+                        "not register; report the plan the service handed back")
+                mine.append(own)
+            buckets.append(tuple(mine))
+        covered = sum(len(b) for b in buckets)
+        if covered != len(self._names):
+            raise InvalidArgumentError(
+                f"the plan covers {covered} of the {len(self._names)} registered tensors of model "
+                f"{self.registration.model_name!r}")
+        return dataclasses.replace(plan, buckets=tuple(buckets))
 
     def _resolve_plan(self, ref: PlanRef | None, train_iter: int) -> BucketPlan:
-        if ref is None or not ref.bucket_lengths:
+        if ref is None:
             return self._plan_at(train_iter)
         issued = self._issued.get(ref.version)
-        if issued is not None and ref.bucket_lengths == tuple(len(b) for b in issued.buckets) \
-                and ref.bucket_names == tuple((b[0].name, b[-1].name) for b in issued.buckets):
+        if issued is not None and ref.matches(issued):
             return issued
         try:
             plan = ref.decode()
         except (ValueError, TypeError) as exc:
             raise InvalidArgumentError(f"hyperparameters.buckets is not a valid plan: {exc}") from exc
-        for bucket in plan.buckets:
-            for t in bucket:
-                if self._names.get(t.name) != t:
-                    raise InvalidArgumentError(
-                        f"hyperparameters.buckets holds tensor {t.to_dict()} which model "
-                        f"{self.registration.model_name!r} did not register; report the plan the service handed back")
-        if sum(len(b) for b in plan.buckets) != len(self._names):
-            raise InvalidArgumentError(
-                f"hyperparameters.buckets covers {sum(len(b) for b in plan.buckets)} of the "
-                f"{len(self._names)} registered tensors of model {self.registration.model_name!r}")
-        return plan
+        try:
+            return self._canonical(plan)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"hyperparameters.buckets: {exc}") from exc
 
     def report(self, rank: int, train_iter: int, plan_ref: PlanRef | None, speed: float,
-               bucket_timings: Sequence[BucketTimingRecord] = (), backward_ms: float = 0.0) -> bool:
-        """Record one rank's measurement; False when (rank, train_iter) was already recorded."""
+               bucket_timings: Sequence[BucketTimingRecord] = (), backward_ms: float = 0.0,
+               spread: Spread = Spread()) -> bool:
+        """Record a measurement (one rank's, or the job's when ``spread.ranks > 1``); False for a duplicate."""
         self._check_rank_iter(rank, train_iter)
-        if not math.isfinite(speed) or speed < 0:
-            raise InvalidArgumentError(f"speed must be a finite number >= 0 samples/s, got {speed}")
-        if not math.isfinite(backward_ms) or backward_ms < 0:
-            raise InvalidArgumentError(f"backward_ms must be a finite number >= 0, got {backward_ms}")
-        for i, t in enumerate(bucket_timings):
-            for name in ("bytes", "ready_ms", "comm_ms", "wait_ms"):
-                value = getattr(t, name)
-                if not math.isfinite(value) or value < 0:
-                    raise InvalidArgumentError(f"bucket_timings[{i}].{name} must be finite and >= 0, got {value}")
+        if not 0 <= spread.ranks <= self.registration.world_size:
+            raise InvalidArgumentError(
+                f"ranks must be in [0, world_size={self.registration.world_size}] for model "
+                f"{self.registration.model_name!r}, got {spread.ranks}")
+        if spread.ranks > 1 and rank != 0:
+            raise InvalidArgumentError(f"an aggregated report (ranks={spread.ranks}) comes from rank 0, got "
+                                       f"rank {rank}")
+        check_measurement(speed, backward_ms, bucket_timings, spread)
+        self.last_used = self._clock()
         with self._lock:
             plan = self._resolve_plan(plan_ref, train_iter)
             for i, t in enumerate(bucket_timings):
@@ -290,47 +284,57 @@ class ModelSession:
                 self.reports_ignored += 1
                 return False
             seen.add(train_iter)
+            self._seen_total += 1
             if len(seen) > _MAX_ITERS_PER_RANK:
-                keep = sorted(seen)[len(seen) // 2:]
-                self._seen_floor[rank] = keep[0] - 1
-                self._seen[rank] = set(keep)
+                self._forget_oldest(rank)
+            if self._seen_total > _MAX_ITERS:
+                for r in list(self._seen):
+                    self._forget_oldest(r)
             self.reports_accepted += 1
             if self._clock() - self.started_at < self.config.warmup_time_s:
                 return True  # accepted, but start-up speeds are not representative
             key = self._key_of(plan)
             stats = self._stats.get(key)
             if stats is None:
-                stats = self._stats[key] = _LayoutStats(plan=plan)
+                stats = self._stats[key] = LayoutStats(plan=plan)
+                self._trim_stats()
+            else:
+                self._stats.move_to_end(key)
             stats.add(speed, backward_ms, bucket_timings, train_iter)
             if key == self._key_of(self._current):
                 self._fresh_reports += 1
             return True
 
     def ask(self, rank: int, train_iter: int) -> tuple[BucketPlan, bool]:
-        """The plan to use from ``train_iter`` on, identical for every rank; and whether tuning completed."""
+        """The plan to use from ``train_iter`` on, identical for every rank; and whether tuning completed.
+
+        Only an iteration asked before is answered from the cache: an iteration never asked for
+        is decided now, whatever iterations were decided before, so no train_iter (however large)
+        can pin a model to an old plan.
+        """
         self._check_rank_iter(rank, train_iter)
+        self.last_used = self._clock()
         with self._lock:
             decided = self._decisions.get(train_iter)
             if decided is not None:
                 return decided
-            if self._decided_iters and train_iter < self._decided_iters[-1]:
-                decision = (self._plan_at(train_iter), self._completed_at(train_iter))
-            else:
-                self._maybe_advance(train_iter)
-                decision = (self._current, self.completed)
+            self._maybe_advance(train_iter)
+            decision = (self._current, self.completed)
             self._decisions[train_iter] = decision
             bisect.insort(self._decided_iters, train_iter)
-            if len(self._decided_iters) > _MAX_DECISIONS:
-                for old in self._decided_iters[: _MAX_DECISIONS // 2]:
-                    self._decisions.pop(old, None)
-                del self._decided_iters[: _MAX_DECISIONS // 2]
+            if len(self._decisions) > _MAX_DECISIONS:
+                for _ in range(_MAX_DECISIONS // 2):
+                    self._decisions.popitem(last=False)
+                self._decided_iters = sorted(self._decisions)
             return decision
 
     def set_execution_order(self, names: Sequence[str]) -> None:
         """Tensors first reported ready come first; the rest keep registration order."""
+        self.last_used = self._clock()
         with self._lock:
             first = list(dict.fromkeys(names))
-            rest = [t.name for t in self.registration.tensors if t.name not in set(first)]
+            chosen = set(first)
+            rest = [t.name for t in self.registration.tensors if t.name not in chosen]
             order = tuple(self._names[n] for n in first + rest)
             if order != self._order:
                 self._order = order
@@ -339,6 +343,24 @@ class ModelSession:
                 logger.info("event=execution_order model=%s first=%s", self.registration.model_name, first[:3])
 
     # -- internals (lock held) ---------------------------------------------------------------------
+    def _forget_oldest(self, rank: int) -> None:
+        """Keep the newer half of ``rank``'s remembered iterations; older ones count as duplicates."""
+        seen = sorted(self._seen[rank])
+        keep = seen[len(seen) // 2:]
+        self._seen_total -= len(seen) - len(keep)
+        if len(keep) < len(seen):
+            self._seen_floor[rank] = keep[0] - 1
+        self._seen[rank] = set(keep)
+
+    def _trim_stats(self) -> None:
+        current = self._key_of(self._current)
+        best = _layout_key(self._best.plan) if self._best is not None else None
+        while len(self._stats) > self.config.max_layouts:
+            for key in self._stats:
+                if key not in (current, best):
+                    del self._stats[key]
+                    break
+
     def _key_of(self, plan: BucketPlan) -> tuple[str, bool]:
         # Hashing a layout is the costliest part of a report: remember it for the plans issued here.
         if self._issued.get(plan.version) is not plan:
@@ -351,19 +373,15 @@ class ModelSession:
     def _plan_at(self, train_iter: int) -> BucketPlan:
         index = bisect.bisect_right(self._decided_iters, train_iter) - 1
         if index < 0:
-            return self._issued[min(self._issued)] if self._issued else self._current
+            return next(iter(self._issued.values()))
         return self._decisions[self._decided_iters[index]][0]
-
-    def _completed_at(self, train_iter: int) -> bool:
-        index = bisect.bisect_right(self._decided_iters, train_iter) - 1
-        return index >= 0 and self._decisions[self._decided_iters[index]][1]
 
     def _make_tuner(self, sample: Sample) -> Tuner:
         reg = self.registration
         kind = self.config.tuner
         if kind == "auto":
             kind = "planner" if sample.bucket_timings else "bayes"
-        self._tuner_kind = kind
+        self.tuner_kind = kind
         if kind == "planner":
             return ModelBasedPlanner(self._order, hierarchical_allowed=reg.hierarchical_allowed,
                                      whether_to_bucket=reg.whether_to_bucket)
@@ -374,10 +392,15 @@ class ModelSession:
     def _issue(self, plan: BucketPlan, reason: str, predicted_ms: float | None = None) -> None:
         current = self._current
         if not (plan.same_layout(current) and plan.bucket_size == current.bucket_size):
-            version = max(self._issued) + 1
+            version = self._next_version
+            self._next_version += 1
             plan = dataclasses.replace(plan, version=version)
             self._issued[version] = plan
+            while len(self._issued) > self.config.max_plans:
+                old, _ = self._issued.popitem(last=False)
+                self._issued_keys.pop(old, None)
             self._current = plan
+            self.plans_issued += 1
             logger.info(
                 "event=plan_issued model=%s version=%d reason=%s buckets=%d bucket_size=%d hierarchical=%s%s",
                 self.registration.model_name, version, reason, len(plan.buckets), plan.bucket_size,
@@ -387,6 +410,19 @@ class ModelSession:
 
     def _maybe_advance(self, train_iter: int) -> None:
         if self.completed:
+            return
+        if self._proposing is not None:
+            future, sample, sample_iter = self._proposing
+            if not future.done():
+                return  # the tuner is still thinking: the current plan stays
+            self._proposing = None
+            try:
+                proposal = future.result()
+            except Exception as exc:  # a failed worker process must not end tuning: propose here instead
+                logger.warning("event=tuner_worker_failed model=%s error=%r; proposing in the request",
+                               self.registration.model_name, exc)
+                proposal = self._tuner.propose(self._history) if self._tuner else Proposal(plan=self._current)
+            self._conclude(sample, sample_iter, proposal)
             return
         if self._order_changed:
             self._order_changed = False
@@ -401,14 +437,29 @@ class ModelSession:
         held_s = now - max(self._issued_at, warm_from)
         if self._fresh_reports == 0 or now < warm_from or held_s < self.config.sampling_confidence_time_s:
             return
-        sample = self._stats[self._key_of(self._current)].sample(self._current)
+        stats = self._stats.get(self._key_of(self._current))
+        if stats is None:
+            return
+        sample = stats.sample(self._current)
         self._history.append(sample)
         if self._best is None or sample.score > self._best.score:
             self._best = sample
             self._persist(sample, completed=False)
         if self._tuner is None:
             self._tuner = self._make_tuner(sample)
-        proposal = self._tuner.propose(self._history)
+        if len(self._history) >= self.config.max_samples:
+            self._conclude(sample, train_iter, Proposal(plan=self._current, converged=True, reason="max-samples"))
+        elif self._propose_async is not None:
+            # Proposals take milliseconds of CPU: another process computes them, and this ask (and every
+            # other request) does not wait. The plan for this iteration is the current one.
+            self._proposing = (self._propose_async(self._tuner, tuple(self._history)), sample, train_iter)
+            self._fresh_reports = 0
+        else:
+            self._conclude(sample, train_iter, self._tuner.propose(self._history))
+
+    def _conclude(self, sample: Sample, train_iter: int, proposal: Proposal) -> None:
+        """Lock held: log the sample, then complete (hand back the final plan) or issue the proposal."""
+        assert self._tuner is not None
         self._log_sample(sample, train_iter, proposal.reason)
         done = len(self._history) >= self.config.max_samples or (proposal.converged and self.config.early_stop)
         if done:
@@ -418,7 +469,7 @@ class ModelSession:
             self._issue(final.plan, "best")
             self._persist(dataclasses.replace(final, plan=self._current), completed=True)
             logger.info("event=autotune_completed model=%s samples=%d tuner=%s score=%.4g version=%d",
-                        self.registration.model_name, len(self._history), self._tuner_kind, final.score,
+                        self.registration.model_name, len(self._history), self.tuner_kind, final.score,
                         self._current.version)
         else:
             self._issue(proposal.plan, proposal.reason, proposal.predicted_ms)
@@ -426,14 +477,15 @@ class ModelSession:
     def _log_sample(self, sample: Sample, train_iter: int, next_reason: str) -> None:
         if self._sample_log is None:
             return
-        self._sample_log.write(self.registration.model_name, {
+        self._sample_log(self.registration.model_name, {
             "time": time.time(),
             "model_name": self.registration.model_name,
             "sample": len(self._history),
             "train_iter": train_iter,
-            "tuner": self._tuner_kind,
+            "tuner": self.tuner_kind,
             "plan_version": sample.plan.version,
             "buckets": sample.plan.tensor_names,
+            "bucket_bytes": sample.plan.bucket_bytes,
             "bucket_size": sample.plan.bucket_size,
             "is_hierarchical_reduce": sample.plan.is_hierarchical_reduce,
             "score": sample.score,

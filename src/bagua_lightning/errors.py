@@ -26,3 +26,23 @@ class PlanMismatchError(BaguaLightningError, RuntimeError):
 
 class CacheError(BaguaLightningError):
     """The sample cache cannot store or decode an entry."""
+
+
+class AutotuneError(BaguaLightningError):
+    """The autotune service refused or failed a call; ``code`` is the gRPC status code's name."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ModelNotRegisteredError(AutotuneError, LookupError):
+    """The autotune service does not hold the model (never registered, restarted or evicted): register it."""
+
+
+class AutotuneRequestRejectedError(AutotuneError, ValueError):
+    """The autotune service refused the request's content (invalid, contradicting, over a limit)."""
+
+
+class AutotuneAuthenticationError(AutotuneError, PermissionError):
+    """The autotune service requires a token and the call had none or a wrong one."""

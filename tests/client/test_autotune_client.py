@@ -1,8 +1,10 @@
-"""AutotuneClient against a real in-process gRPC server: dict inputs, deadlines, retries, health."""
+"""AutotuneClient against a real in-process gRPC server: typed results, project errors, dict inputs, deadlines,
+retries, health, tokens and address validation."""
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -13,10 +15,16 @@ import grpc
 import pytest
 
 from bagua_lightning.client import AutotuneClient
+from bagua_lightning.client.autotune import PlanAnswer
 from bagua_lightning.client.retry import ExponentialBackoff, Retry
-from bagua_lightning.errors import ServiceUnavailableError
+from bagua_lightning.errors import (
+    AutotuneAuthenticationError,
+    AutotuneRequestRejectedError,
+    ModelNotRegisteredError,
+    ServiceUnavailableError,
+)
 from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
-from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, plan_from_proto
+from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord
 from bagua_lightning.services.autotune.config import ServiceConfig
 from bagua_lightning.services.autotune.server import create_server
 from bagua_lightning.services.autotune.service import AutotuneService
@@ -42,25 +50,76 @@ def server_target() -> Iterator[str]:
         server.stop(grace=None)
 
 
-def test_plain_dicts_in_baguas_shape(server_target: str) -> None:
+def test_typed_results_and_dicts_in_baguas_shape(server_target: str) -> None:
     with AutotuneClient(target=server_target) as client:
-        reply = client.register_tensors("m", TENSORS)
-        plan = plan_from_proto(reply.recommended_hyperparameters)
+        plan = client.register_tensors("m", TENSORS)
+        assert isinstance(plan, BucketPlan) and plan.tensor_names == [["A", "B"], ["C"], ["D"], ["E"]]
         as_dict = plan.to_dict()  # {"buckets": [[{name, num_elements, dtype}]], "bucket_size", ...}
         timings = [{"bucket_index": i, "bytes": b, "ready_ms": 1.0 + i, "comm_ms": 0.5, "wait_ms": 0.0}
                    for i, b in enumerate(plan.bucket_bytes)]
-        assert client.report_metrics("m", 0, 0, as_dict, 100.0, timings, backward_ms=5.0).accepted
+        assert client.report_metrics("m", 0, 0, as_dict, 100.0, timings, backward_ms=5.0) is True
         assert client.report_metrics("m", 1, 0, plan, 100.0,
-                                     [BucketTimingRecord(**t) for t in timings]).accepted  # dataclasses too
-        assert client.report_metrics("m", 0, 1, {"recommended_hyperparameters": as_dict}, 90.0).accepted
-        assert not client.report_metrics("m", 0, 1, reply, 90.0).accepted  # a response message; duplicate
+                                     [BucketTimingRecord(**t) for t in timings]) is True  # dataclasses too
+        assert client.report_metrics("m", 0, 1, None, 90.0) is True  # None: the plan handed back for the iter
+        assert client.report_metrics("m", 0, 1, plan, 90.0) is False  # a duplicate
         spans = [{"trace_id": 1, "action": "tensor_ready", "tensor_name": n, "start_time": i, "end_time": i}
                  for i, n in enumerate("EDCBA")]
         client.report_tensor_execution_order(spans, model_name="m")
         asked = client.ask_hyperparameters("m", 0, 2)
-        assert isinstance(plan_from_proto(asked.recommended_hyperparameters), BucketPlan)
+        assert isinstance(asked, PlanAnswer) and isinstance(asked.plan, BucketPlan) and asked.completed is False
         with pytest.raises(ValueError, match="unknown keys"):
             client.register_tensors("m", [{"name": "A", "elements": 3}])
+        with pytest.raises(TypeError, match="BucketPlan or a dict"):
+            client.report_metrics("m", 0, 3, [plan], 1.0)  # type: ignore[arg-type]
+
+
+def test_refusals_raise_the_projects_errors(server_target: str) -> None:
+    with AutotuneClient(target=server_target, retry=Retry(ExponentialBackoff(), 0, lambda e: False)) as client:
+        with pytest.raises(ModelNotRegisteredError, match="'nobody'") as missing:
+            client.ask_hyperparameters("nobody", 0, 0)
+        assert missing.value.code == "NOT_FOUND" and isinstance(missing.value, LookupError)
+        plan = client.register_tensors("m", TENSORS)
+        with pytest.raises(AutotuneRequestRejectedError, match="speed") as bad:
+            client.report_metrics("m", 0, 0, plan, -1.0)
+        assert bad.value.code == "INVALID_ARGUMENT" and isinstance(bad.value, ValueError)
+        with pytest.raises(AutotuneRequestRejectedError, match="different tensor_list"):
+            client.register_tensors("m", TENSORS[:2])
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"host": "127.0.0.1", "port": 95136}, "95136"),
+    ({"host": "127.0.0.1", "port": 0}, "got 0"),
+    ({"host": "127.0.0.1", "port": True}, "True"),
+    ({"host": "not a host", "port": 29600}, "'not a host'"),
+    ({"target": "127.0.0.1:99999"}, "'127.0.0.1:99999'"),
+    ({"target": "localhost"}, "'localhost'"),
+])
+def test_bad_addresses_name_the_value(kwargs: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
+        AutotuneClient(**kwargs)
+
+
+def test_token_required_and_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BAGUA_LIGHTNING_AUTOTUNE_TOKEN", raising=False)
+    server, port = create_server("127.0.0.1:0", _service(), token="s3cret-token")
+    server.start()
+    try:
+        no_retry = Retry(ExponentialBackoff(), 0, lambda e: False)
+        with AutotuneClient(port=port, retry=no_retry) as anonymous:
+            assert anonymous.health_check() is True  # probes need no token
+            with pytest.raises(AutotuneAuthenticationError, match="requires a token"):
+                anonymous.register_tensors("m", TENSORS)
+        with AutotuneClient(port=port, token="wrong", retry=no_retry) as wrong:
+            with pytest.raises(AutotuneAuthenticationError) as excinfo:
+                wrong.list_models()
+            assert excinfo.value.code == "UNAUTHENTICATED"
+        with AutotuneClient(port=port, token="s3cret-token") as good:
+            assert good.register_tensors("m", TENSORS).version == 0
+        monkeypatch.setenv("BAGUA_LIGHTNING_AUTOTUNE_TOKEN", "s3cret-token")
+        with AutotuneClient(port=port) as from_env:  # the token defaults from the environment
+            assert [m.model_name for m in from_env.list_models()] == ["m"]
+    finally:
+        server.stop(grace=None)
 
 
 def test_retries_until_the_service_comes_up() -> None:
@@ -80,8 +139,8 @@ def test_retries_until_the_service_comes_up() -> None:
                       retryable=lambda e: isinstance(e, grpc.RpcError)
                       and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
         with AutotuneClient(target=f"127.0.0.1:{port}", timeout_s=1.0, retry=retry) as client:
-            reply = client.register_tensors("m", TENSORS)
-        assert len(reply.recommended_hyperparameters.buckets) == 4
+            plan = client.register_tensors("m", TENSORS)
+        assert len(plan.buckets) == 4
     finally:
         thread.join()
         if "server" in holder:

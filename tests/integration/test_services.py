@@ -44,15 +44,13 @@ def test_register_tensors_round_trip(services: Deployment) -> None:
     model = f"integration-{uuid.uuid4().hex[:8]}"
     with AutotuneClient(target=services.autotune) as client:
         assert client.health_check(timeout_s=5.0)
-        response = client.register_tensors(model, TENSORS)
-        plan = response.recommended_hyperparameters
-        names = [t.name for bucket in plan.buckets for t in bucket.tensors]
+        plan = client.register_tensors(model, TENSORS)
+        names = [t.name for bucket in plan.buckets for t in bucket]
         assert sorted(names) == sorted(t["name"] for t in TENSORS)
         assert plan.bucket_size > 0
         # Every rank asking for the same iteration gets the same plan back.
         asked = client.ask_hyperparameters(model, rank=0, train_iter=0)
-        assert [[t.name for t in b.tensors] for b in asked.recommended_hyperparameters.buckets] == \
-            [[t.name for t in b.tensors] for b in plan.buckets]
+        assert asked.plan.tensor_names == plan.tensor_names
 
 
 def test_redis_store_set_get_through_the_cluster(services: Deployment) -> None:

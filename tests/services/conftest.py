@@ -7,15 +7,20 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.client.retry import ExponentialBackoff, Retry
+from bagua_lightning.errors import AutotuneError
+from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from tests.procs import free_port, running, wait_until
 
-FAST = ["--warmup-time-s", "0", "--sampling-confidence-time-s", "0"]
+# Tests that drive the service in tight loops take proposals in the request (deterministic plan sequences);
+# tuning in worker processes (the serve default) is tested on its own.
+FAST = ["--warmup-time-s", "0", "--sampling-confidence-time-s", "0", "--tuning-processes", "0"]
 
 
 @contextlib.contextmanager
@@ -28,7 +33,7 @@ def autotune_service(*args: str, port: int | None = None, log_path: Path | None 
     env = dict(os.environ)
     with running(cmd, env=env, log_path=str(log_path) if log_path else None) as proc:
         target = f"127.0.0.1:{port}"
-        with AutotuneClient(target=target, tls_root_cert=tls_root_cert) as probe:
+        with AutotuneClient(target=target, root_certificates=tls_root_cert) as probe:
             wait_until(lambda: proc.poll() is None and probe.health_check(timeout_s=0.5), 30.0,
                        f"the autotune service on {target}")
         yield target, proc
@@ -62,5 +67,12 @@ def shared_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield target
 
 
-def rpc_code(excinfo: pytest.ExceptionInfo[grpc.RpcError]) -> grpc.StatusCode:
-    return excinfo.value.code()  # type: ignore[attr-defined,no-any-return]
+def rpc_code(excinfo: pytest.ExceptionInfo[AutotuneError]) -> grpc.StatusCode:
+    """The gRPC status code an AutotuneError was raised for."""
+    return grpc.StatusCode[excinfo.value.code]
+
+
+def raw_stub(target: str) -> tuple[grpc.Channel, Any]:
+    """A plain gRPC channel and stub: sends requests the typed client would refuse to build."""
+    channel = grpc.insecure_channel(target)
+    return channel, pb_grpc.AutotuneServiceStub(channel)

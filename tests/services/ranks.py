@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from bagua_lightning.client.autotune import AutotuneClient
-from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration, plan_from_proto
+from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
 from bagua_lightning.services.autotune.simulator import SimulatedJob, bandwidth_scenario, compute_proportional
 
 MB = 1024**2
@@ -32,11 +32,11 @@ def speed_only_rank(target: str, model: str, ranks: list[int], iters: int) -> di
         with AutotuneClient(target=target) as client:
             for it in range(iters):
                 reply = client.ask_hyperparameters(model, rank, it)
-                plan = plan_from_proto(reply.recommended_hyperparameters)
-                seen.append((it, plan.fingerprint(), plan.version, reply.is_autotune_completed))
-                if reply.is_autotune_completed:
+                plan = reply.plan
+                seen.append((it, plan.fingerprint(), plan.version, reply.completed))
+                if reply.completed:
                     break
-                client.report_metrics(model, rank, it, reply.recommended_hyperparameters, peak_at_20mb(plan))
+                client.report_metrics(model, rank, it, plan, peak_at_20mb(plan))
         results[rank] = seen
 
     threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
@@ -72,13 +72,10 @@ def timed_ranks(target: str, models: list[str], ranks: list[int], world_size: in
                                         nproc_per_node=world_size // 2)
                 for r in range(rounds):
                     it = r * steps_per_round
-                    reply = client.ask_hyperparameters(model, rank, it)
-                    plan = plan_from_proto(reply.recommended_hyperparameters)
+                    plan = client.ask_hyperparameters(model, rank, it).plan
                     speed, timings, backward_ms = job.measure(plan)
-                    acc = client.report_metrics(model, rank, it, reply.recommended_hyperparameters, speed,
-                                                timings, backward_ms=backward_ms).accepted
-                    dup = client.report_metrics(model, rank, it, reply.recommended_hyperparameters, speed,
-                                                timings, backward_ms=backward_ms).accepted
+                    acc = client.report_metrics(model, rank, it, plan, speed, timings, backward_ms=backward_ms)
+                    dup = client.report_metrics(model, rank, it, plan, speed, timings, backward_ms=backward_ms)
                     with lock:
                         out["plans"].append((model, it, rank, plan.fingerprint(), plan.version))
                         out["accepted"].append(acc)

@@ -17,12 +17,14 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from bagua_lightning.client.autotune import AutotuneClient
+from bagua_lightning.client.autotune import AutotuneClient, PlanAnswer
+from bagua_lightning.errors import AutotuneError
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
-from bagua_lightning.proto.plan import TensorDeclaration, plan_from_proto
+from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
+from bagua_lightning.services.autotune.samplelog import log_file_name
 from tests.procs import free_port, running, wait_until
 from tests.services import ranks
-from tests.services.conftest import FAST, no_retry_client, rpc_code
+from tests.services.conftest import FAST, no_retry_client, raw_stub, rpc_code
 
 MB = 1024**2
 
@@ -31,8 +33,8 @@ def _pool(workers: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
 
-def _names(reply: object) -> list[list[str]]:
-    return plan_from_proto(reply.recommended_hyperparameters).tensor_names  # type: ignore[attr-defined]
+def _names(reply: BucketPlan | PlanAnswer) -> list[list[str]]:
+    return (reply.plan if isinstance(reply, PlanAnswer) else reply).tensor_names
 
 
 def test_health_and_reflection(shared_service: str) -> None:
@@ -59,10 +61,10 @@ def test_abcde_partition_under_a_score_peaking_at_20mb(start_service) -> None:
                     [pool.submit(ranks.speed_only_rank, target, "abcde", rs, 200) for rs in ([0, 1], [2, 3])]]
         with AutotuneClient(target=target) as client:
             final = client.ask_hyperparameters("abcde", 0, 10_000)
-    assert final.is_autotune_completed
+    assert final.completed
     assert _names(final) == [["A", "B", "C"], ["D", "E"]]
-    assert not final.recommended_hyperparameters.is_hierarchical_reduce
-    assert 16 * MB < final.recommended_hyperparameters.bucket_size <= 24 * MB
+    assert not final.plan.is_hierarchical_reduce
+    assert 16 * MB < final.plan.bucket_size <= 24 * MB
     # Every rank saw the same plan at every iteration.
     by_iter: dict[int, set[str]] = defaultdict(set)
     for out in outs:
@@ -75,8 +77,7 @@ def test_abcde_partition_under_a_score_peaking_at_20mb(start_service) -> None:
 def test_mixed_dtypes_are_cut_per_dtype(shared_service: str) -> None:
     tensors = [{"name": f"w{i}", "num_elements": 5 * MB // 4, "dtype": "f16" if i % 2 else "f32"} for i in range(8)]
     with AutotuneClient(target=shared_service) as c:
-        reply = c.register_tensors("mixed", tensors)
-    plan = plan_from_proto(reply.recommended_hyperparameters)
+        plan = c.register_tensors("mixed", tensors)
     # f32 first (first seen), each bucket one dtype, closed at the default 10 MiB: 2 f32 (5 MiB) or
     # 4 f16 (2.5 MiB) tensors per bucket.
     assert plan.tensor_names == [["w0", "w2"], ["w4", "w6"], ["w1", "w3", "w5", "w7"]]
@@ -92,7 +93,7 @@ def test_execution_order_changes_the_cut_order(shared_service: str) -> None:
         client.report_tensor_execution_order(spans)  # no model_name: found by its tensor names
         after = client.ask_hyperparameters("order", 0, 1)
     assert _names(after) == [["E"], ["D"], ["C"], ["B", "A"]]
-    assert after.recommended_hyperparameters.plan_version > first.recommended_hyperparameters.plan_version
+    assert after.plan.version > first.version
 
 
 def test_64_ranks_over_4_models_lose_no_report(start_service, tmp_path: Path) -> None:
@@ -116,9 +117,9 @@ def test_64_ranks_over_4_models_lose_no_report(start_service, tmp_path: Path) ->
         for model, it, _, fingerprint, version in o["plans"]:
             plans[(model, it)].add((fingerprint, version))
     assert len(plans) == 4 * 8 and all(len(v) == 1 for v in plans.values())  # identical plans per train_iter
-    assert all(f.is_autotune_completed for f in finals.values())
+    assert all(f.completed for f in finals.values())
     for model in models:
-        lines = [json.loads(line) for line in (logs / f"{model}.jsonl").read_text().splitlines()]
+        lines = [json.loads(line) for line in (logs / log_file_name(model)).read_text().splitlines()]
         assert lines and {"train_iter", "buckets", "score"} <= set(lines[0])
 
 
@@ -143,22 +144,20 @@ def test_best_plan_survives_a_restart(start_service, tmp_path: Path, state: str)
             client.register_tensors("persisted", tensors, world_size=4, nproc_per_node=2)
             for it in range(10):
                 reply = client.ask_hyperparameters("persisted", 0, it)
-                if reply.is_autotune_completed:
+                if reply.completed:
                     break
-                plan = plan_from_proto(reply.recommended_hyperparameters)
-                speed, timings, backward_ms = job.measure(plan)
-                client.report_metrics("persisted", 0, it, reply.recommended_hyperparameters, speed, timings,
-                                      backward_ms=backward_ms)
-            assert reply.is_autotune_completed
-            best = plan_from_proto(reply.recommended_hyperparameters)
+                speed, timings, backward_ms = job.measure(reply.plan)
+                client.report_metrics("persisted", 0, it, reply.plan, speed, timings, backward_ms=backward_ms)
+            assert reply.completed
+            best = reply.plan
         # A new process, a new job of the same model shape (another name): the best plan comes back.
         with start_service(*args) as (target, _), AutotuneClient(target=target) as client:
             again = client.register_tensors("persisted-job2", tensors, world_size=4, nproc_per_node=2)
-            assert plan_from_proto(again.recommended_hyperparameters).same_layout(best)
-            assert client.ask_hyperparameters("persisted-job2", 0, 0).is_autotune_completed
+            assert again.same_layout(best)
+            assert client.ask_hyperparameters("persisted-job2", 0, 0).completed
             # Another placement is another key: the default plan.
             other = client.register_tensors("persisted-job3", tensors, world_size=8, nproc_per_node=8)
-            assert not plan_from_proto(other.recommended_hyperparameters).same_layout(best)
+            assert not other.same_layout(best)
 
 
 def _register(client: AutotuneClient, name: str = "bad", **kwargs: object) -> object:
@@ -187,17 +186,22 @@ BAD_REGISTRATIONS = [
 @pytest.mark.parametrize(("case", "kwargs", "code", "message"), BAD_REGISTRATIONS, ids=[c[0] for c in BAD_REGISTRATIONS])
 def test_bad_registrations(shared_service: str, case: str, kwargs: dict[str, object], code: grpc.StatusCode,
                            message: str) -> None:
-    with no_retry_client(shared_service) as client:
+    channel, stub = raw_stub(shared_service)
+    with channel, no_retry_client(shared_service) as client:
+        request = pb.RegisterTensorsRequest(
+            model_name=f"bad-{case}", tensor_list=kwargs.get("tensors", [_decl(t.name, t.num_elements, t.dtype)
+                                                                          for t in ranks.abcde()]),
+            world_size=kwargs.get("world_size", 0), nproc_per_node=kwargs.get("nproc_per_node", 0))
         with pytest.raises(grpc.RpcError) as excinfo:
-            _register(client, f"bad-{case}", **kwargs)
-        assert rpc_code(excinfo) == code
+            stub.RegisterTensors(request, timeout=10)
+        assert excinfo.value.code() == code  # type: ignore[attr-defined]
         assert message in excinfo.value.details()  # type: ignore[attr-defined]
         assert client.health_check()  # the service keeps serving
 
 
 def test_bad_reports_asks_and_orders(shared_service: str) -> None:
     with no_retry_client(shared_service) as client:
-        plan = _register(client, "target").recommended_hyperparameters  # type: ignore[attr-defined]
+        plan = _register(client, "target")
         cases = [
             (lambda: client.ask_hyperparameters("nobody", 0, 0), grpc.StatusCode.NOT_FOUND, "'nobody'"),
             (lambda: client.report_metrics("nobody", 0, 0, plan, 1.0), grpc.StatusCode.NOT_FOUND, "RegisterTensors"),
@@ -222,13 +226,12 @@ def test_bad_reports_asks_and_orders(shared_service: str) -> None:
              "set model_name"),
         ]
         for call, code, message in cases:
-            with pytest.raises(grpc.RpcError) as excinfo:
+            with pytest.raises(AutotuneError) as excinfo:
                 call()
-            assert (rpc_code(excinfo), message in excinfo.value.details()) == (code, True), \
-                excinfo.value.details()  # type: ignore[attr-defined]
+            assert (rpc_code(excinfo), message in str(excinfo.value)) == (code, True), str(excinfo.value)
         # Still serving, and a good report is accepted once.
-        assert client.report_metrics("target", 0, 1, plan, 10.0).accepted
-        assert not client.report_metrics("target", 0, 1, plan, 10.0).accepted
+        assert client.report_metrics("target", 0, 1, plan, 10.0)
+        assert not client.report_metrics("target", 0, 1, plan, 10.0)
 
 
 def test_sigterm_shuts_down_gracefully(tmp_path: Path) -> None:
@@ -252,7 +255,7 @@ def test_tls(start_service, tmp_path: Path) -> None:
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True,
                    timeout=60)
     with start_service("--tls-cert", str(cert), "--tls-key", str(key), tls_root_cert=cert) as (target, _):
-        with AutotuneClient(target=target, tls_root_cert=cert) as client:
+        with AutotuneClient(target=target, root_certificates=cert) as client:
             assert _names(client.register_tensors("tls", [t.to_dict() for t in ranks.abcde()]))
         with AutotuneClient(target=target) as plaintext:
             assert plaintext.health_check(timeout_s=1.0) is False
@@ -276,11 +279,10 @@ def test_tuning_defaults_from_the_environment(tmp_path: Path) -> None:
     with running(cmd, env=env, log_path=str(tmp_path / "service.log")), \
             AutotuneClient(target=f"127.0.0.1:{port}") as client:
         wait_until(lambda: client.health_check(timeout_s=0.5), 30.0, "the autotune service")
-        reply = client.register_tensors("env", [t.to_dict() for t in ranks.abcde()], world_size=1)
-        plan = plan_from_proto(reply.recommended_hyperparameters)
-        assert client.report_metrics("env", 0, 1, plan, 10.0).accepted
+        plan = client.register_tensors("env", [t.to_dict() for t in ranks.abcde()], world_size=1)
+        assert client.report_metrics("env", 0, 1, plan, 10.0)
         # No warm-up, no hold, one sample: the first report completes tuning (the built-in 30 s warm-up would not).
-        assert client.ask_hyperparameters("env", 0, 2).is_autotune_completed
+        assert client.ask_hyperparameters("env", 0, 2).completed
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
                          env={**env, "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S": "soon"})
     assert bad.returncode != 0

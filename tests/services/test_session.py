@@ -23,8 +23,8 @@ from bagua_lightning.services.autotune.persistence import (
     StoredPlan,
     open_store,
 )
+from bagua_lightning.services.autotune.reports import PlanRef
 from bagua_lightning.services.autotune.service import AutotuneService, Span
-from bagua_lightning.services.autotune.session import PlanRef
 from tests.procs import free_port, running, wait_until
 from tests.services.ranks import abcde, sim_job
 
@@ -36,8 +36,8 @@ def _rows(tensors: list[TensorDeclaration]) -> list[tuple[str, int, str]]:
 
 
 def _ref(plan: BucketPlan) -> PlanRef:
-    return PlanRef(version=plan.version, bucket_names=tuple((b[0].name, b[-1].name) for b in plan.buckets),
-                   bucket_lengths=tuple(len(b) for b in plan.buckets), decode=lambda: plan)
+    return PlanRef(version=plan.version, decode=lambda: plan,
+                   matches=lambda issued: issued.same_layout(plan) and issued.bucket_size == plan.bucket_size)
 
 
 class _Clock:
@@ -101,16 +101,18 @@ def test_registration_errors() -> None:
         service.register("m", _rows(abcde()[:2]), True)
     with pytest.raises(FailedPreconditionError, match="world_size"):
         service.register("m", _rows(abcde()), True, world_size=2)
-    with pytest.raises(ResourceExhaustedError, match="--max-models"):
-        service.register("other", _rows(abcde()), True)
-    with pytest.raises(NotFoundError):
-        service.ask("nobody", 0, 0)
+    with pytest.raises(ResourceExhaustedError, match="--max-tensors"):
+        service.register("big", _rows([*abcde(), TensorDeclaration("F", 1)]), True)
     with pytest.raises(InvalidArgumentError, match="model_name is empty"):
         service.register("", _rows(abcde()), True)
     with pytest.raises(InvalidArgumentError, match="spans is empty"):
         service.report_execution_order([], "m")
     with pytest.raises(InvalidArgumentError, match="'Q'"):
         service.report_execution_order([Span(0, "tensor_ready", "Q", 0, 0)], "m")
+    service.register("other", _rows(abcde()), True)  # one model more than --max-models: the idle one goes
+    assert service.model_names == ["other"] and service.evicted == 1
+    with pytest.raises(NotFoundError, match="evicted"):
+        service.ask("m", 0, 0)
 
 
 def test_whether_to_bucket_false_is_one_bucket_per_dtype() -> None:
@@ -131,6 +133,7 @@ def test_directory_store_round_trip_and_restart(tmp_path: Path) -> None:
         speed, timings, backward = job.measure(plan)
         service.report("m", 0, it, _ref(plan), speed, timings, backward)
     assert completed
+    assert service.io.flush()  # saves are written by the service's writer thread
     again = AutotuneService(ServiceConfig(**FAST), store=DirectoryPlanStore(tmp_path))
     restored = again.register("m2", _rows(list(job.tensors)), True, world_size=1)
     assert restored.same_layout(plan) and again.ask("m2", 0, 0)[1] is True

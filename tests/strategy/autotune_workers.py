@@ -38,10 +38,11 @@ LOGGER = "bagua_lightning.strategy.autotune"
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, depth: int = 5) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(48, 48), nn.Tanh())], nn.Linear(48, 1))
+        self.layers = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(48, 48), nn.Tanh())],
+                                    nn.Linear(48, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -109,8 +110,9 @@ def mismatch(comm: CommContext, address: str) -> str:
 
 def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3, fault_dir: Path | None = None,
         fault_steps: tuple[int, int] = (0, 0), model_name: str | None = None,
-        algorithm: str = "gradient_allreduce", apply_delay: int | None = None) -> dict[str, Any]:
-    model = Net()
+        algorithm: str = "gradient_allreduce", apply_delay: int | None = None,
+        aggregate_reports: bool = True, depth: int = 5) -> dict[str, Any]:
+    model = Net(depth)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     wrapper = BaguaDistributedDataParallel(model, get_algorithm_class(algorithm).from_kwargs(), comm,
                                            bucket_size=4096, optimizers=[opt])
@@ -119,7 +121,8 @@ def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3
     ctl = None
     if address is not None:
         settings = AutotuneSettings(address=address, interval=interval, rpc_timeout_s=0.5, connect_timeout_s=1.0,
-                                    model_name=model_name, apply_delay=apply_delay)
+                                    model_name=model_name, apply_delay=apply_delay,
+                                    aggregate_reports=aggregate_reports)
         ctl = AutotuneController(settings, wrapper, model, model_prefix="Net", nproc_per_node=comm.local_size,
                                  group=comm.group)
     records: list[list[Any]] = []
@@ -185,6 +188,10 @@ def main() -> int:
         # Plans applied one step after each boundary (apply_delay=1), measured over the rest of the interval.
         result["bytegrad"] = run(comm, 21, address=args.address, model_name="bytegrad-net", algorithm="bytegrad",
                                  apply_delay=1)
+        # Bagua's protocol: every rank reports its own measurement.
+        # (Another depth: a model shape the service has no completed plan for.)
+        result["per_rank"] = run(comm, 12, address=args.address, model_name="per-rank-net", aggregate_reports=False,
+                                 depth=4)
         if args.dead_address:
             result["absent"] = run(comm, 12, address=args.dead_address, model_name="absent-net")
     except Exception:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, StepTimings, TensorDeclaration
 from bagua_lightning.strategy.autotune import (
@@ -47,8 +48,14 @@ SERVICE_ARGS = (*FAST, "--max-samples", "4")
 
 
 def test_settings_reject_bad_values_with_the_fix() -> None:
-    with pytest.raises(ConfigurationError, match=r"autotune_service must be 'host:port', got 'localhost'"):
+    with pytest.raises(ConfigurationError, match=r"autotune_service 'localhost' is not 'host:port'"):
         AutotuneSettings(address="localhost")
+    with pytest.raises(ConfigurationError, match=r"autotune_service '127.0.0.1:99999' .* got 99999"):
+        AutotuneSettings(address="127.0.0.1:99999")
+    with pytest.raises(ConfigurationError, match="autotune_token"):
+        AutotuneSettings(address="127.0.0.1:1", token=" ")
+    with pytest.raises(ConfigurationError, match="root certificates file"):
+        AutotuneSettings(address="127.0.0.1:1", root_certificates="/nonexistent/ca.pem")
     with pytest.raises(ConfigurationError, match="autotune_interval must be a positive number of steps, got 0"):
         AutotuneSettings(address="127.0.0.1:1", interval=0)
     with pytest.raises(ConfigurationError, match=r"apply_delay must be a whole number of steps in \[0, autotune_interval=4\), got 4"):
@@ -61,6 +68,8 @@ def test_settings_reject_bad_values_with_the_fix() -> None:
 
 
 def test_strategy_autotune_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import lightning.pytorch  # noqa: F401  # loads first, so its import hook registers the strategy
+
     from bagua_lightning.strategy import BaguaStrategy
 
     # Weight-averaging algorithms have no gradient bucket plan: a clear error, not a silent no-op.
@@ -82,6 +91,13 @@ def test_strategy_autotune_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert s._autotune_settings is not None and (s._autotune_settings.address, s._autotune_settings.interval) == (
         "h:1", 7)
     assert BaguaStrategy()._autotune_settings is None
+    with pytest.raises(ConfigurationError, match=r"'127\.0\.0\.1:99999'"):
+        BaguaStrategy(autotune=True, autotune_service="127.0.0.1:99999")
+    with pytest.raises(ConfigurationError, match="autotune_tls"):
+        BaguaStrategy(autotune=True, autotune_tls=1)  # type: ignore[arg-type]
+    tuned = BaguaStrategy(autotune=True, autotune_service="h:1", autotune_token="t0k", autotune_tls=True)
+    assert tuned._autotune_settings is not None
+    assert (tuned._autotune_settings.token, tuned._autotune_settings.tls) == ("t0k", True)
 
 
 def _timings(backward_ms: float, comm: list[float]) -> StepTimings:
@@ -92,7 +108,7 @@ def _timings(backward_ms: float, comm: list[float]) -> StepTimings:
 
 def test_interval_meter_means_dedupes_and_excludes_paused_time() -> None:
     m = IntervalMeter()
-    assert m.close(1.0)[0] is None  # nothing measured
+    assert m.close(1.0).speed is None  # nothing measured
     m.count(32, now=10.0)
     m.count(32, now=10.5)
     first = _timings(4.0, [1.0, 3.0])
@@ -102,7 +118,8 @@ def test_interval_meter_means_dedupes_and_excludes_paused_time() -> None:
     m.add_timings(_timings(6.0, [3.0]), num_buckets=2)  # another plan's timings: ignored
     m.pause(11.0)
     m.resume(15.0)  # 4 s of validation
-    speed, timings, backward_ms = m.close(12.0 + 4.0)
+    measured = m.close(12.0 + 4.0)
+    speed, timings, backward_ms = measured.speed, measured.timings, measured.backward_ms
     assert speed == pytest.approx(64 / 2.0)
     assert backward_ms == pytest.approx(5.0)
     assert [(t.bucket_index, t.bytes, t.comm_ms, t.wait_ms) for t in timings] == [(0, 100, 2.0, 1.0),
@@ -121,7 +138,16 @@ def test_reports_summary_and_helpers() -> None:
                            bucket_size=64, hierarchical=True, completed=True, plans_applied=4, speed_before=100.0,
                            speed_after=125.0).line()
     assert "service plan v3, 2 buckets" in line and "hierarchical, completed" in line
-    assert "samples/s before 100.0 -> after 125.0 (1.25x)" in line
+    assert "last interval on the first plan 100.0 -> on the final plan 125.0 (1.25x)" in line
+    # A job that never reached the service says so, and gives no ratio.
+    unreached = AutotuneSummary(model_name="M-1", service="h:1", registered=False, plan_version=-1, num_buckets=2,
+                                bucket_size=64, hierarchical=False, completed=False, plans_applied=0,
+                                speed_before=100.0, speed_after=126.0)
+    assert "not reachable" in unreached.line() and "x)" not in unreached.line() and unreached.ratio is None
+    one_plan = AutotuneSummary(model_name="M-1", service="h:1", registered=True, plan_version=0, num_buckets=2,
+                               bucket_size=64, hierarchical=False, completed=False, plans_applied=1,
+                               speed_before=100.0, speed_after=126.0)
+    assert one_plan.ratio is None and "nothing to compare" in one_plan.line()
     assert model_name_for("Net", t) == model_name_for("Net", t[::-1]) != model_name_for("Net", t[:1])
     assert batch_size_of((torch.zeros(7, 3), torch.zeros(7))) == 7
     assert batch_size_of({"x": [torch.zeros(5, 2)]}) == 5
@@ -155,13 +181,19 @@ def test_lightning_two_ranks_tune_match_log_and_second_job(tmp_path: Path) -> No
     with autotune_service(*SERVICE_ARGS, "--world-size", "2", log_path=tmp_path / "service.log") as (target, _):
         run_ranks(LIGHTNING_WORKER, [str(tmp_path), "--address", target], world_size=2, log_dir=tmp_path,
                   timeout_s=420, env={"GROUP_RANK": "0"})
+        with AutotuneClient(target=target) as client:
+            (model,) = client.list_models()
+            samples = client.describe_model(model.model_name).samples
+    # Reports are aggregated: one per interval for the job (rank 0, after an all_gather), not one per rank.
+    # The first plan was measured over one interval: one report (two ranks reporting their own would be two).
+    assert samples and samples[0].reports == 1, samples
     res = _load(tmp_path, "lightning_rank", 2)
     records = _check_same_plan_every_step([r["tuned_records"] for r in res])
     for r in res:
         # Re-bucketing changes nothing but float summation order.
         assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5
         assert r["summary_completed"], r["summary"]
-        assert "completed" in r["summary"] and "samples/s before" in r["summary"]
+        assert "completed" in r["summary"] and "samples/s per rank" in r["summary"]
         # A second job of the same model starts on the plan the first one settled on.
         final = records[-1]
         assert r["second_records"][0][1:] == final[1:]
@@ -206,6 +238,8 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
                                  "--dead-address", f"127.0.0.1:{dead_port}"],
                   world_size=4, log_dir=tmp_path, timeout_s=420)
         driver.join(timeout=60)
+        with AutotuneClient(target=f"127.0.0.1:{port}") as client:
+            per_rank = client.describe_model("per-rank-net").summary
     assert not errors, errors
     res = _load(tmp_path, "rank", 4)
     records = _check_same_plan_every_step([r["tuned"]["records"] for r in res])
@@ -233,6 +267,10 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
     assert bytegrad[-1][1] >= 1
     for r in res:  # same init and batches as the reference: only the uint8 compression error separates them
         assert max(abs(a - b) for a, b in zip(r["bytegrad"]["losses"], r["reference"]["losses"], strict=False)) < 1e-2
+    # Per-rank reports (aggregate_reports=False): every rank reported its own intervals (12 steps at interval 3
+    # are 3 boundaries: at most 3 reports if only rank 0 reported for the job).
+    assert per_rank.reports_accepted >= 4, per_rank
+    assert all(r["per_rank"]["registered"] and r["per_rank"]["threads"] == [] for r in res)
     # A rank that cannot apply a plan makes every rank fail loudly at that boundary, none hangs.
     for r in res:
         assert r["mismatch"].startswith("ranks disagree at step 0 on: plan version, plan layout, apply failure"), \
@@ -245,3 +283,16 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
     assert all(r["absent"]["warnings"] == [] for r in res[1:])
     assert {rec[1] for rec in absent["records"]} == {-1} and len(absent["losses"]) == 12
     assert not absent["registered"] and "the service was not reachable" in absent["summary"]
+
+
+def test_measurements_reduce_to_the_jobs_view_on_every_rank(tmp_path: Path) -> None:
+    run_ranks(str(HERE / "autotune_reduce_worker.py"), [str(tmp_path)], world_size=3, log_dir=tmp_path,
+              timeout_s=180)
+    views = [json.loads((tmp_path / f"reduce{r}.json").read_text()) for r in range(3)]
+    assert views[0] == views[1] == views[2]  # every rank holds the same job's view
+    view = views[0]
+    assert (view["speed"], view["ranks"], view["min"], view["max"]) == (200.0, 3, 100.0, 300.0)
+    assert view["std"] == pytest.approx((20000 / 3) ** 0.5)
+    # Timings from the two ranks that measured them (rank 2 had none): means and the slowest rank.
+    assert view["backward_ms"] == pytest.approx(10.5)
+    assert view["timings"] == [[0, 1000, 0.0, 0.0, 0.25, 0.5], [1, 2000, 1.5, 2.0, 0.25, 0.5]]

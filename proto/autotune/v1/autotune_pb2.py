@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0bagua_lightning/proto/autotune/v1/autotune.proto\x12\x1b\x62\x61gua_lightning.autotune.v1\"F\n\x11TensorDeclaration\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cnum_elements\x18\x02 \x01(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"I\n\x06\x42ucket\x12?\n\x07tensors\x18\x01 \x03(\x0b\x32..bagua_lightning.autotune.v1.TensorDeclaration\"\x92\x01\n\x0fHyperparameters\x12\x34\n\x07\x62uckets\x18\x01 \x03(\x0b\x32#.bagua_lightning.autotune.v1.Bucket\x12\x13\n\x0b\x62ucket_size\x18\x02 \x01(\x03\x12\x1e\n\x16is_hierarchical_reduce\x18\x03 \x01(\x08\x12\x14\n\x0cplan_version\x18\x04 \x01(\x03\"g\n\x0c\x42ucketTiming\x12\x14\n\x0c\x62ucket_index\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x10\n\x08ready_ms\x18\x03 \x01(\x01\x12\x0f\n\x07\x63omm_ms\x18\x04 \x01(\x01\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x01\"l\n\rExecutionSpan\x12\x10\n\x08trace_id\x18\x01 \x01(\x04\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x13\n\x0btensor_name\x18\x03 \x01(\t\x12\x12\n\nstart_time\x18\x04 \x01(\x04\x12\x10\n\x08\x65nd_time\x18\x05 \x01(\x04\"\xb8\x01\n\x16RegisterTensorsRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x43\n\x0btensor_list\x18\x02 \x03(\x0b\x32..bagua_lightning.autotune.v1.TensorDeclaration\x12\x19\n\x11whether_to_bucket\x18\x03 \x01(\x08\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x16\n\x0enproc_per_node\x18\x05 \x01(\x05\"l\n\x17RegisterTensorsResponse\x12Q\n\x1brecommended_hyperparameters\x18\x01 \x01(\x0b\x32,.bagua_lightning.autotune.v1.Hyperparameters\"\xfa\x01\n\x14ReportMetricsRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ntrain_iter\x18\x03 \x01(\x03\x12\x45\n\x0fhyperparameters\x18\x04 \x01(\x0b\x32,.bagua_lightning.autotune.v1.Hyperparameters\x12\r\n\x05speed\x18\x05 \x01(\x01\x12\x41\n\x0e\x62ucket_timings\x18\x06 \x03(\x0b\x32).bagua_lightning.autotune.v1.BucketTiming\x12\x13\n\x0b\x62\x61\x63kward_ms\x18\x07 \x01(\x01\")\n\x15ReportMetricsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"Q\n\x19\x41skHyperparametersRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ntrain_iter\x18\x03 \x01(\x03\"\x8e\x01\n\x1a\x41skHyperparametersResponse\x12Q\n\x1brecommended_hyperparameters\x18\x01 \x01(\x0b\x32,.bagua_lightning.autotune.v1.Hyperparameters\x12\x1d\n\x15is_autotune_completed\x18\x02 \x01(\x08\"r\n!ReportTensorExecutionOrderRequest\x12\x39\n\x05spans\x18\x01 \x03(\x0b\x32*.bagua_lightning.autotune.v1.ExecutionSpan\x12\x12\n\nmodel_name\x18\x02 \x01(\t\"$\n\"ReportTensorExecutionOrderResponse2\xaf\x04\n\x0f\x41utotuneService\x12|\n\x0fRegisterTensors\x12\x33.bagua_lightning.autotune.v1.RegisterTensorsRequest\x1a\x34.bagua_lightning.autotune.v1.RegisterTensorsResponse\x12v\n\rReportMetrics\x12\x31.bagua_lightning.autotune.v1.ReportMetricsRequest\x1a\x32.bagua_lightning.autotune.v1.ReportMetricsResponse\x12\x85\x01\n\x12\x41skHyperparameters\x12\x36.bagua_lightning.autotune.v1.AskHyperparametersRequest\x1a\x37.bagua_lightning.autotune.v1.AskHyperparametersResponse\x12\x9d\x01\n\x1aReportTensorExecutionOrder\x12>.bagua_lightning.autotune.v1.ReportTensorExecutionOrderRequest\x1a?.bagua_lightning.autotune.v1.ReportTensorExecutionOrderResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0bagua_lightning/proto/autotune/v1/autotune.proto\x12\x1b\x62\x61gua_lightning.autotune.v1\"F\n\x11TensorDeclaration\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cnum_elements\x18\x02 \x01(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"I\n\x06\x42ucket\x12?\n\x07tensors\x18\x01 \x03(\x0b\x32..bagua_lightning.autotune.v1.TensorDeclaration\"\x92\x01\n\x0fHyperparameters\x12\x34\n\x07\x62uckets\x18\x01 \x03(\x0b\x32#.bagua_lightning.autotune.v1.Bucket\x12\x13\n\x0b\x62ucket_size\x18\x02 \x01(\x03\x12\x1e\n\x16is_hierarchical_reduce\x18\x03 \x01(\x08\x12\x14\n\x0cplan_version\x18\x04 \x01(\x03\"\x91\x01\n\x0c\x42ucketTiming\x12\x14\n\x0c\x62ucket_index\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x10\n\x08ready_ms\x18\x03 \x01(\x01\x12\x0f\n\x07\x63omm_ms\x18\x04 \x01(\x01\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x01\x12\x13\n\x0b\x63omm_ms_max\x18\x06 \x01(\x01\x12\x13\n\x0bwait_ms_max\x18\x07 \x01(\x01\"l\n\rExecutionSpan\x12\x10\n\x08trace_id\x18\x01 \x01(\x04\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x13\n\x0btensor_name\x18\x03 \x01(\t\x12\x12\n\nstart_time\x18\x04 \x01(\x04\x12\x10\n\x08\x65nd_time\x18\x05 \x01(\x04\"\xb8\x01\n\x16RegisterTensorsRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x43\n\x0btensor_list\x18\x02 \x03(\x0b\x32..bagua_lightning.autotune.v1.TensorDeclaration\x12\x19\n\x11whether_to_bucket\x18\x03 \x01(\x08\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x16\n\x0enproc_per_node\x18\x05 \x01(\x05\"l\n\x17RegisterTensorsResponse\x12Q\n\x1brecommended_hyperparameters\x18\x01 \x01(\x0b\x32,.bagua_lightning.autotune.v1.Hyperparameters\"\xc5\x02\n\x14ReportMetricsRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ntrain_iter\x18\x03 \x01(\x03\x12\x45\n\x0fhyperparameters\x18\x04 \x01(\x0b\x32,.bagua_lightning.autotune.v1.Hyperparameters\x12\r\n\x05speed\x18\x05 \x01(\x01\x12\x41\n\x0e\x62ucket_timings\x18\x06 \x03(\x0b\x32).bagua_lightning.autotune.v1.BucketTiming\x12\x13\n\x0b\x62\x61\x63kward_ms\x18\x07 \x01(\x01\x12\r\n\x05ranks\x18\x08 \x01(\x05\x12\x11\n\tspeed_min\x18\t \x01(\x01\x12\x11\n\tspeed_max\x18\n \x01(\x01\x12\x14\n\x0cspeed_stddev\x18\x0b \x01(\x01\")\n\x15ReportMetricsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"Q\n\x19\x41skHyperparametersRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ntrain_iter\x18\x03 \x01(\x03\"\x8e\x01\n\x1a\x41skHyperparametersResponse\x12Q\n\x1brecommended_hyperparameters\x18\x01 \x01(\x0b\x32,.bagua_lightning.autotune.v1.Hyperparameters\x12\x1d\n\x15is_autotune_completed\x18\x02 \x01(\x08\"r\n!ReportTensorExecutionOrderRequest\x12\x39\n\x05spans\x18\x01 \x03(\x0b\x32*.bagua_lightning.autotune.v1.ExecutionSpan\x12\x12\n\nmodel_name\x18\x02 \x01(\t\"$\n\"ReportTensorExecutionOrderResponse\"\x13\n\x11ListModelsRequest\"\xbf\x02\n\x0cModelSummary\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0f\n\x07tensors\x18\x02 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x16\n\x0enproc_per_node\x18\x05 \x01(\x05\x12\x14\n\x0cplan_version\x18\x06 \x01(\x03\x12\x11\n\tcompleted\x18\x07 \x01(\x08\x12\x0f\n\x07samples\x18\x08 \x01(\x05\x12\x18\n\x10reports_accepted\x18\t \x01(\x03\x12\x17\n\x0freports_ignored\x18\n \x01(\x03\x12\x12\n\nbest_score\x18\x0b \x01(\x01\x12\x10\n\x08has_best\x18\x0c \x01(\x08\x12\x0e\n\x06idle_s\x18\r \x01(\x01\x12\r\n\x05tuner\x18\x0e \x01(\t\x12\x17\n\x0flayouts_tracked\x18\x0f \x01(\x05\"O\n\x12ListModelsResponse\x12\x39\n\x06models\x18\x01 \x03(\x0b\x32).bagua_lightning.autotune.v1.ModelSummary\"*\n\x14\x44\x65scribeModelRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"\xd5\x01\n\x0cSampleRecord\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x14\n\x0cplan_version\x18\x02 \x01(\x03\x12\x13\n\x0b\x62ucket_size\x18\x03 \x01(\x03\x12\x1e\n\x16is_hierarchical_reduce\x18\x04 \x01(\x08\x12\x14\n\x0c\x62ucket_bytes\x18\x05 \x03(\x03\x12\r\n\x05speed\x18\x06 \x01(\x01\x12\r\n\x05score\x18\x07 \x01(\x01\x12\x12\n\nexposed_ms\x18\x08 \x01(\x01\x12\x0f\n\x07reports\x18\t \x01(\x05\x12\x12\n\ntrain_iter\x18\n \x01(\x03\"\x8a\x02\n\x15\x44\x65scribeModelResponse\x12:\n\x07summary\x18\x01 \x01(\x0b\x32).bagua_lightning.autotune.v1.ModelSummary\x12=\n\x07\x63urrent\x18\x02 \x01(\x0b\x32,.bagua_lightning.autotune.v1.Hyperparameters\x12:\n\x04\x62\x65st\x18\x03 \x01(\x0b\x32,.bagua_lightning.autotune.v1.Hyperparameters\x12:\n\x07samples\x18\x04 \x03(\x0b\x32).bagua_lightning.autotune.v1.SampleRecord2\x96\x06\n\x0f\x41utotuneService\x12|\n\x0fRegisterTensors\x12\x33.bagua_lightning.autotune.v1.RegisterTensorsRequest\x1a\x34.bagua_lightning.autotune.v1.RegisterTensorsResponse\x12v\n\rReportMetrics\x12\x31.bagua_lightning.autotune.v1.ReportMetricsRequest\x1a\x32.bagua_lightning.autotune.v1.ReportMetricsResponse\x12\x85\x01\n\x12\x41skHyperparameters\x12\x36.bagua_lightning.autotune.v1.AskHyperparametersRequest\x1a\x37.bagua_lightning.autotune.v1.AskHyperparametersResponse\x12\x9d\x01\n\x1aReportTensorExecutionOrder\x12>.bagua_lightning.autotune.v1.ReportTensorExecutionOrderRequest\x1a?.bagua_lightning.autotune.v1.ReportTensorExecutionOrderResponse\x12m\n\nListModels\x12..bagua_lightning.autotune.v1.ListModelsRequest\x1a/.bagua_lightning.autotune.v1.ListModelsResponse\x12v\n\rDescribeModel\x12\x31.bagua_lightning.autotune.v1.DescribeModelRequest\x1a\x32.bagua_lightning.autotune.v1.DescribeModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,26 +37,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BUCKET']._serialized_end=226
   _globals['_HYPERPARAMETERS']._serialized_start=229
   _globals['_HYPERPARAMETERS']._serialized_end=375
-  _globals['_BUCKETTIMING']._serialized_start=377
-  _globals['_BUCKETTIMING']._serialized_end=480
-  _globals['_EXECUTIONSPAN']._serialized_start=482
-  _globals['_EXECUTIONSPAN']._serialized_end=590
-  _globals['_REGISTERTENSORSREQUEST']._serialized_start=593
-  _globals['_REGISTERTENSORSREQUEST']._serialized_end=777
-  _globals['_REGISTERTENSORSRESPONSE']._serialized_start=779
-  _globals['_REGISTERTENSORSRESPONSE']._serialized_end=887
-  _globals['_REPORTMETRICSREQUEST']._serialized_start=890
-  _globals['_REPORTMETRICSREQUEST']._serialized_end=1140
-  _globals['_REPORTMETRICSRESPONSE']._serialized_start=1142
-  _globals['_REPORTMETRICSRESPONSE']._serialized_end=1183
-  _globals['_ASKHYPERPARAMETERSREQUEST']._serialized_start=1185
-  _globals['_ASKHYPERPARAMETERSREQUEST']._serialized_end=1266
-  _globals['_ASKHYPERPARAMETERSRESPONSE']._serialized_start=1269
-  _globals['_ASKHYPERPARAMETERSRESPONSE']._serialized_end=1411
-  _globals['_REPORTTENSOREXECUTIONORDERREQUEST']._serialized_start=1413
-  _globals['_REPORTTENSOREXECUTIONORDERREQUEST']._serialized_end=1527
-  _globals['_REPORTTENSOREXECUTIONORDERRESPONSE']._serialized_start=1529
-  _globals['_REPORTTENSOREXECUTIONORDERRESPONSE']._serialized_end=1565
-  _globals['_AUTOTUNESERVICE']._serialized_start=1568
-  _globals['_AUTOTUNESERVICE']._serialized_end=2127
+  _globals['_BUCKETTIMING']._serialized_start=378
+  _globals['_BUCKETTIMING']._serialized_end=523
+  _globals['_EXECUTIONSPAN']._serialized_start=525
+  _globals['_EXECUTIONSPAN']._serialized_end=633
+  _globals['_REGISTERTENSORSREQUEST']._serialized_start=636
+  _globals['_REGISTERTENSORSREQUEST']._serialized_end=820
+  _globals['_REGISTERTENSORSRESPONSE']._serialized_start=822
+  _globals['_REGISTERTENSORSRESPONSE']._serialized_end=930
+  _globals['_REPORTMETRICSREQUEST']._serialized_start=933
+  _globals['_REPORTMETRICSREQUEST']._serialized_end=1258
+  _globals['_REPORTMETRICSRESPONSE']._serialized_start=1260
+  _globals['_REPORTMETRICSRESPONSE']._serialized_end=1301
+  _globals['_ASKHYPERPARAMETERSREQUEST']._serialized_start=1303
+  _globals['_ASKHYPERPARAMETERSREQUEST']._serialized_end=1384
+  _globals['_ASKHYPERPARAMETERSRESPONSE']._serialized_start=1387
+  _globals['_ASKHYPERPARAMETERSRESPONSE']._serialized_end=1529
+  _globals['_REPORTTENSOREXECUTIONORDERREQUEST']._serialized_start=1531
+  _globals['_REPORTTENSOREXECUTIONORDERREQUEST']._serialized_end=1645
+  _globals['_REPORTTENSOREXECUTIONORDERRESPONSE']._serialized_start=1647
+  _globals['_REPORTTENSOREXECUTIONORDERRESPONSE']._serialized_end=1683
+  _globals['_LISTMODELSREQUEST']._serialized_start=1685
+  _globals['_LISTMODELSREQUEST']._serialized_end=1704
+  _globals['_MODELSUMMARY']._serialized_start=1707
+  _globals['_MODELSUMMARY']._serialized_end=2026
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2028
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2107
+  _globals['_DESCRIBEMODELREQUEST']._serialized_start=2109
+  _globals['_DESCRIBEMODELREQUEST']._serialized_end=2151
+  _globals['_SAMPLERECORD']._serialized_start=2154
+  _globals['_SAMPLERECORD']._serialized_end=2367
+  _globals['_DESCRIBEMODELRESPONSE']._serialized_start=2370
+  _globals['_DESCRIBEMODELRESPONSE']._serialized_end=2636
+  _globals['_AUTOTUNESERVICE']._serialized_start=2639
+  _globals['_AUTOTUNESERVICE']._serialized_end=3429
 # @@protoc_insertion_point(module_scope)

@@ -35,18 +35,22 @@ class Hyperparameters(_message.Message):
     def __init__(self, buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., bucket_size: _Optional[int] = ..., is_hierarchical_reduce: _Optional[bool] = ..., plan_version: _Optional[int] = ...) -> None: ...
 
 class BucketTiming(_message.Message):
-    __slots__ = ("bucket_index", "bytes", "ready_ms", "comm_ms", "wait_ms")
+    __slots__ = ("bucket_index", "bytes", "ready_ms", "comm_ms", "wait_ms", "comm_ms_max", "wait_ms_max")
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     READY_MS_FIELD_NUMBER: _ClassVar[int]
     COMM_MS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    COMM_MS_MAX_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_MAX_FIELD_NUMBER: _ClassVar[int]
     bucket_index: int
     bytes: int
     ready_ms: float
     comm_ms: float
     wait_ms: float
-    def __init__(self, bucket_index: _Optional[int] = ..., bytes: _Optional[int] = ..., ready_ms: _Optional[float] = ..., comm_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ...) -> None: ...
+    comm_ms_max: float
+    wait_ms_max: float
+    def __init__(self, bucket_index: _Optional[int] = ..., bytes: _Optional[int] = ..., ready_ms: _Optional[float] = ..., comm_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., comm_ms_max: _Optional[float] = ..., wait_ms_max: _Optional[float] = ...) -> None: ...
 
 class ExecutionSpan(_message.Message):
     __slots__ = ("trace_id", "action", "tensor_name", "start_time", "end_time")
@@ -83,7 +87,7 @@ class RegisterTensorsResponse(_message.Message):
     def __init__(self, recommended_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ...) -> None: ...
 
 class ReportMetricsRequest(_message.Message):
-    __slots__ = ("model_name", "rank", "train_iter", "hyperparameters", "speed", "bucket_timings", "backward_ms")
+    __slots__ = ("model_name", "rank", "train_iter", "hyperparameters", "speed", "bucket_timings", "backward_ms", "ranks", "speed_min", "speed_max", "speed_stddev")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAIN_ITER_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +95,10 @@ class ReportMetricsRequest(_message.Message):
     SPEED_FIELD_NUMBER: _ClassVar[int]
     BUCKET_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SPEED_MIN_FIELD_NUMBER: _ClassVar[int]
+    SPEED_MAX_FIELD_NUMBER: _ClassVar[int]
+    SPEED_STDDEV_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     rank: int
     train_iter: int
@@ -98,7 +106,11 @@ class ReportMetricsRequest(_message.Message):
     speed: float
     bucket_timings: _containers.RepeatedCompositeFieldContainer[BucketTiming]
     backward_ms: float
-    def __init__(self, model_name: _Optional[str] = ..., rank: _Optional[int] = ..., train_iter: _Optional[int] = ..., hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., speed: _Optional[float] = ..., bucket_timings: _Optional[_Iterable[_Union[BucketTiming, _Mapping]]] = ..., backward_ms: _Optional[float] = ...) -> None: ...
+    ranks: int
+    speed_min: float
+    speed_max: float
+    speed_stddev: float
+    def __init__(self, model_name: _Optional[str] = ..., rank: _Optional[int] = ..., train_iter: _Optional[int] = ..., hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., speed: _Optional[float] = ..., bucket_timings: _Optional[_Iterable[_Union[BucketTiming, _Mapping]]] = ..., backward_ms: _Optional[float] = ..., ranks: _Optional[int] = ..., speed_min: _Optional[float] = ..., speed_max: _Optional[float] = ..., speed_stddev: _Optional[float] = ...) -> None: ...
 
 class ReportMetricsResponse(_message.Message):
     __slots__ = ("accepted",)
@@ -135,3 +147,89 @@ class ReportTensorExecutionOrderRequest(_message.Message):
 class ReportTensorExecutionOrderResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelSummary(_message.Message):
+    __slots__ = ("model_name", "tensors", "total_bytes", "world_size", "nproc_per_node", "plan_version", "completed", "samples", "reports_accepted", "reports_ignored", "best_score", "has_best", "idle_s", "tuner", "layouts_tracked")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NPROC_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_IGNORED_FIELD_NUMBER: _ClassVar[int]
+    BEST_SCORE_FIELD_NUMBER: _ClassVar[int]
+    HAS_BEST_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    TUNER_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_TRACKED_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    tensors: int
+    total_bytes: int
+    world_size: int
+    nproc_per_node: int
+    plan_version: int
+    completed: bool
+    samples: int
+    reports_accepted: int
+    reports_ignored: int
+    best_score: float
+    has_best: bool
+    idle_s: float
+    tuner: str
+    layouts_tracked: int
+    def __init__(self, model_name: _Optional[str] = ..., tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., plan_version: _Optional[int] = ..., completed: _Optional[bool] = ..., samples: _Optional[int] = ..., reports_accepted: _Optional[int] = ..., reports_ignored: _Optional[int] = ..., best_score: _Optional[float] = ..., has_best: _Optional[bool] = ..., idle_s: _Optional[float] = ..., tuner: _Optional[str] = ..., layouts_tracked: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelSummary]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ...) -> None: ...
+
+class DescribeModelRequest(_message.Message):
+    __slots__ = ("model_name",)
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    def __init__(self, model_name: _Optional[str] = ...) -> None: ...
+
+class SampleRecord(_message.Message):
+    __slots__ = ("index", "plan_version", "bucket_size", "is_hierarchical_reduce", "bucket_bytes", "speed", "score", "exposed_ms", "reports", "train_iter")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IS_HIERARCHICAL_REDUCE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_MS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ITER_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    plan_version: int
+    bucket_size: int
+    is_hierarchical_reduce: bool
+    bucket_bytes: _containers.RepeatedScalarFieldContainer[int]
+    speed: float
+    score: float
+    exposed_ms: float
+    reports: int
+    train_iter: int
+    def __init__(self, index: _Optional[int] = ..., plan_version: _Optional[int] = ..., bucket_size: _Optional[int] = ..., is_hierarchical_reduce: _Optional[bool] = ..., bucket_bytes: _Optional[_Iterable[int]] = ..., speed: _Optional[float] = ..., score: _Optional[float] = ..., exposed_ms: _Optional[float] = ..., reports: _Optional[int] = ..., train_iter: _Optional[int] = ...) -> None: ...
+
+class DescribeModelResponse(_message.Message):
+    __slots__ = ("summary", "current", "best", "samples")
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    BEST_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    summary: ModelSummary
+    current: Hyperparameters
+    best: Hyperparameters
+    samples: _containers.RepeatedCompositeFieldContainer[SampleRecord]
+    def __init__(self, summary: _Optional[_Union[ModelSummary, _Mapping]] = ..., current: _Optional[_Union[Hyperparameters, _Mapping]] = ..., best: _Optional[_Union[Hyperparameters, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[SampleRecord, _Mapping]]] = ...) -> None: ...

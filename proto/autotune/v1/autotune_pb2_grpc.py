@@ -54,6 +54,16 @@ class AutotuneServiceStub:
                 request_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportTensorExecutionOrderRequest.SerializeToString,
                 response_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportTensorExecutionOrderResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/bagua_lightning.autotune.v1.AutotuneService/ListModels',
+                request_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.DescribeModel = channel.unary_unary(
+                '/bagua_lightning.autotune.v1.AutotuneService/DescribeModel',
+                request_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelRequest.SerializeToString,
+                response_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelResponse.FromString,
+                _registered_method=True)
 
 
 class AutotuneServiceServicer:
@@ -66,8 +76,9 @@ class AutotuneServiceServicer:
         num_elements <= 0, unknown dtype, world_size/nproc_per_node out of range.
         FAILED_PRECONDITION: model_name already registered with other tensors,
         whether_to_bucket, world_size or nproc_per_node.
-        RESOURCE_EXHAUSTED: more tensors than the server's --max-tensors, more
-        models than --max-models, or a message over --max-request-bytes.
+        RESOURCE_EXHAUSTED: more tensors than the server's --max-tensors, a
+        name over --max-name-bytes, or a message over --max-request-bytes.
+        Beyond --max-models models the least recently used one is evicted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,9 +86,11 @@ class AutotuneServiceServicer:
 
     def ReportMetrics(self, request, context):
         """Records one rank's measurement of a plan.
-        INVALID_ARGUMENT: rank out of range, negative train_iter, NaN/negative
-        speed or timings, bucket_index out of range, hyperparameters that do not
-        cover exactly the registered tensors. NOT_FOUND: unknown model.
+        INVALID_ARGUMENT: rank out of range, train_iter out of [0, 2**62],
+        speed or timings NaN, negative or over the limits, bucket_index out of
+        range, ranks out of [0, world_size] (or > 1 with rank != 0),
+        hyperparameters that do not cover exactly the registered tensors.
+        NOT_FOUND: unknown model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +121,22 @@ class AutotuneServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """Every model the service holds now (idle models may have been evicted,
+        their best plans kept in the store).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeModel(self, request, context):
+        """One model's state: current and best plan and every measured sample.
+        NOT_FOUND: unknown model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AutotuneServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +159,16 @@ def add_AutotuneServiceServicer_to_server(servicer, server):
                     servicer.ReportTensorExecutionOrder,
                     request_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportTensorExecutionOrderRequest.FromString,
                     response_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportTensorExecutionOrderResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ListModelsRequest.FromString,
+                    response_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'DescribeModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeModel,
+                    request_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelRequest.FromString,
+                    response_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -240,6 +279,60 @@ class AutotuneService:
             '/bagua_lightning.autotune.v1.AutotuneService/ReportTensorExecutionOrder',
             bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportTensorExecutionOrderRequest.SerializeToString,
             bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportTensorExecutionOrderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagua_lightning.autotune.v1.AutotuneService/ListModels',
+            bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ListModelsRequest.SerializeToString,
+            bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagua_lightning.autotune.v1.AutotuneService/DescribeModel',
+            bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelRequest.SerializeToString,
+            bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

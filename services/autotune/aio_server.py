@@ -1,0 +1,127 @@
+"""The same service on ``grpc.aio``: handlers run on the event loop, with no hop to a thread pool.
+
+The handlers are the threaded servicer's (:class:`AutotuneServicer`), called directly
+from the loop: they take tens of microseconds and never block, except
+``RegisterTensors`` with a plan store (it reads the store, up to its deadline), which
+runs on the loop's thread pool.
+A handler's refusal leaves through ``await context.abort`` here. Token check,
+health (open without a token) and reflection behave as in :mod:`.server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
+
+from .metrics import RpcMetrics
+from .service import AutotuneService
+from .servicer import AutotuneServicer
+
+_OPEN_PREFIX = f"/{health.SERVICE_NAME}/"
+_METHODS = ("RegisterTensors", "ReportMetrics", "AskHyperparameters", "ReportTensorExecutionOrder", "ListModels",
+            "DescribeModel")
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _RecordingContext:
+    """What the threaded handlers use of a context: ``abort`` raises, to be re-raised on the loop."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        raise _Aborted(code, details)
+
+
+def _handler(sync: AutotuneServicer, name: str) -> Callable[[Any, Any], Awaitable[Any]]:
+    method = getattr(sync, name)
+    # Only a registration reads the store; without one every handler finishes in microseconds, and a
+    # hop to a thread would cost more (the GIL handed back and forth) than the work.
+    blocking = name == "RegisterTensors" and sync.service.store is not None
+
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            if blocking:
+                return await asyncio.get_running_loop().run_in_executor(None, method, request, _RecordingContext())
+            return method(request, _RecordingContext())
+        except _Aborted as aborted:
+            await context.abort(aborted.code, aborted.details)
+    return handle
+
+
+class _AioServicer(pb_grpc.AutotuneServiceServicer):
+    def __init__(self, sync: AutotuneServicer) -> None:
+        for name in _METHODS:
+            setattr(self, name, _handler(sync, name))
+
+
+class AioTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED), the health service aside."""
+
+    def __init__(self, token: str, metrics: RpcMetrics | None = None) -> None:
+        if not token:
+            raise ValueError("the autotune token is empty; give a non-empty token or none")
+        self._expected = f"Bearer {token}".encode()
+        self._metrics = metrics
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "this autotune service requires a token: send gRPC metadata 'authorization: Bearer "
+                                "<token>' (AutotuneClient(token=...) or BAGUA_LIGHTNING_AUTOTUNE_TOKEN)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        if details.method.startswith(_OPEN_PREFIX):
+            return await continuation(details)
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected):
+                    return await continuation(details)
+                break
+        if self._metrics is not None:
+            self._metrics.observe(details.method.rsplit("/", 1)[-1], "UNAUTHENTICATED", 0.0)
+        return self._deny
+
+
+def create_aio_server(address: str, service: AutotuneService, *, tls: Any = None, token: str | None = None,
+                      metrics: RpcMetrics | None = None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """An aio server for ``service`` bound to ``address``; (server, bound port, its health servicer).
+
+    Call from a running event loop; the server is not started.
+    """
+    from .server import SERVICE_NAME  # the names are shared with the threaded server
+
+    limit = service.config.max_request_bytes
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                 ("grpc.so_reuseport", 0)],
+        interceptors=[AioTokenInterceptor(token, metrics)] if token else None)
+    pb_grpc.add_AutotuneServiceServicer_to_server(_AioServicer(AutotuneServicer(service, metrics)), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the autotune service to {address!r}; is the port in use?")
+    return server, port, health_servicer
+
+
+async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
+    """Publish SERVING / NOT_SERVING for "" and the service name."""
+    from .server import SERVICE_NAME
+
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, status)

@@ -1,0 +1,112 @@
+"""What a report carries into a session: the plan it names, its numbers (range-checked), running sums.
+
+Every number a report brings is checked here against ranges far beyond any real job
+but small enough that no sum, mean or fit of them overflows (a speed of 1e308 would
+turn the cost model's fit into inf for good).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord
+
+from .costmodel import Sample
+from .errors import InvalidArgumentError
+
+MAX_TRAIN_ITER = 2**62
+MAX_SPEED = 1e12  # samples/s
+MAX_MS = 1e7  # milliseconds (close to 3 hours per step)
+MAX_BYTES = 2**50
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRef:
+    """A plan as reported back by a trainer, decoded only when it is not one this service issued.
+
+    Attributes:
+        version: the reported plan_version.
+        matches: True when the reported plan is exactly this issued plan (a digest of its
+            full layout, every tensor of every bucket, compared with the issued plan's).
+        decode: builds the full, validated plan (raises ValueError/TypeError when malformed).
+    """
+
+    version: int
+    matches: Callable[[BucketPlan], bool]
+    decode: Callable[[], BucketPlan]
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """How an aggregated report's ranks differed (samples/s); all 0 for one rank's own report."""
+
+    ranks: int = 1
+    speed_min: float = 0.0
+    speed_max: float = 0.0
+    speed_stddev: float = 0.0
+
+
+@dataclass(slots=True)
+class LayoutStats:
+    """Running sums of the reports that measured one layout."""
+
+    plan: BucketPlan
+    reports: int = 0
+    speed_sum: float = 0.0
+    backward_sum: float = 0.0
+    backward_n: int = 0
+    max_iter: int = -1
+    timing_sums: dict[int, list[float]] = field(default_factory=dict)  # index -> [bytes, ready, comm, wait, n]
+
+    def add(self, speed: float, backward_ms: float, timings: Sequence[BucketTimingRecord], train_iter: int) -> None:
+        self.reports += 1
+        self.speed_sum += speed
+        if backward_ms > 0:
+            self.backward_sum += backward_ms
+            self.backward_n += 1
+        self.max_iter = max(self.max_iter, train_iter)
+        for t in timings:
+            sums = self.timing_sums.setdefault(t.bucket_index, [0.0, 0.0, 0.0, 0.0, 0.0])
+            sums[0] += t.bytes
+            sums[1] += t.ready_ms
+            sums[2] += t.comm_ms
+            sums[3] += t.wait_ms
+            sums[4] += 1
+
+    def sample(self, plan: BucketPlan) -> Sample:
+        timings = tuple(
+            BucketTimingRecord(bucket_index=i, bytes=round(s[0] / s[4]), ready_ms=s[1] / s[4],
+                               comm_ms=s[2] / s[4], wait_ms=s[3] / s[4])
+            for i, s in sorted(self.timing_sums.items())
+        )
+        return Sample(plan=plan, speed=self.speed_sum / max(1, self.reports),
+                      backward_ms=self.backward_sum / self.backward_n if self.backward_n else 0.0,
+                      bucket_timings=timings, reports=self.reports, train_iter=self.max_iter)
+
+
+def _check_range(name: str, value: float, high: float, unit: str) -> None:
+    if not (math.isfinite(value) and 0 <= value <= high):
+        raise InvalidArgumentError(f"{name} must be a finite number in [0, {high:g}] {unit}, got {value}")
+
+
+def check_measurement(speed: float, backward_ms: float, timings: Sequence[BucketTimingRecord],
+                      spread: Spread) -> None:
+    """Range-check every number of a report (InvalidArgumentError naming the field).
+
+    ``0 <= v <= high`` is False for NaN and for infinities, so one chained comparison per
+    value checks both; the field is named only once one fails (this runs on every report).
+    """
+    if not (0 <= speed <= MAX_SPEED and 0 <= backward_ms <= MAX_MS and 0 <= spread.speed_min <= MAX_SPEED
+            and 0 <= spread.speed_max <= MAX_SPEED and 0 <= spread.speed_stddev <= MAX_SPEED):
+        _check_range("speed", speed, MAX_SPEED, "samples/s")
+        _check_range("backward_ms", backward_ms, MAX_MS, "ms")
+        for name in ("speed_min", "speed_max", "speed_stddev"):
+            _check_range(name, getattr(spread, name), MAX_SPEED, "samples/s")
+    for i, t in enumerate(timings):
+        if not (0 <= t.bytes <= MAX_BYTES and 0 <= t.ready_ms <= MAX_MS and 0 <= t.comm_ms <= MAX_MS
+                and 0 <= t.wait_ms <= MAX_MS and 0 <= t.comm_ms_max <= MAX_MS and 0 <= t.wait_ms_max <= MAX_MS):
+            _check_range(f"bucket_timings[{i}].bytes", t.bytes, MAX_BYTES, "bytes")
+            for name in ("ready_ms", "comm_ms", "wait_ms", "comm_ms_max", "wait_ms_max"):
+                _check_range(f"bucket_timings[{i}].{name}", getattr(t, name), MAX_MS, "ms")
