@@ -57,8 +57,11 @@ def _cmd_down(args: argparse.Namespace) -> int:
     path = services_file_path()
     had_file = path.exists()
     stopped = deploy.down(timeout_s=args.timeout, local=not args.keep_local)
+    if not had_file and not stopped:
+        print(f"nothing to stop: no services file at {path} and no node-local cache server")
+        return 0
     what = f"stopped {len(stopped)} process(es){': ' + ' '.join(map(str, stopped)) if stopped else ''}"
-    print(f"{what}; removed {path}" if had_file else f"{what}; no services file at {path}")
+    print(f"{what}; removed {path}" if had_file else f"{what} (the node-local cache server); no services file")
     return 0
 
 

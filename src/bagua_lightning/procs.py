@@ -104,6 +104,16 @@ def _process(rec: ProcessRecord) -> psutil.Process | None:
         return None
 
 
+def pid_alive(pid: int) -> bool:
+    """True while some process (not a zombie) has ``pid``; a query only, never a licence to signal."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
 def is_running(rec: ProcessRecord) -> bool:
     """True while the process ``rec`` describes runs (pid, start time and deployment id all match)."""
     return _process(rec) is not None

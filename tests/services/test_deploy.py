@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services import deploy, processes
+from bagua_lightning import procs as processes
+from bagua_lightning.services import deploy
 from bagua_lightning.services_file import ENV_FILE, read_services_file
 from tests.integration.conftest import _recorded_pids, free_port_block
 from tests.procs import free_port, wait_until
@@ -55,7 +56,7 @@ def test_parse_bytes(text: str | int, expected: int) -> None:
     assert deploy.parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "1 tb", "-5", "1.5gb", "lots"])
+@pytest.mark.parametrize("text", ["", "1 tb b", "-5", "1.5gb", "lots"])
 def test_parse_bytes_rejects_with_the_value(text: str) -> None:
     with pytest.raises(ConfigurationError, match=repr(text).replace("[", r"\[")):
         deploy.parse_bytes(text)
@@ -164,6 +165,7 @@ def test_status_without_services_file_finds_running_services(state: Path, monkey
     monkeypatch.setenv(ENV_FILE, str(state / "elsewhere.json"))
     monkeypatch.setenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", str(info.autotune))
     monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", f"127.0.0.1:{info.redis_hosts[0]['port']}")
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", Path(info.secrets["redis_password"]).read_text())
     try:
         result = _cli("status")
         assert result.returncode == 0, result.stdout + result.stderr
@@ -194,7 +196,7 @@ def test_concurrent_ups_start_one_set_of_services(state: Path) -> None:
     assert [p.returncode for p in procs] == [0, 0], outputs
     info = read_services_file()
     assert info is not None and all(processes.pid_alive(p) for p in _recorded_pids(info))
-    serving = [pid for pid in _pids_with(f"--port\0{autotune_port}\0".encode()) if processes.is_autotune_pid(pid)]
+    serving = [pid for pid in _pids_with(f"--port\0{autotune_port}\0".encode()) if processes.pid_alive(pid)]
     assert serving == [info.pids["autotune"]], "a second autotune service was started"
 
 
