@@ -10,7 +10,7 @@ from typing import Any
 
 from pathlib import Path
 
-from bagua_lightning.errors import BaguaLightningError
+from bagua_lightning.errors import BaguaLightningError, ConfigurationError
 from bagua_lightning.services_file import (
     ENV_REDIS_HOSTS,
     ENV_REDIS_PASSWORD,
@@ -70,6 +70,8 @@ def _ls(args: argparse.Namespace) -> int:
     try:
         store = _store(args)
         entries = catalog.list_datasets(store)
+    except ConfigurationError:
+        raise  # a usage error: the entry point prints it (exit 2)
     except (BaguaLightningError, OSError, ValueError) as exc:
         print(f"cache ls failed: {exc}", file=sys.stderr)
         return 1
@@ -96,6 +98,8 @@ def _rm(args: argparse.Namespace) -> int:
     try:
         store = _store(args)
         deleted = catalog.remove_dataset(store, name, version if sep else None)
+    except ConfigurationError:
+        raise  # a usage error: the entry point prints it (exit 2)
     except Exception as exc:  # configuration and redis errors alike: one line, no traceback
         print(f"cache rm failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
