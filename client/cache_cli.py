@@ -6,9 +6,8 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from bagua_lightning.errors import BaguaLightningError, ConfigurationError
 from bagua_lightning.services_file import (

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from bagua_lightning import procs as processes
-from bagua_lightning.services import deploy
 from bagua_lightning.procs import read_secret
+from bagua_lightning.services import deploy
 from bagua_lightning.services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,
     ENV_AUTOTUNE_TOKEN,

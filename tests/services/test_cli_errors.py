@@ -53,8 +53,8 @@ def test_usage_errors_are_one_line_with_exit_2(env: dict[str, str], args: list[s
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    bad = next((a for a in args[1:] if a not in ("--single", "--no-auth", "--no-password") and not a.startswith("--")
-                and any(ch.isdigit() for ch in a) or a in ("lots", "nohost", "LOUD", "not a host")), None)
+    bad = next((a for a in args[1:] if (a not in ("--single", "--no-auth", "--no-password") and not a.startswith("--")
+                and any(ch.isdigit() for ch in a)) or a in ("lots", "nohost", "LOUD", "not a host")), None)
     if bad is not None:
         assert bad.split(",")[-1] in lines[0] or bad in lines[0], lines[0]
 
@@ -93,7 +93,7 @@ def test_port_validation_in_the_library(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ConfigurationError, match="99999"):
         resolve_autotune_address("127.0.0.1:99999")
     monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", "127.0.0.1:7000,127.0.0.1:0")
-    with pytest.raises(ConfigurationError, match="127.0.0.1:0"):
+    with pytest.raises(ConfigurationError, match=r"127\.0\.0\.1:0"):
         resolve_redis_hosts()
     with pytest.raises(ConfigurationError, match="60000"):
         deploy.UpConfig(redis_port=60000)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from bagua_lightning.errors import ConfigurationError
 from bagua_lightning import procs as processes
+from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.services import deploy
 from bagua_lightning.services_file import ENV_FILE, read_services_file
 from tests.integration.conftest import _recorded_pids, free_port_block
