@@ -8,58 +8,21 @@ is then a hit for node 1's rank in the same job, and in the next job (which reus
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bagua_lightning.local_redis import stop_server
 from tests.integration.cache_two_nodes import SAMPLES
+from tests.integration.netns import connected_hosts, netns_usable
 from tests.procs import free_port
 
 pytestmark = pytest.mark.netns
 ADDRESSES = ("10.124.0.1", "10.124.0.2")  # only inside the namespaces this test creates
-
-
-def _sh(*cmd: str) -> None:
-    done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
-
-
-def _netns_usable() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("redis-server") is None:
-        return False
-    name = f"blcnprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
-
-
-@contextlib.contextmanager
-def two_hosts() -> Iterator[tuple[list[str], list[str]]]:
-    tag = f"{os.getpid() % 100000}"
-    namespaces, veths = [f"blcn{tag}a", f"blcn{tag}b"], [f"blcn{tag}a", f"blcn{tag}b"]
-    try:
-        for ns in namespaces:
-            _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
-        for ns, veth, addr in zip(namespaces, veths, ADDRESSES, strict=True):
-            _sh("ip", "link", "set", veth, "netns", ns)
-            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-            _sh("ip", "-n", ns, "link", "set", veth, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        yield namespaces, veths
-    finally:
-        for ns in namespaces:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _job(job: int, namespaces: list[str], veths: list[str], states: list[Path]) -> list[dict[str, object]]:
@@ -88,11 +51,11 @@ def _job(job: int, namespaces: list[str], veths: list[str], states: list[Path]) 
     return results
 
 
-@pytest.mark.skipif(not _netns_usable(), reason="needs root, `ip netns` and redis-server")
+@pytest.mark.skipif(not netns_usable(), reason="needs root, `ip netns` and redis-server")
 def test_a_sample_computed_on_node_0_is_a_hit_on_node_1_now_and_in_the_next_job(tmp_path: Path) -> None:
     states = [tmp_path / "node0", tmp_path / "node1"]
     try:
-        with two_hosts() as (namespaces, veths):
+        with connected_hosts("blcn", ADDRESSES) as (namespaces, veths):
             first = _job(0, namespaces, veths, states)
             assert first[0]["computed"] == list(range(SAMPLES))  # node 0's rank computed every sample
             assert first[1]["computed"] == []  # ... and node 1's rank found all of them
