@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import ipaddress
 import logging
 import os
 import socket
@@ -51,6 +50,7 @@ from bagua_lightning.services_file import (
     check_host,
     check_port,
     format_address,
+    is_loopback,
     read_services_file,
     remove_services_file,
     services_file_path,
@@ -137,7 +137,7 @@ class UpConfig:
         if last > 65535:
             raise ConfigurationError(f"redis_port {self.redis_port}: the Redis ports (cluster bus: port + 10000) "
                                      f"reach {last} > 65535; pick a lower --redis-port.")
-        if not self.auth and not _is_loopback(self.host):
+        if not self.auth and not is_loopback(self.host):
             raise ConfigurationError(f"--no-auth with --host {self.host}: anyone on the network could use the "
                                      "services; drop --no-auth or bind 127.0.0.1.")
         if self.nodes < 1:
@@ -447,11 +447,3 @@ def _require_free_ports(cfg: UpConfig) -> list[int]:
                     f"(`bagua-lightning down`, `bagua-lightning redis down`) or pick another {flag}."
                 ) from exc
     return [port for _, port in wanted]
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-

@@ -16,7 +16,7 @@ from typing import Any
 
 from bagua_lightning import procs
 from bagua_lightning.errors import ServiceUnavailableError
-from bagua_lightning.redis_server import CLUSTER_SLOTS, client_for, cluster_info_fields
+from bagua_lightning.redis_server import CLUSTER_SLOTS, client_for, cluster_info
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,9 @@ def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | 
                 client.ping()
                 if not cluster:
                     continue
-                raw = client.execute_command("CLUSTER INFO")
+                fields = cluster_info(client)
         except (redis.RedisError, OSError) as exc:
             return Health(False, f"{where} not answering ({exc})")
-        fields = cluster_info_fields(raw)
         slots_ok = int(fields.get("cluster_slots_ok", "0") or 0)
         if fields.get("cluster_state") != "ok" or slots_ok != CLUSTER_SLOTS:
             return Health(False, f"{where}: cluster_state {fields.get('cluster_state')}, "

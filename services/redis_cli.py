@@ -19,7 +19,7 @@ from typing import Any
 from bagua_lightning import procs
 from bagua_lightning.cli import port_arg, positive_float_arg, positive_int_arg, size_arg
 from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, check_host
+from bagua_lightning.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, check_host, is_loopback
 
 from . import redis_cluster
 
@@ -70,22 +70,13 @@ def _password(args: argparse.Namespace) -> str:
     if args.no_password:
         if args.password_file is not None:
             raise ConfigurationError("--no-password and --password-file contradict each other; give one.")
-        if not _loopback(args.host):
+        if not is_loopback(args.host):
             raise ConfigurationError(f"--no-password with --host {args.host}: anyone on the network could use "
                                      "the cache; drop --no-password or bind 127.0.0.1.")
         return ""
     if args.password_file is not None:
         return procs.read_secret(args.password_file)
     return os.environ.get(ENV_REDIS_PASSWORD) or secrets.token_urlsafe(32)
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from bagua_lightning import procs
 from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.redis_server import (
     CLUSTER_SLOTS,
     DEFAULT_EVICTION_POLICY,
     MAX_CLUSTER_PORT,
-    RETRYABLE,
     NodeConfig,
     client_for,
     cluster_info,
@@ -55,6 +56,8 @@ __all__ = ["DEFAULT_EVICTION_POLICY", "DEFAULT_PORT", "ClusterInfo", "ClusterSpe
            "stop_cluster", "stop_pid"]
 
 DEFAULT_PORT = 7000
+# While a cluster forms, nodes answer with errors (e.g. CLUSTERDOWN) before they agree: keep polling.
+_FORMING = (redis.RedisError, OSError)
 
 
 @dataclass(kw_only=True)
@@ -189,7 +192,7 @@ def _create_cluster(info: ClusterInfo, password: str | None, deadline: float) ->
                 if len(known) != len(info.nodes) or any("handshake" in str(v.get("flags")) for v in known.values()):
                     return False
             return True
-        procs.poll(everyone_knows_everyone, deadline - time.monotonic(), "cluster nodes to meet", RETRYABLE)
+        procs.poll(everyone_knows_everyone, deadline - time.monotonic(), "cluster nodes to meet", _FORMING)
         for j, r in enumerate(replicas):
             master = masters[j % len(masters)]
             clients[r.port].execute_command("CLUSTER REPLICATE", ids[master.port])
@@ -204,7 +207,7 @@ def _create_cluster(info: ClusterInfo, password: str | None, deadline: float) ->
                 if repl.get("role") != "slave" or repl.get("master_link_status") != "up":
                     return False
             return True
-        procs.poll(converged, deadline - time.monotonic(), f"all {CLUSTER_SLOTS} slots to be served", RETRYABLE)
+        procs.poll(converged, deadline - time.monotonic(), f"all {CLUSTER_SLOTS} slots to be served", _FORMING)
     finally:
         for c in clients.values():
             c.close()

@@ -100,6 +100,14 @@ def check_host(host: Any, what: str = "host") -> str:
     raise ConfigurationError(f"{what} {host!r} is not a host name or IP address; give e.g. 127.0.0.1.")
 
 
+def is_loopback(host: str) -> bool:
+    """True for loopback addresses and ``localhost``."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def parse_address(text: Any, what: str = "address") -> tuple[str, int]:
     """``"host:port"`` / ``"[v6]:port"`` -> ``(host, port)``, both validated."""
     if not isinstance(text, str) or ":" not in text:
