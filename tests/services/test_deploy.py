@@ -210,3 +210,56 @@ def _pids_with(fragment: bytes) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+# ----------------------------------------------------------------------------------------------- secrets
+
+
+def test_up_makes_secrets_hands_them_over_by_file_and_environment_only(state: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+    import redis
+
+    from bagua_lightning import services_file
+
+    info = deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=free_port(), single=True,
+                                     maxmemory=32 * 1024**2))
+    assert set(info.secrets) == {"redis_password", "autotune_token", "cache_key"}
+    secrets = {name: Path(path).read_text() for name, path in info.secrets.items()}
+    assert len(set(secrets.values())) == 3 and all(len(v) >= 32 for v in secrets.values())
+    for path in info.secrets.values():
+        assert oct(Path(path).stat().st_mode & 0o777) == "0o600"
+        assert oct(Path(path).parent.stat().st_mode & 0o777) == "0o700"
+    assert not any(v in Path(os.environ[ENV_FILE]).read_text() for v in secrets.values())
+    # Never on a command line, never in redis.conf; the autotune service has its token in its environment.
+    for records in info.processes.values():
+        for rec in records:
+            cmdline = " ".join(psutil.Process(rec.pid).cmdline())
+            assert not any(v in cmdline for v in secrets.values()), cmdline
+    conf = next((state / "bagua-lightning" / "redis").rglob("redis.conf")).read_text()
+    assert secrets["redis_password"] not in conf
+    autotune_env = psutil.Process(info.pids["autotune"]).environ()
+    assert autotune_env[services_file.ENV_AUTOTUNE_TOKEN] == secrets["autotune_token"]
+    # Redis requires the password; trainers on this machine resolve every secret through the services file.
+    (node,) = info.redis_hosts
+    with redis.Redis(host=node["host"], port=node["port"]) as anonymous, pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    assert services_file.resolve_redis_password() == secrets["redis_password"]
+    assert services_file.resolve_autotune_token() == secrets["autotune_token"]
+    assert services_file.resolve_cache_key() == secrets["cache_key"].encode()
+    # A server named by the environment never gets the recorded password; the environment wins.
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", f"127.0.0.1:{free_port()}")
+    assert services_file.resolve_redis_password() is None
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", "from-env")
+    assert services_file.resolve_redis_password() == "from-env"
+
+    deploy.down()
+    assert not any(Path(p).exists() for p in info.secrets.values())
+
+
+def test_up_takes_secrets_from_the_environment(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", "given-password")
+    info = deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=free_port(), single=True,
+                                     maxmemory=32 * 1024**2))
+    assert Path(info.secrets["redis_password"]).read_text() == "given-password"
+    assert deploy.running_services(info)["redis"].healthy
