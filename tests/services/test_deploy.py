@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.services import deploy
 from bagua_lightning.services_file import ENV_FILE, read_services_file
 from tests.integration.conftest import _recorded_pids, free_port_block
-from tests.procs import free_port, wait_until
+from tests.procs import free_port, running, wait_until
 
 
 @pytest.fixture
@@ -263,3 +264,20 @@ def test_up_takes_secrets_from_the_environment(state: Path, monkeypatch: pytest.
                                      maxmemory=32 * 1024**2))
     assert Path(info.secrets["redis_password"]).read_text() == "given-password"
     assert deploy.running_services(info)["redis"].healthy
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_status_speaks_tls_to_a_tls_autotune_service(state: Path, tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    port = free_port()
+    argv = [sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--port", str(port),
+            "--tls-cert", str(cert), "--tls-key", str(key)]
+    with running(argv, env=dict(os.environ)):
+        address = f"127.0.0.1:{port}"
+        wait_until(lambda: _cli("status", "--autotune", address, "--tls-ca", str(cert)).returncode == 0, 60,
+                   "the TLS autotune service")
+        plain = _cli("status", "--autotune", address)
+        assert plain.returncode == 1 and "UNHEALTHY" in plain.stdout
