@@ -86,3 +86,21 @@ def test_local_rank_zero_starts_the_server_and_the_others_find_it(local_state: P
     (_, port0, pid0, keys0), (_, port1, pid1, keys1) = results
     assert port0 == port1 and pid0 is not None and pid1 is None
     assert keys0 == keys1 == 2
+
+
+def test_a_server_started_for_one_node_serves_a_later_multi_node_job(local_state: Path) -> None:
+    from bagua_lightning.local_redis import ensure_server, read_server, set_password
+
+    first = ensure_server(32 * 1024 * 1024)
+    assert first.binds == ("127.0.0.1",)
+    # A later job spanning nodes reaches this node at another address and shares one password.
+    again = ensure_server(32 * 1024 * 1024, bind="127.0.0.2")
+    assert again.pid == first.pid and again.binds == ("127.0.0.1", "127.0.0.2")
+    set_password(again, "the-jobs-password")
+    with redis.Redis(host="127.0.0.2", port=again.port, password="the-jobs-password") as c:
+        assert c.ping()
+    with redis.Redis(host="127.0.0.1", port=again.port, password=first.password) as old, \
+            pytest.raises(redis.AuthenticationError):
+        old.ping()
+    recorded = read_server()
+    assert recorded is not None and recorded.password == "the-jobs-password" and recorded.binds == again.binds
