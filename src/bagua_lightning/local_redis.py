@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import redis
 
 from . import procs
 from .errors import ServiceUnavailableError
@@ -214,6 +213,8 @@ def server_status(folder: Path | None = None) -> dict[str, Any] | None:
     status: dict[str, Any] = {"address": f"{server.host}:{server.port}", "binds": list(server.binds),
                               "pid": server.pid, "maxmemory": server.maxmemory, "folder": str(server.folder),
                               "process": procs.is_running(server.process)}
+    import redis
+
     try:
         with client_for(server.host, server.port, server.password, timeout_s=1.0) as c:
             status["keys"] = int(c.dbsize())

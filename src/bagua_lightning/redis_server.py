@@ -16,12 +16,12 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+
+if TYPE_CHECKING:  # redis-py takes ~0.5 s to import: only where a connection is made
+    import redis
 
 from . import procs
 from .errors import ConfigurationError, ServiceUnavailableError
@@ -158,12 +158,13 @@ def launch_node(config: NodeConfig) -> subprocess.Popen[bytes]:
 
 def client_for(host: str, port: int, password: str | None = None, timeout_s: float = 2.0) -> redis.Redis:
     """A plain connection to one node (no cluster routing), for administration."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
     # No client-side retries: callers poll with their own deadline.
     return redis.Redis(host=host, port=port, password=password, socket_timeout=timeout_s,
                        socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
-
-
-RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
 
 
 def wait_ready(host: str, port: int, password: str | None, proc: subprocess.Popen[bytes] | None = None,
@@ -174,6 +175,8 @@ def wait_ready(host: str, port: int, password: str | None, proc: subprocess.Pope
         ServiceUnavailableError: ``proc`` exited, the deadline passed, or the server refused our password
             (then it is not the server we started).
     """
+    import redis
+
     def ready() -> bool:
         if proc is not None and proc.poll() is not None:
             raise ServiceUnavailableError(
@@ -186,7 +189,7 @@ def wait_ready(host: str, port: int, password: str | None, proc: subprocess.Pope
         except (redis.AuthenticationError, redis.ResponseError) as exc:
             raise ServiceUnavailableError(f"{host}:{port} answers but refuses our password ({exc}); "
                                           "another server holds that port.") from exc
-    procs.poll(ready, timeout_s, f"redis-server on {host}:{port}", retry_on=RETRYABLE)
+    procs.poll(ready, timeout_s, f"redis-server on {host}:{port}", retry_on=(redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError))
 
 
 def is_redis_pid(pid: int) -> bool:
