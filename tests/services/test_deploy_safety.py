@@ -204,3 +204,20 @@ def test_node_local_server_is_listed_and_stopped(env: dict[str, str]) -> None:
         assert cli(env, "redis", "status").returncode == 1
     finally:
         procs.stop(server)
+
+
+def test_stale_redis_deployment_record_leaves_innocent_processes_alone(env: dict[str, str], tmp_path: Path,
+                                                                     decoys: list[subprocess.Popen[bytes]]) -> None:
+    # A deployment folder of its own (marker and all) whose records name processes it did not start.
+    folder = tmp_path / "state" / "redis" / "7000"
+    procs.private_dir(folder)
+    procs.write_marker(folder, "stale")
+    nodes = [{"host": "127.0.0.1", "port": 7000 + i, "role": "standalone",
+              "process": procs.record(p.pid, "stale").to_json()} for i, p in enumerate(decoys)]
+    (folder / "deployment.json").write_text(json.dumps({"nodes": nodes, "cluster": False, "deployment": "stale"}))
+    status = cli(env, "redis", "status", "--state-dir", str(tmp_path / "state"))
+    assert status.returncode == 1 and "port 7000" in status.stdout
+    down = cli(env, "redis", "down", "--state-dir", str(tmp_path / "state"))
+    assert down.returncode == 0 and "stopped 0" in down.stdout, down.stdout + down.stderr
+    assert all(p.poll() is None for p in decoys), "redis down signalled a process it did not start"
+    assert not folder.exists()  # the folder was this deployment's own: its data is removed
