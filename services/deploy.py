@@ -335,9 +335,7 @@ def _up(cfg: UpConfig) -> ServicesInfo:
             return info
         except BaseException:
             if proc is not None:
-                with contextlib.suppress(Exception):
-                    procs.stop(procs.record(proc.pid, deployment), 5.0)
-                proc.poll()
+                procs.stop_child(proc)
             redis_cluster.stop_cluster(cfg.redis_port, folder)
             raise
 

@@ -165,8 +165,8 @@ def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo
         write_deployment(info)
         return info
     except BaseException:
-        for _, node in started:
-            procs.stop(node.process, 5.0)
+        for proc, _ in started:
+            procs.stop_child(proc)
         procs.remove_tree(folder, deployment)
         raise
 

@@ -161,9 +161,7 @@ def ensure_server(capacity_bytes: int, *, bind: str = "127.0.0.1", timeout_s: fl
             try:
                 wait_ready("127.0.0.1", port, password, proc, timeout_s=timeout_s)
             except ServiceUnavailableError:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+                procs.stop_child(proc)
                 continue
             server = LocalServer(host="127.0.0.1", port=port, password=password, binds=binds, folder=folder,
                                  process=procs.record(proc.pid, deployment), maxmemory=capacity_bytes,

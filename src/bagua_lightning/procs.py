@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -140,6 +141,18 @@ def stop(rec: ProcessRecord, timeout_s: float = 10.0) -> bool:
         psutil.wait_procs([proc], timeout=timeout_s)
     reap(rec.pid)
     return True
+
+
+def stop_child(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
+    """Stop a child this process started and has not reaped: its pid cannot have been reused, so it is
+    signalled directly (its record may not match yet when it had no time to exec with its environment)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def reap(pid: int) -> None:
