@@ -6,10 +6,18 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from bagua_lightning.errors import BaguaLightningError
-from bagua_lightning.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, resolve_redis_hosts
+from bagua_lightning.errors import BaguaLightningError, ConfigurationError
+from bagua_lightning.services_file import (
+    ENV_REDIS_HOSTS,
+    ENV_REDIS_PASSWORD,
+    format_address,
+    parse_host_list,
+    resolve_redis_hosts,
+    resolve_redis_password,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -29,25 +37,29 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", default=None,
                    help=f"Redis servers host:port,host:port (default: ${ENV_REDIS_HOSTS}, the services file, "
                         "or the node-local cache server)")
-    p.add_argument("--password", default=None, help=f"password (default: ${ENV_REDIS_PASSWORD})")
+    p.add_argument("--password-file", type=Path, default=None,
+                   help=f"file holding the password (default: ${ENV_REDIS_PASSWORD} or the services file's)")
     p.add_argument("--username", default=None, help="ACL user")
     p.add_argument("--ssl", action="store_true", help="connect with TLS")
 
 
 def _store(args: argparse.Namespace) -> Any:
-    from bagua_lightning.client.cache.local_server import _alive, _read, local_dir
     from bagua_lightning.client.cache.store import RedisStore
+    from bagua_lightning.local_redis import is_alive, read_server
+    from bagua_lightning.procs import read_secret
 
-    options: dict[str, Any] = {"password": args.password, "username": args.username, "ssl": args.ssl,
-                               "socket_timeout_s": 10.0}
+    password = read_secret(args.password_file) if args.password_file else None
+    options: dict[str, Any] = {"username": args.username, "ssl": args.ssl, "socket_timeout_s": 10.0}
     if args.hosts:
-        return RedisStore(hosts=[h.strip() for h in args.hosts.split(",") if h.strip()], **options)
-    if resolve_redis_hosts() is not None:
-        return RedisStore(hosts=None, **options)
-    server = _read(local_dir())
-    if server is not None and _alive(server):
-        options["password"] = args.password or server.password
-        return RedisStore(hosts=[f"{server.host}:{server.port}"], **options)
+        hosts = parse_host_list(args.hosts, "--hosts")
+        return RedisStore(hosts=hosts, password=password or resolve_redis_password(), **options)
+    resolved = resolve_redis_hosts()
+    if resolved is not None:
+        return RedisStore(hosts=resolved[0], password=password or resolve_redis_password(), **options)
+    server = read_server()
+    if server is not None and is_alive(server):
+        return RedisStore(hosts=[format_address(server.host, server.port)], password=password or server.password,
+                          **options)
     raise BaguaLightningError(f"no Redis to look in: pass --hosts host:port or set {ENV_REDIS_HOSTS}")
 
 
@@ -57,6 +69,8 @@ def _ls(args: argparse.Namespace) -> int:
     try:
         store = _store(args)
         entries = catalog.list_datasets(store)
+    except ConfigurationError:
+        raise  # a usage error: the entry point prints it (exit 2)
     except (BaguaLightningError, OSError, ValueError) as exc:
         print(f"cache ls failed: {exc}", file=sys.stderr)
         return 1
@@ -83,6 +97,8 @@ def _rm(args: argparse.Namespace) -> int:
     try:
         store = _store(args)
         deleted = catalog.remove_dataset(store, name, version if sep else None)
+    except ConfigurationError:
+        raise  # a usage error: the entry point prints it (exit 2)
     except Exception as exc:  # configuration and redis errors alike: one line, no traceback
         print(f"cache rm failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -4,10 +4,18 @@ The embedded counterpart of ``docker-compose.yml``: the same two services, start
 background processes (own session, logs under :func:`~bagua_lightning.services_file.state_dir`), the
 autotune service keeping its persisted plans in the Redis deployment. ``up`` waits until both are healthy
 (gRPC health ``SERVING``; every Redis node answering and, for a cluster, all 16384 slots served), then
-records their addresses and pids in the services file, where ``BaguaStrategy(autotune=True)`` and
-``CachedDataset`` find them. ``up`` on healthy recorded services does nothing; ``down`` stops what ``up``
-started (pids checked against ``/proc/<pid>/cmdline``, so a recycled pid is never signalled) and removes
-the file.
+records their addresses, process records and the paths of their secret files in the services file, where
+``BaguaStrategy(autotune=True)`` and ``CachedDataset`` find them. ``up`` on healthy recorded services does
+nothing; ``down`` stops what ``up`` started and the node-local cache server, and removes the file.
+
+Authentication is on by default: ``up`` creates a Redis password, an autotune token and a cache key
+(``$BAGUA_LIGHTNING_REDIS_PASSWORD`` & co. when set, else random) in ``<state_dir>/secrets/`` (0600 files,
+0700 folder). They reach the services through a pipe (Redis) and the environment (autotune), trainers
+through the services file's paths; never through a command line. ``--no-auth`` is refused beyond loopback.
+
+Identity: every process carries the deployment's id; ``down`` signals a recorded process only when pid,
+start time and id match, and only when the state folder's marker names this deployment, this folder and
+this services file (a copied state folder or a stale file stops nothing; see :mod:`bagua_lightning.procs`).
 
 The argv of the autotune service comes from one function, :func:`autotune_service_args`, which both this
 launcher and ``docker-compose.yml`` use (a test compares them). No torch is imported here: the module runs
@@ -16,14 +24,11 @@ in the torch-free service image, whose healthcheck is ``bagua-lightning status -
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import errno
 import fcntl
-import ipaddress
-import json
 import logging
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -31,19 +36,23 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from bagua_lightning import procs
 from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.procs import parse_bytes
 from bagua_lightning.services.health import Health, check_autotune, check_redis, wait_healthy
-from bagua_lightning.services.processes import is_autotune_pid, stop_pid
 from bagua_lightning.services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,
+    ENV_AUTOTUNE_TOKEN,
+    ENV_CACHE_KEY,
     ENV_REDIS_PASSWORD,
     ServicesInfo,
+    check_host,
+    check_port,
+    format_address,
+    is_loopback,
     read_services_file,
     remove_services_file,
-    resolve_autotune_address,
-    resolve_redis_hosts,
     services_file_path,
     state_dir,
     write_services_file,
@@ -57,8 +66,14 @@ DEFAULT_REDIS_PORT = 7000  # first node of the local cluster; the trainer's docu
 DEFAULT_MAXMEMORY = 1024**3  # bytes per Redis node; docker-compose.yml uses the same default ("1gb")
 AUTOTUNE_LOG = "autotune.log"
 AUTOTUNE_SAMPLES = "autotune-samples"  # folder of the service's per-model sample logs
-_SIZE = re.compile(r"^\s*(\d+)\s*(b|k|kb|m|mb|g|gb)?\s*$", re.IGNORECASE)
-_UNITS = {None: 1, "b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2, "g": 1024**3, "gb": 1024**3}
+SECRETS_DIR = "secrets"
+# secret name in the services file -> (file name in <state_dir>/secrets, environment variable that overrides it)
+SECRETS = {"redis_password": ("redis-password", ENV_REDIS_PASSWORD),
+           "autotune_token": ("autotune-token", ENV_AUTOTUNE_TOKEN),
+           "cache_key": ("cache-key", ENV_CACHE_KEY)}
+
+__all__ = ["DEFAULT_AUTOTUNE_PORT", "DEFAULT_HOST", "DEFAULT_REDIS_PORT", "UpConfig", "autotune_service_args",
+           "down", "ensure_up", "parse_bytes", "redis_state_url", "running_services", "up"]
 
 
 def autotune_service_args(*, host: str, port: int, state: str, log_dir: str) -> list[str]:
@@ -83,21 +98,7 @@ def redis_state_url(host: str, port: int) -> str:
     The password is never part of the URL (it would show in ``ps``); the service reads it from
     ``BAGUA_LIGHTNING_REDIS_PASSWORD``.
     """
-    return f"redis://{_bracket(host)}:{port}"
-
-
-def parse_bytes(text: str | int) -> int:
-    """``1073741824``, ``"1gb"``, ``"512mb"``, ``"64k"`` -> bytes (1024-based, as Redis reads them)."""
-    if isinstance(text, int):
-        value = text
-    else:
-        match = _SIZE.match(text)
-        if match is None:
-            raise ConfigurationError(f"size {text!r} is not bytes; give e.g. 1073741824, 1gb, 512mb or 0.")
-        value = int(match.group(1)) * _UNITS[(match.group(2) or "").lower() or None]
-    if value < 0:
-        raise ConfigurationError(f"size {text!r} is negative; give bytes, 0 for no limit.")
-    return value
+    return f"redis://{format_address(host, port)}"
 
 
 @dataclass(kw_only=True)
@@ -106,7 +107,7 @@ class UpConfig:
 
     Attributes:
         host: address both services bind and that clients are given; loopback by default. For trainers on
-            other machines give this machine's address (and set ``BAGUA_LIGHTNING_REDIS_PASSWORD``).
+            other machines give this machine's address (they then need the secrets, see docs/deployment.md).
         autotune_port: gRPC port of the autotune service.
         redis_port: first Redis port; cluster node i listens on ``redis_port + i`` (bus: ``+ 10000``).
         nodes: Redis Cluster masters.
@@ -114,6 +115,8 @@ class UpConfig:
         single: one standalone Redis instead of a cluster (``nodes``/``replicas`` must stay default).
         maxmemory: bytes per Redis node, 0 for no limit.
         timeout_s: deadline for both services to become healthy, in seconds.
+        auth: require a Redis password and an autotune token and configure a cache key (created in
+            ``<state_dir>/secrets``); False only on loopback.
     """
 
     host: str = DEFAULT_HOST
@@ -124,12 +127,19 @@ class UpConfig:
     single: bool = False
     maxmemory: int = DEFAULT_MAXMEMORY
     timeout_s: float = 60.0
+    auth: bool = True
 
     def __post_init__(self) -> None:
-        if not 1 <= self.autotune_port <= 65535:
-            raise ConfigurationError(f"autotune_port {self.autotune_port} is not a TCP port (1..65535).")
-        if not 1 <= self.redis_port <= 65535:
-            raise ConfigurationError(f"redis_port {self.redis_port} is not a TCP port (1..65535).")
+        check_host(self.host, "host")
+        check_port(self.autotune_port, "autotune_port")
+        check_port(self.redis_port, "redis_port")
+        last = self.redis_port + self.redis_node_count - 1 + (0 if self.single else 10000)
+        if last > 65535:
+            raise ConfigurationError(f"redis_port {self.redis_port}: the Redis ports (cluster bus: port + 10000) "
+                                     f"reach {last} > 65535; pick a lower --redis-port.")
+        if not self.auth and not is_loopback(self.host):
+            raise ConfigurationError(f"--no-auth with --host {self.host}: anyone on the network could use the "
+                                     "services; drop --no-auth or bind 127.0.0.1.")
         if self.nodes < 1:
             raise ConfigurationError(f"nodes={self.nodes}: a cluster needs at least one master.")
         if self.replicas < 0:
@@ -155,42 +165,64 @@ class UpConfig:
 
     @property
     def autotune_address(self) -> str:
-        return f"{_bracket(self.host)}:{self.autotune_port}"
+        return format_address(self.host, self.autotune_port)
 
 
-def start_autotune(cfg: UpConfig, state: str, folder: Path) -> subprocess.Popen[bytes]:
-    """Start the autotune service detached (own session, stdin closed), logging to ``folder/autotune.log``."""
+def start_autotune(cfg: UpConfig, state: str, folder: Path, deployment: str,
+                   secrets: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start the autotune service detached (own session, stdin closed), logging to ``folder/autotune.log``.
+
+    Its token and the Redis password reach it through its environment (readable only by the same user).
+    """
     folder.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "bagua_lightning.cli",
             *autotune_service_args(host=cfg.host, port=cfg.autotune_port, state=state,
                                    log_dir=str(folder / AUTOTUNE_SAMPLES))]
-    env = dict(os.environ)
+    env = procs.child_env(deployment)
+    for name in ("redis_password", "autotune_token"):
+        env.pop(SECRETS[name][1], None)
+        if name in secrets:
+            env[SECRETS[name][1]] = secrets[name]
     with open(folder / AUTOTUNE_LOG, "ab") as log_file:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                 env=env, cwd=folder, start_new_session=True, close_fds=True)
 
 
+
 # ------------------------------------------------------------------------------------------ up / down
 
 
-def running_services(info: ServicesInfo | None, password: str | None = None) -> dict[str, Health]:
-    """Health of each service recorded in ``info`` (``autotune``, ``redis``); empty when none."""
+def running_services(info: ServicesInfo | None, password: str | None = None,
+                     token: str | None = None) -> dict[str, Health]:
+    """Health of each service recorded in ``info`` (``autotune``, ``redis``); empty when none.
+
+    A service whose recorded process is no longer ours (gone, or its pid reused) is unhealthy, even when
+    something else answers on its port. ``password``/``token``: default the recorded secret files.
+    """
     if info is None:
         return {}
+    password = password if password is not None else _recorded_secret(info, "redis_password")
+    token = token if token is not None else _recorded_secret(info, "autotune_token")
     out: dict[str, Health] = {}
     if info.autotune:
-        pid = info.pids.get("autotune")
-        if isinstance(pid, int) and not is_autotune_pid(pid):
-            out["autotune"] = Health(False, f"process {pid} is gone")
-        else:
-            out["autotune"] = check_autotune(info.autotune)
+        gone = [r.pid for r in info.processes.get("autotune") or [] if not procs.is_running(r)]
+        out["autotune"] = (Health(False, f"process {gone[0]} is gone") if gone
+                           else check_autotune(info.autotune, token=token))
     if info.redis_hosts:
-        from bagua_lightning.services.redis_cluster import is_redis_pid
-
-        gone = [p for p in info.pids.get("redis") or [] if not is_redis_pid(int(p))]
+        gone = [r.pid for r in info.processes.get("redis") or [] if not procs.is_running(r)]
         out["redis"] = (Health(False, f"processes {gone} are gone") if gone
                         else check_redis(info.redis_hosts, info.redis_cluster, password))
     return out
+
+
+def _recorded_secret(info: ServicesInfo, name: str) -> str | None:
+    path = info.secrets.get(name)
+    if not path:
+        return None
+    try:
+        return procs.read_secret(path)
+    except ConfigurationError:
+        return None  # reported as unhealthy by the check that needs it
 
 
 @contextlib.contextmanager
@@ -204,6 +236,34 @@ def _exclusive() -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _claim_ports(ports: list[int]) -> Iterator[None]:
+    """Claim ``ports`` machine-wide while services start on them (also across state folders and users).
+
+    The claim is an abstract Unix socket per port: the kernel frees it when this process ends, however it
+    ends, and a second ``up`` asking for the same port learns at once that it is taken.
+    """
+    held: list[socket.socket] = []
+    try:
+        for port in ports:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.bind(f"\0bagua-lightning-port-{port}")
+            except OSError as exc:
+                s.close()
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                raise ConfigurationError(
+                    f"port {port} is being claimed by another `bagua-lightning up` right now (another state "
+                    "folder or user); wait for it and run `bagua-lightning status`, or pick other ports."
+                ) from None
+            held.append(s)
+        yield
+    finally:
+        for s in held:
+            s.close()
 
 
 def up(cfg: UpConfig) -> ServicesInfo:
@@ -220,13 +280,23 @@ def up(cfg: UpConfig) -> ServicesInfo:
         return _up(cfg)
 
 
+def _healthy_existing() -> ServicesInfo | None:
+    existing = read_services_file()
+    health = running_services(existing)
+    if existing is not None and health and all(h.healthy for h in health.values()):
+        return existing
+    if existing is not None:
+        log.info("recorded services are not all healthy (%s); restarting them",
+                 ", ".join(f"{k}: {h.detail}" for k, h in health.items()))
+        _down()
+    return None
+
+
 def _up(cfg: UpConfig) -> ServicesInfo:
     from bagua_lightning.services import redis_cluster
 
-    password = os.environ.get(ENV_REDIS_PASSWORD) or None
-    existing = read_services_file()
-    health = running_services(existing, password)
-    if existing is not None and health and all(h.healthy for h in health.values()):
+    existing = _healthy_existing()
+    if existing is not None:
         differences = _differences(existing, cfg)
         if differences:
             raise ConfigurationError(
@@ -235,40 +305,53 @@ def _up(cfg: UpConfig) -> ServicesInfo:
             )
         log.info("services already running and healthy (%s)", services_file_path())
         return existing
-    if existing is not None:
-        log.info("recorded services are not all healthy (%s); restarting them",
-                 ", ".join(f"{k}: {h.detail}" for k, h in health.items()))
-        _down()
-    if not _is_loopback(cfg.host) and password is None:
-        log.warning("Redis will listen on %s without a password; set %s", cfg.host, ENV_REDIS_PASSWORD)
-    _require_free_ports(cfg)
-    folder = state_dir()
-    deadline = time.monotonic() + cfg.timeout_s
-    spec = redis_cluster.ClusterSpec(
-        nodes=1 if cfg.single else cfg.nodes, replicas=cfg.replicas, port=cfg.redis_port, host=cfg.host,
-        maxmemory=cfg.maxmemory, password=password, cluster=not cfg.single, state_root=folder,
-        timeout_s=cfg.timeout_s,
-    )
-    cluster = redis_cluster.start_cluster(spec)
-    proc: subprocess.Popen[bytes] | None = None
-    try:
-        proc = start_autotune(cfg, redis_state_url(cfg.host, cfg.redis_port), folder)
-        wait_healthy(lambda: check_autotune(cfg.autotune_address), deadline,
-                      f"the autotune service on {cfg.autotune_address}", proc, folder / AUTOTUNE_LOG)
-        info = ServicesInfo(
-            autotune=cfg.autotune_address,
-            redis_hosts=cluster.hosts,
-            redis_cluster=cluster.cluster,
-            state_dir=str(folder),
-            pids={"autotune": proc.pid, "redis": cluster.pids},
+    ports = _require_free_ports(cfg)
+    with _claim_ports(ports):
+        _require_free_ports(cfg)  # a concurrent `up` may have finished between the check and the claim
+        folder = procs.private_dir(state_dir())
+        deployment = procs.new_deployment_id()
+        procs.write_marker(folder, deployment, services_file=str(services_file_path().resolve()))
+        secret_files = _make_secrets(folder) if cfg.auth else {}
+        secrets = {name: procs.read_secret(path) for name, path in secret_files.items()}
+        deadline = time.monotonic() + cfg.timeout_s
+        spec = redis_cluster.ClusterSpec(
+            nodes=1 if cfg.single else cfg.nodes, replicas=cfg.replicas, port=cfg.redis_port, host=cfg.host,
+            maxmemory=cfg.maxmemory, password=secrets.get("redis_password", ""), cluster=not cfg.single,
+            state_root=folder, timeout_s=cfg.timeout_s, deployment=deployment,
         )
-        write_services_file(info)
-        return info
-    except BaseException:
-        if proc is not None:
-            stop_pid(proc.pid, lambda p: proc.poll() is None)
-        redis_cluster.stop_cluster(cfg.redis_port, folder)
-        raise
+        cluster = redis_cluster.start_cluster(spec)
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            proc = start_autotune(cfg, redis_state_url(cfg.host, cfg.redis_port), folder, deployment, secrets)
+            autotune = procs.record(proc.pid, deployment)
+            wait_healthy(lambda: check_autotune(cfg.autotune_address, token=secrets.get("autotune_token")),
+                         deadline, f"the autotune service on {cfg.autotune_address}", proc, folder / AUTOTUNE_LOG)
+            info = ServicesInfo(
+                autotune=cfg.autotune_address, redis_hosts=cluster.hosts, redis_cluster=cluster.cluster,
+                state_dir=str(folder), deployment=deployment, secrets=secret_files,
+                processes={"autotune": [autotune], "redis": cluster.processes},
+            )
+            write_services_file(info)
+            return info
+        except BaseException:
+            if proc is not None:
+                procs.stop_child(proc)
+            redis_cluster.stop_cluster(cfg.redis_port, folder)
+            raise
+
+
+def _make_secrets(folder: Path) -> dict[str, str]:
+    """The secret files of a new deployment: the environment's value when set, else a random one."""
+    out = {}
+    for name, (filename, env) in SECRETS.items():
+        path = folder / SECRETS_DIR / filename
+        value = os.environ.get(env)
+        if value:
+            procs.write_private(path, value)
+        else:
+            procs.new_secret_file(path)
+        out[name] = str(path)
+    return out
 
 
 def ensure_up(cfg: UpConfig | None = None) -> ServicesInfo:
@@ -277,11 +360,8 @@ def ensure_up(cfg: UpConfig | None = None) -> ServicesInfo:
     For callers that only need services to exist (the demo), not particular ports.
     """
     with _exclusive():
-        existing = read_services_file()
-        health = running_services(existing, os.environ.get(ENV_REDIS_PASSWORD) or None)
-        if existing is not None and health and all(h.healthy for h in health.values()):
-            return existing
-        return _up(cfg or UpConfig())
+        existing = _healthy_existing()
+        return existing if existing is not None else _up(cfg or UpConfig())
 
 
 def _differences(info: ServicesInfo, cfg: UpConfig) -> list[str]:
@@ -293,41 +373,59 @@ def _differences(info: ServicesInfo, cfg: UpConfig) -> list[str]:
         found.append(f"Redis from {first.get('host')}:{first.get('port')}, asked {cfg.host}:{cfg.redis_port}")
     if info.redis_cluster == cfg.single:
         found.append("a cluster, asked --single" if info.redis_cluster else "--single, asked a cluster")
-    nodes = len(info.pids.get("redis") or [])
+    nodes = len(info.processes.get("redis") or [])
     if nodes and nodes != cfg.redis_node_count:
         found.append(f"{nodes} Redis nodes, asked {cfg.redis_node_count}")
     return found
 
 
-def down(timeout_s: float = 10.0) -> list[int]:
-    """Stop everything the services file records and remove the file; return the pids stopped."""
+def down(timeout_s: float = 10.0, local: bool = True) -> list[int]:
+    """Stop what the services file records (and, with ``local``, the node-local cache server); remove the
+    file; return the pids stopped.
+
+    Raises:
+        ServicesFileError: the services file is malformed (nothing is stopped or removed).
+        ConfigurationError: the file's state folder is a copy or another deployment's (idem).
+    """
     with _exclusive():
-        return _down(timeout_s)
+        stopped = _down(timeout_s)
+    if local:
+        from bagua_lightning.local_redis import stop_server
+
+        stopped += stop_server(timeout_s=timeout_s)
+    return sorted(set(stopped))
 
 
 def _down(timeout_s: float = 10.0) -> list[int]:
     from bagua_lightning.services import redis_cluster
 
+    path = services_file_path()
     info = read_services_file()
     if info is None:
-        remove_services_file()
         return []
-    stopped: list[int] = []
-    pid = info.pids.get("autotune")
-    if isinstance(pid, int) and stop_pid(pid, is_autotune_pid, timeout_s):
-        stopped.append(pid)
     root = Path(info.state_dir) if info.state_dir else None
-    if info.redis_hosts:
-        stopped += redis_cluster.stop_cluster(int(info.redis_hosts[0]["port"]), root)
-    for redis_pid in info.pids.get("redis") or []:  # nodes the deployment record may have lost
-        if redis_cluster.is_redis_pid(int(redis_pid)):
-            redis_cluster.stop_pid(int(redis_pid), timeout_s)
-            stopped.append(int(redis_pid))
-    remove_services_file()
+    marker = procs.read_marker(root) if root is not None else None
+    if root is not None and root.exists() and (
+            marker is None or marker.get("deployment") != info.deployment
+            or marker.get("services_file") != str(path.resolve())):
+        raise ConfigurationError(
+            f"services file {path} records deployment {info.deployment} in {root}, but that folder is not its "
+            "own (a copy, or another deployment's); nothing was stopped. If its services are gone, delete "
+            f"{path}."
+        )
+    stopped = [r.pid for records in info.processes.values() for r in records if procs.stop(r, timeout_s)]
+    if info.redis_hosts and root is not None:
+        stopped += redis_cluster.stop_cluster(int(info.redis_hosts[0]["port"]), root, timeout_s=timeout_s)
+    remove_services_file(path)
+    if root is not None and marker is not None:
+        for secret in info.secrets.values():
+            if Path(secret).parent == root / SECRETS_DIR:
+                Path(secret).unlink(missing_ok=True)
+        (root / procs.MARKER_FILE).unlink(missing_ok=True)
     return sorted(set(stopped))
 
 
-def _require_free_ports(cfg: UpConfig) -> None:
+def _require_free_ports(cfg: UpConfig) -> list[int]:
     """Fail early, naming the port and the flag, instead of finding a foreign server healthy."""
     wanted = [("--autotune-port", cfg.autotune_port)]
     for i in range(cfg.redis_node_count):
@@ -346,116 +444,4 @@ def _require_free_ports(cfg: UpConfig) -> None:
                     f"port {port} on {cfg.host} is not free ({exc.strerror}); stop what uses it "
                     f"(`bagua-lightning down`, `bagua-lightning redis down`) or pick another {flag}."
                 ) from exc
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def _parse_hosts(text: str) -> list[dict[str, Any]]:
-    hosts = []
-    for item in text.split(","):
-        host, _, port = item.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigurationError(f"Redis address {item!r} is not host:port; give e.g. 127.0.0.1:7000.")
-        hosts.append({"host": host.strip("[]"), "port": int(port)})
-    return hosts
-
-
-# ------------------------------------------------------------------------------------------------- CLI
-
-
-def _print_info(info: ServicesInfo) -> None:
-    redis_hosts = ",".join(f"{_bracket(h['host'])}:{h['port']}" for h in info.redis_hosts)
-    print(f"autotune service: {info.autotune}")
-    print(f"redis {'cluster' if info.redis_cluster else 'server'}: {redis_hosts}")
-    print(f"services file: {services_file_path()}")
-    print(f"logs and data: {info.state_dir}")
-    print(f"trainers on this machine find them through the services file; elsewhere set "
-          f"BAGUA_LIGHTNING_AUTOTUNE_SERVICE={info.autotune} BAGUA_LIGHTNING_REDIS_HOSTS={redis_hosts}")
-
-
-def _cmd_up(args: argparse.Namespace) -> int:
-    cfg = UpConfig(host=args.host, autotune_port=args.autotune_port, redis_port=args.redis_port,
-                   nodes=args.nodes, replicas=args.replicas, single=args.single,
-                   maxmemory=parse_bytes(args.maxmemory), timeout_s=args.timeout)
-    _print_info(up(cfg))
-    return 0
-
-
-def _cmd_down(args: argparse.Namespace) -> int:
-    path = services_file_path()
-    had_file = path.exists()
-    stopped = down(timeout_s=args.timeout)
-    if not had_file:
-        print(f"nothing to stop: no services file at {path}")
-    else:
-        print(f"stopped {len(stopped)} process(es){': ' + ' '.join(map(str, stopped)) if stopped else ''}; "
-              f"removed {path}")
-    return 0
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    password = os.environ.get(ENV_REDIS_PASSWORD) or None
-    report: dict[str, Health]
-    if args.autotune or args.redis:
-        report = {}
-        if args.autotune:
-            report["autotune"] = check_autotune(args.autotune, args.timeout)
-        if args.redis:
-            report["redis"] = check_redis(_parse_hosts(args.redis), not args.single, password, args.timeout)
-    else:
-        report = running_services(read_services_file(), password)
-        if not report:
-            # Nothing recorded (e.g. `docker compose up`): check where trainers would look.
-            autotune = resolve_autotune_address()
-            resolved = resolve_redis_hosts()
-            hosts, cluster = resolved if resolved is not None else (
-                [{"host": DEFAULT_HOST, "port": DEFAULT_REDIS_PORT + i} for i in range(3)], True)
-            print(f"no services recorded at {services_file_path()} (`bagua-lightning up` records them); "
-                  "checking the environment's or the default addresses", file=sys.stderr)
-            report = {"autotune": check_autotune(autotune, args.timeout),
-                      "redis": check_redis(hosts, cluster, password, args.timeout)}
-    if args.json:
-        print(json.dumps({k: {"healthy": h.healthy, "detail": h.detail} for k, h in report.items()}))
-    else:
-        for name, health in report.items():
-            print(f"{name}: {'healthy' if health.healthy else 'UNHEALTHY'} ({health.detail})")
-    return 0 if all(h.healthy for h in report.values()) else 1
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``up``, ``down`` and ``status`` to the ``bagua-lightning`` command line."""
-    p = subparsers.add_parser("up", help="start the autotune service and a local Redis Cluster in the background",
-                              description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind and to give clients (default %(default)s)")
-    p.add_argument("--autotune-port", type=int, default=DEFAULT_AUTOTUNE_PORT, help="default %(default)s")
-    p.add_argument("--redis-port", type=int, default=DEFAULT_REDIS_PORT,
-                   help="first Redis port; node i uses port + i (default %(default)s)")
-    p.add_argument("--nodes", type=int, default=3, help="Redis Cluster masters (default %(default)s)")
-    p.add_argument("--replicas", type=int, default=0, help="replicas per master (default %(default)s)")
-    p.add_argument("--single", action="store_true", help="one standalone Redis instead of a cluster")
-    p.add_argument("--maxmemory", default=str(DEFAULT_MAXMEMORY),
-                   help="bytes per Redis node, e.g. 1gb, 0 for no limit (default 1gb)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for health (default %(default)s)")
-    p.set_defaults(func=_cmd_up)
-
-    p = subparsers.add_parser("down", help="stop what `bagua-lightning up` started and remove the services file")
-    p.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds per process between SIGTERM and SIGKILL (default %(default)s)")
-    p.set_defaults(func=_cmd_down)
-
-    p = subparsers.add_parser("status", help="health of the recorded services (exit 1 when one is unhealthy)")
-    p.add_argument("--autotune", metavar="HOST:PORT", help="check this autotune service instead of the file's")
-    p.add_argument("--redis", metavar="HOST:PORT[,...]", help="check these Redis nodes instead of the file's")
-    p.add_argument("--single", action="store_true", help="with --redis: standalone servers, not a cluster")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds per check (default %(default)s)")
-    p.set_defaults(func=_cmd_status)
+    return [port for _, port in wanted]

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bagua_lightning import procs
 from bagua_lightning.errors import ServiceUnavailableError
-
-CLUSTER_SLOTS = 16384
+from bagua_lightning.redis_server import CLUSTER_SLOTS, client_for, cluster_info
 
 
 @dataclass(frozen=True)
@@ -27,17 +27,33 @@ class Health:
     detail: str
 
 
-def check_autotune(address: str, timeout_s: float = 2.0) -> Health:
-    """gRPC ``grpc.health.v1`` check of the whole server, with a deadline."""
+def check_autotune(address: str, timeout_s: float = 2.0, *, token: str | None = None,
+                   tls_ca: Path | None = None) -> Health:
+    """gRPC ``grpc.health.v1`` check of the whole server, with a deadline.
+
+    Args:
+        address: ``host:port``.
+        timeout_s: deadline of the call, in seconds.
+        token: bearer token sent as ``authorization`` metadata (the service checks it when it has one).
+        tls_ca: PEM file of the CA that signed the service's certificate: speak TLS (None: plaintext).
+    """
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     options = [("grpc.enable_http_proxy", 0)]  # services are local or named explicitly; never proxied
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     try:
-        with grpc.insecure_channel(address, options=options) as channel:
+        if tls_ca is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            channel = grpc.insecure_channel(address, options=options)
+        with channel:
             response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, metadata=metadata
             )
+    except OSError as exc:
+        return Health(False, f"TLS CA file {tls_ca} cannot be read ({exc.strerror})")
     except grpc.RpcError as exc:
         code = exc.code() if isinstance(exc, grpc.Call) else None
         return Health(False, f"not answering ({code.name if code else exc})")
@@ -55,15 +71,13 @@ def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | 
     for node in hosts:
         where = f"{node['host']}:{node['port']}"
         try:
-            with redis.Redis(host=node["host"], port=int(node["port"]), password=password,
-                             socket_timeout=timeout_s, socket_connect_timeout=timeout_s) as client:
+            with client_for(node["host"], int(node["port"]), password, timeout_s) as client:
                 client.ping()
                 if not cluster:
                     continue
-                raw = client.execute_command("CLUSTER INFO")
+                fields = cluster_info(client)
         except (redis.RedisError, OSError) as exc:
             return Health(False, f"{where} not answering ({exc})")
-        fields = _cluster_info_fields(raw)
         slots_ok = int(fields.get("cluster_slots_ok", "0") or 0)
         if fields.get("cluster_state") != "ok" or slots_ok != CLUSTER_SLOTS:
             return Health(False, f"{where}: cluster_state {fields.get('cluster_state')}, "
@@ -73,20 +87,14 @@ def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | 
     return Health(True, f"{len(hosts)} server(s) answering")
 
 
-def _cluster_info_fields(raw: Any) -> dict[str, str]:
-    # redis-py parses CLUSTER INFO into a dict; a raw reply is "field:value" lines.
-    if isinstance(raw, dict):
-        return {str(k): str(v) for k, v in raw.items()}
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    return dict(line.split(":", 1) for line in text.strip().splitlines() if ":" in line)
-
-
 def wait_healthy(check: Callable[[], Health], deadline: float, what: str,
                   proc: subprocess.Popen[bytes] | None = None, log_path: Path | None = None) -> Health:
     """Poll ``check`` until healthy; fail fast when ``proc`` exits, and after the monotonic ``deadline``."""
-    delay = 0.05
-    while True:
+    last: list[Health] = []
+
+    def healthy() -> Health | None:
         health = check()
+        last[:] = [health]
         if health.healthy:
             return health
         if proc is not None and proc.poll() is not None:
@@ -94,8 +102,11 @@ def wait_healthy(check: Callable[[], Health], deadline: float, what: str,
                 f"{what} exited with code {proc.returncode} before it became healthy; see {log_path}"
                 " (is the port already in use?)"
             )
-        if time.monotonic() > deadline:
-            raise ServiceUnavailableError(f"{what} is not healthy before the deadline: {health.detail}"
-                                          + (f"; see {log_path}" if log_path else ""))
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.5)
+        return None
+    try:
+        return procs.poll(healthy, deadline - time.monotonic(), what, interval_s=0.05, max_interval_s=0.5)
+    except procs.PollTimeoutError:
+        if not last:
+            raise
+        raise ServiceUnavailableError(f"{what} is not healthy before the deadline: {last[0].detail}"
+                                      + (f"; see {log_path}" if log_path else "")) from None

@@ -1,157 +1,189 @@
-"""The node-local ``redis-server`` that ``RedisStore(hosts=None)`` spawns and every job on the node shares.
+"""``hosts=None``: the node-local cache servers of a job, found or started, and shared across its nodes.
 
-The server is bound to 127.0.0.1 with protected mode and a random password, has ``maxmemory`` set to the
-store's ``capacity_per_node`` with the LFU eviction policy (see
-:data:`bagua_lightning.services.redis_cluster.DEFAULT_EVICTION_POLICY`) and no persistence. It runs detached,
-so it outlives the job that started it and the next job on the node reuses what is cached.
+The server itself (how it is started, where its state and secret live, how it is stopped) is
+:mod:`bagua_lightning.local_redis`'s. This module coordinates a job over a ``torch.distributed`` store:
 
-Its address and password sit in ``<state_dir>/redis-local/server.json`` (mode 0600 in a 0700 folder, so only
-the same user can use it). Start-up is serialised by an exclusive ``flock`` on that folder: whichever process
-gets there first starts the server, the others find it. Under ``torch.distributed`` only local rank 0 does
-that; the other ranks wait for its address under a per-host key of the default process group's store.
+The interface (small on purpose)::
+
+    servers = job_servers(capacity_bytes, timeout_s=30.0, store=None)
+    RedisStore(hosts=servers.hosts, password=servers.password)   # one store over every node's server
+    servers.local        # this node's LocalServer on the rank that started/found it, else None
+    servers.started_here # True on the one process that spawned this node's server
+
+``store``: a ``torch.distributed.Store`` (None: the default process group's store when one is
+initialised, else this process alone). Protocol, under the prefix ``bagua_lightning/redis_local/``:
+
+1. every rank publishes its node identity (host name and the address it reaches the rendezvous from)
+   under ``rank/<rank>``; every rank reads all of them, so all ranks agree on the nodes (in order of
+   their lowest rank) and on each node's leader (its lowest rank);
+2. each leader starts or reuses its node's server (:func:`~bagua_lightning.local_redis.ensure_server`).
+   On one node it listens on 127.0.0.1 only. On several nodes it also listens on the address the node
+   reaches the rendezvous from, and all servers share one password: node 0's leader publishes its
+   server's password under ``password``; the other leaders switch their servers to it
+   (``CONFIG SET requirepass``, authenticated with the old one) and rewrite their 0600 secret file, so a
+   later job on the same nodes finds them consistent. The job's rendezvous store is trusted with the
+   password as it is trusted with the job itself (whoever can write it can join the job);
+3. each leader publishes ``node/<k>`` = ``host:port`` once its server is ready with the job's password;
+   every rank waits for all ``node/<k>`` and returns them in node order. Ranks other than a leader read
+   the password from their node's 0600 secret file (the same user and ``$XDG_STATE_HOME`` as the leader).
+
+Every rank takes the same steps, so nobody waits for a key that is never written; every wait has
+``timeout_s``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
-import logging
 import os
-import secrets
 import socket
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
 from bagua_lightning.errors import ServiceUnavailableError
-from bagua_lightning.services.redis_cluster import NodeConfig, is_redis_pid, launch_node, wait_ready
-from bagua_lightning.services_file import state_dir
+from bagua_lightning.local_redis import LocalServer, ensure_server, local_dir, read_server, set_password
+from bagua_lightning.services_file import format_address
 
-log = logging.getLogger(__name__)
+_PREFIX = "bagua_lightning/redis_local/"
+LOOPBACK = "127.0.0.1"
 
-_STORE_KEY = "bagua_lightning/redis_local/{host}"
+__all__ = ["JobServers", "LocalServer", "find_or_start", "job_servers"]
 
 
 @dataclass(kw_only=True)
-class LocalServer:
-    """A running node-local server. ``started_here``: this process spawned it (``shutdown`` may stop it)."""
+class JobServers:
+    """Every node's cache server for this job.
 
-    host: str
-    port: int
-    password: str
-    pid: int
-    maxmemory: int
-    started_here: bool = False
-
-
-def local_dir() -> Path:
-    return state_dir() / "redis-local"
-
-
-@contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    folder.mkdir(parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
-    with open(folder / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _read(folder: Path) -> LocalServer | None:
-    try:
-        data = json.loads((folder / "server.json").read_text())
-        return LocalServer(**{k: data[k] for k in ("host", "port", "password", "pid", "maxmemory")})
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _alive(server: LocalServer) -> bool:
-    if not is_redis_pid(server.pid):
-        return False
-    try:
-        wait_ready(server.host, server.port, server.password, timeout_s=1.0)
-    except ServiceUnavailableError:
-        return False
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def ensure_local_server(capacity_bytes: int, timeout_s: float = 30.0, folder: Path | None = None) -> LocalServer:
-    """Return the node's shared server, starting it first if none is alive.
-
-    ``capacity_bytes`` only applies to a server started now; an existing one keeps its limit (as in Bagua).
+    Attributes:
+        hosts: ``[{"host", "port"}, ...]``, one per node, in node order (the same on every rank).
+        password: the password all of them require.
+        local: this node's server on its leader rank, None on the other ranks.
     """
-    folder = folder or local_dir()
-    with _locked(folder):
-        existing = _read(folder)
-        if existing is not None and _alive(existing):
-            if existing.maxmemory != capacity_bytes:
-                log.info("reusing the local Redis on port %d with maxmemory %d bytes (capacity_per_node=%d "
-                         "only applies to a newly started server)", existing.port, existing.maxmemory,
-                         capacity_bytes)
-            return existing
-        password = secrets.token_urlsafe(24)
-        for _attempt in range(3):  # the free port can be taken between probing and binding
-            port = _free_port()
-            cfg = NodeConfig(port=port, data_dir=folder / "data", maxmemory=capacity_bytes, password=password)
-            proc = launch_node(cfg)
-            try:
-                wait_ready(cfg.host, port, password, proc, timeout_s=timeout_s)
-            except ServiceUnavailableError:
-                if proc.poll() is None:
-                    proc.kill()
-                continue
-            server = LocalServer(host=cfg.host, port=port, password=password, pid=proc.pid,
-                                 maxmemory=capacity_bytes, started_here=True)
-            fd = os.open(folder / "server.json.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({k: v for k, v in asdict(server).items() if k != "started_here"}, f)
-            os.replace(folder / "server.json.tmp", folder / "server.json")
-            log.info("started a local Redis for the sample cache on 127.0.0.1:%d (maxmemory %d bytes)",
-                     port, capacity_bytes)
-            return server
-        raise ServiceUnavailableError(f"could not start a local redis-server; see {folder / 'data' / 'redis.log'}")
+
+    hosts: list[dict[str, Any]] = field(default_factory=list)
+    password: str
+    local: LocalServer | None = None
+
+    @property
+    def started_here(self) -> bool:
+        return self.local is not None and self.local.started_here
 
 
-def _local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+def _default_store() -> tuple[Any, int, int] | None:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency of the trainer side
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store(), dist.get_rank(), dist.get_world_size()
+
+
+def _rendezvous_host(store: Any) -> str | None:
+    # The TCPStore under any PrefixStore wrappers knows the rendezvous host; MASTER_ADDR is the fallback.
+    while store is not None:
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def _route_address(target: str | None) -> str:
+    """The local address this node uses to reach ``target`` (the rendezvous host); loopback when local."""
+    if not target:
+        return LOOPBACK
+    try:
+        family = socket.AF_INET6 if ":" in target else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))  # UDP connect sends nothing; it only picks the route
+            return str(s.getsockname()[0])
+    except OSError:
+        return LOOPBACK
+
+
+def job_servers(capacity_bytes: int, timeout_s: float = 30.0, store: Any = None, rank: int | None = None,
+                world_size: int | None = None) -> JobServers:
+    """Start or find this node's server and return every node's address and the shared password.
+
+    Args:
+        capacity_bytes: ``maxmemory`` of a server started now (an existing one keeps its limit).
+        timeout_s: deadline for the server to start and for every wait on the store, in seconds.
+        store: a ``torch.distributed.Store`` shared by the job; None: the default process group's.
+        rank: this process's rank in ``store``'s job (default: the default process group's).
+        world_size: ranks in the job (default: the default process group's).
+
+    Raises:
+        ServiceUnavailableError: the server did not start, or another rank did not publish in time.
+    """
+    if store is None:
+        found = _default_store()
+        if found is None:
+            server = ensure_server(capacity_bytes, timeout_s=timeout_s)
+            return JobServers(hosts=[{"host": server.host, "port": server.port}], password=server.password,
+                              local=server)
+        store, default_rank, default_world = found
+        rank = default_rank if rank is None else rank
+        world_size = default_world if world_size is None else world_size
+    if rank is None or world_size is None:
+        raise ValueError("job_servers(store=...) needs rank and world_size as well.")
+    wait = timedelta(seconds=timeout_s)
+    route = _route_address(_rendezvous_host(store))
+    store.set(f"{_PREFIX}rank/{rank}", f"{socket.gethostname()}/{route}")
+    rank_keys = [f"{_PREFIX}rank/{r}" for r in range(world_size)]
+    _wait(store, rank_keys, wait)
+    identities = [store.get(k).decode() for k in rank_keys]
+    nodes = list(dict.fromkeys(identities))
+    me = nodes.index(identities[rank])
+    multi = len(nodes) > 1
+    local: LocalServer | None = None
+    if rank == identities.index(identities[rank]):  # the node's lowest rank leads it
+        bind = route if multi else LOOPBACK
+        local = ensure_server(capacity_bytes, bind=bind, timeout_s=timeout_s)
+        if multi:
+            if me == 0:
+                store.set(f"{_PREFIX}password", local.password)
+            else:
+                _wait(store, [f"{_PREFIX}password"], wait)
+                set_password(local, store.get(f"{_PREFIX}password").decode())
+        store.set(f"{_PREFIX}node/{me}", format_address(bind, local.port))
+    node_keys = [f"{_PREFIX}node/{k}" for k in range(len(nodes))]
+    _wait(store, node_keys, wait)
+    addresses = [store.get(k).decode().rpartition(":") for k in node_keys]
+    hosts = [{"host": h.strip("[]"), "port": int(p)} for h, _, p in addresses]
+    if local is not None:
+        return JobServers(hosts=hosts, password=local.password, local=local)
+    mine = read_server(local_dir())
+    if mine is None or mine.port != hosts[me]["port"]:
+        raise ServiceUnavailableError(
+            f"this node's leader published its Redis at {format_address(hosts[me]['host'], hosts[me]['port'])} "
+            f"but {local_dir() / 'server.json'} does not describe it; do all ranks of a node share the same "
+            "user and $XDG_STATE_HOME?"
+        )
+    return JobServers(hosts=hosts, password=mine.password)
+
+
+def _wait(store: Any, keys: list[str], timeout: timedelta) -> None:
+    try:
+        store.wait(keys, timeout)
+    except Exception as exc:  # torch raises DistStoreError / RuntimeError subclasses by version
+        raise ServiceUnavailableError(
+            f"ranks did not publish {keys[0]}.. within {timeout.total_seconds():.0f} s ({exc}); did every "
+            "rank of the job create its dataset with hosts=None?"
+        ) from exc
 
 
 def find_or_start(capacity_bytes: int, timeout_s: float = 30.0) -> LocalServer:
-    """:func:`ensure_local_server`, coordinated over the default process group when one exists."""
-    try:
-        import torch.distributed as dist
+    """This node's server for a one-node job: the :attr:`JobServers.local` of :func:`job_servers`.
 
-        distributed = dist.is_available() and dist.is_initialized()
-    except ImportError:  # pragma: no cover - torch is a dependency of the trainer side
-        distributed = False
-    if not distributed:
-        return ensure_local_server(capacity_bytes, timeout_s)
-    from datetime import timedelta
-
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
-    key = _STORE_KEY.format(host=socket.gethostname())
-    if _local_rank() == 0:
-        server = ensure_local_server(capacity_bytes, timeout_s)
-        store.set(key, f"{server.host}:{server.port}")  # the password stays in the 0600 file
-        return server
-    store.wait([key], timedelta(seconds=timeout_s))
-    address = store.get(key).decode()
-    found = _read(local_dir())
-    if found is None or f"{found.host}:{found.port}" != address:
-        raise ServiceUnavailableError(
-            f"local rank 0 published Redis at {address} but {local_dir() / 'server.json'} does not describe it; "
-            "do all ranks of this node share the same user and $XDG_STATE_HOME?"
-        )
-    return found
+    On ranks other than the node's leader the returned server is read from the node's record
+    (``started_here`` False). Multi-node jobs should use :func:`job_servers`, which returns every node.
+    """
+    servers = job_servers(capacity_bytes, timeout_s)
+    if servers.local is not None:
+        return servers.local
+    mine = read_server(local_dir())
+    if mine is None:  # pragma: no cover - job_servers checked it
+        raise ServiceUnavailableError(f"no node-local Redis recorded in {local_dir()}")
+    return mine

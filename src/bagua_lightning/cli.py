@@ -1,11 +1,13 @@
 """The ``bagua-lightning`` command line: one entry point, subcommands owned by their packages.
 
-Each subcommand lives next to the code it drives and exposes
-``register(subparsers) -> None``, which adds its parser and sets ``func`` (a
-callable taking the parsed namespace and returning an exit code). Modules are
-imported only when listed here; they must not import torch at module level so
-that ``bagua-lightning --help`` and the service commands start fast and run in
-the torch-free service image.
+Each subcommand lives next to the code it drives and exposes ``register(subparsers) -> None``, which adds
+its parser and sets ``func`` (a callable taking the parsed namespace and returning an exit code). Modules
+must not import torch at module level, so that ``bagua-lightning --help`` and the service commands start
+fast and run in the torch-free service image.
+
+Errors: every error reaches the user as one line naming the value and the fix. Usage errors (a bad flag
+or value, :class:`~bagua_lightning.errors.ConfigurationError`) exit with 2, failures (a service that does
+not come up, an unreachable server) with 1. ``--debug`` shows the traceback as well.
 """
 
 from __future__ import annotations
@@ -15,20 +17,72 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
-# (module, attribute) pairs; every module provides `register(subparsers)`.
-_COMMAND_MODULES: tuple[str, ...] = (
-    "bagua_lightning.services.autotune.cli",  # autotune serve | simulate
-    "bagua_lightning.services.redis_cli",  # redis up | down | status
-    "bagua_lightning.client.cache_cli",  # cache ls | rm
-    "bagua_lightning.services.deploy",  # up | down | status
-    "bagua_lightning.demo",  # demo
-)
+from .errors import BaguaLightningError, ConfigurationError
+
+# command -> the module that registers it (several commands may share one module).
+_COMMANDS: dict[str, str] = {
+    "autotune": "bagua_lightning.services.autotune.cli",  # autotune serve | simulate
+    "redis": "bagua_lightning.services.redis_cli",  # redis up | down | status
+    "cache": "bagua_lightning.client.cache_cli",  # cache ls | rm
+    "up": "bagua_lightning.services.deploy_cli",  # up | down | status
+    "down": "bagua_lightning.services.deploy_cli",
+    "status": "bagua_lightning.services.deploy_cli",
+    "demo": "bagua_lightning.demo",  # demo
+}
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (``prog: error: ...; see prog --help``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+def port_arg(text: str) -> int:
+    """argparse type: a TCP port in 1..65535."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; give a number in 1..65535")
+    return int(text)
+
+
+def size_arg(text: str) -> int:
+    """argparse type: a byte size such as ``1073741824``, ``512mb``, ``4gb`` or ``0``."""
+    from .procs import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+
+
+def positive_float_arg(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def positive_int_arg(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given ``argv`` naming a command, only that command's module is imported (some import
+    the whole autotune service, which takes seconds), else every command's (for ``--help``)."""
+    parser = OneLineParser(
         prog="bagua-lightning",
         description="Bagua's training acceleration on PyTorch 2.x / Lightning 2.x: services and tools.",
     )
@@ -37,30 +91,56 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("BAGUA_LIGHTNING_LOG_LEVEL", "INFO"),
         help="logging level (DEBUG, INFO, WARNING, ERROR); env BAGUA_LIGHTNING_LOG_LEVEL",
     )
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks of errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and module_name.startswith(exc.name):
-                continue  # that command is not built yet
-            raise
-        module.register(subparsers)
+    command = next((a for a in argv or () if not a.startswith("-")), None)
+    modules = [_COMMANDS[command]] if command in _COMMANDS else list(dict.fromkeys(_COMMANDS.values()))
+    for module_name in modules:
+        importlib.import_module(module_name).register(subparsers)
     return parser
 
 
+def _command_words(argv: list[str]) -> list[str]:
+    # The words after the global options (`--log-level X` takes a value).
+    words, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--log-level":
+            skip = True
+        elif not arg.startswith("-"):
+            words.append(arg)
+    return words
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if isinstance(exc, BaguaLightningError) else f"{type(exc).__name__}: {text}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_command_words(argv))
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=str(args.log_level).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    func = getattr(args, "func", None)
+    level = str(args.log_level).upper()
+    if level not in logging.getLevelNamesMapping():
+        parser.error(f"--log-level {args.log_level!r} is not a level; give DEBUG, INFO, WARNING or ERROR")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    func: Any = getattr(args, "func", None)
     if func is None:
         parser.print_help()
-        return 2
-    return int(func(args) or 0)
+        return EXIT_USAGE
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.debug:
+            traceback.print_exc()
+        hint = "" if args.debug else " (--debug shows the traceback)"
+        print(f"bagua-lightning {args.command}: error: {_one_line(exc)}"
+              + ("" if isinstance(exc, BaguaLightningError) else hint), file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, ConfigurationError) else EXIT_FAILURE
 
 
 if __name__ == "__main__":  # pragma: no cover

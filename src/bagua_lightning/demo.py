@@ -22,18 +22,23 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bagua_lightning.errors import ConfigurationError, ServiceUnavailableError
 from bagua_lightning.services_file import (
     ENV_AUTOTUNE,
+    ENV_AUTOTUNE_TOKEN,
+    ENV_CACHE_KEY,
     ENV_REDIS_HOSTS,
     ENV_REDIS_PASSWORD,
     read_services_file,
     resolve_autotune_address,
+    resolve_autotune_token,
+    resolve_cache_key,
     resolve_redis_hosts,
+    resolve_redis_password,
 )
 
 DEFAULT_OUT = "bagua-lightning-demo"
@@ -70,15 +75,26 @@ class Endpoints:
         redis_hosts: ``host:port`` of each Redis node.
         cluster: whether the nodes form a Redis Cluster.
         how: ``"started"`` (by this command) or ``"running"`` (found).
+        secrets: the environment variables that hand the jobs the services' secrets (password, token, key).
     """
 
     autotune: str
     redis_hosts: list[str]
     cluster: bool
     how: str
+    secrets: dict[str, str] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
-        return {ENV_AUTOTUNE: self.autotune, ENV_REDIS_HOSTS: ",".join(self.redis_hosts)}
+        """The jobs' environment: the addresses and the secrets (never on a command line)."""
+        return {ENV_AUTOTUNE: self.autotune, ENV_REDIS_HOSTS: ",".join(self.redis_hosts), **self.secrets}
+
+
+def _secrets() -> dict[str, str]:
+    # Resolved before the jobs get explicit addresses (which turn off the services file's secrets).
+    key = resolve_cache_key()
+    found = {ENV_REDIS_PASSWORD: resolve_redis_password(), ENV_AUTOTUNE_TOKEN: resolve_autotune_token(),
+             ENV_CACHE_KEY: key.decode() if key else None}
+    return {k: v for k, v in found.items() if v}
 
 
 def _hostport(h: dict[str, Any]) -> str:
@@ -100,17 +116,18 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
     from bagua_lightning.services import deploy
     from bagua_lightning.services.health import check_autotune, check_redis
 
-    password = os.environ.get(ENV_REDIS_PASSWORD) or None
     named = bool(os.environ.get(ENV_AUTOTUNE) or os.environ.get(ENV_REDIS_HOSTS))
     recorded = read_services_file() is not None
     autotune = resolve_autotune_address(None if named or recorded else cfg.autotune_address)
     resolved = resolve_redis_hosts()
     hosts, cluster = resolved if resolved is not None else (
         [{"host": cfg.host, "port": cfg.redis_port + i} for i in range(cfg.nodes)], True)
-    health = {"autotune": check_autotune(autotune, timeout_s), "redis": check_redis(hosts, cluster, password, timeout_s)}
+    secrets = _secrets()
+    health = {"autotune": check_autotune(autotune, timeout_s, token=secrets.get(ENV_AUTOTUNE_TOKEN)),
+              "redis": check_redis(hosts, cluster, secrets.get(ENV_REDIS_PASSWORD), timeout_s)}
     if all(h.healthy for h in health.values()):
         return Endpoints(autotune=autotune, redis_hosts=[_hostport(h) for h in hosts], cluster=cluster,
-                         how="running")
+                         how="running", secrets=secrets)
     if named:
         bad = "; ".join(f"{k}: {h.detail}" for k, h in health.items() if not h.healthy)
         raise ServiceUnavailableError(
@@ -118,7 +135,7 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
             f"(`docker compose up -d --wait`), or unset both variables to let the demo start its own")
     info = deploy.ensure_up(cfg)
     return Endpoints(autotune=str(info.autotune), redis_hosts=[_hostport(h) for h in info.redis_hosts],
-                     cluster=info.redis_cluster, how="started")
+                     cluster=info.redis_cluster, how="started", secrets=_secrets())
 
 
 def clear_demo_cache(endpoints: Endpoints, dataset_name: str) -> int:
@@ -126,7 +143,8 @@ def clear_demo_cache(endpoints: Endpoints, dataset_name: str) -> int:
     from bagua_lightning.client.cache import RedisStore
     from bagua_lightning.client.cache.catalog import remove_dataset
 
-    store = RedisStore(hosts=endpoints.redis_hosts, cluster_mode=True)
+    store = RedisStore(hosts=endpoints.redis_hosts, cluster_mode=True,
+                       password=endpoints.secrets.get(ENV_REDIS_PASSWORD))
     try:
         return remove_dataset(store, dataset_name)
     finally:
@@ -238,6 +256,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``demo`` to the ``bagua-lightning`` command line."""
+    from bagua_lightning.cli import port_arg
     from bagua_lightning.services.deploy import DEFAULT_AUTOTUNE_PORT, DEFAULT_REDIS_PORT
 
     p = subparsers.add_parser(
@@ -263,10 +282,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default ./%(default)s)")
     p.add_argument("--keep-cache", action="store_true",
                    help="keep samples earlier demo runs cached (the first job then reads them too)")
-    p.add_argument("--autotune-port", type=int, default=DEFAULT_AUTOTUNE_PORT,
+    p.add_argument("--autotune-port", type=port_arg, default=DEFAULT_AUTOTUNE_PORT,
                    help="where to look for / start the autotune service when the environment and the services "
                         "file name none (default %(default)s)")
-    p.add_argument("--redis-port", type=int, default=DEFAULT_REDIS_PORT,
+    p.add_argument("--redis-port", type=port_arg, default=DEFAULT_REDIS_PORT,
                    help="first port of the Redis Cluster, likewise (default %(default)s)")
     p.add_argument("--services-timeout", type=float, default=90.0,
                    help="seconds for started services to become healthy (default %(default)s)")

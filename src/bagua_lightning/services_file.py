@@ -10,28 +10,46 @@ configuration. Lookup order for every consumer:
    ``$XDG_STATE_HOME/bagua-lightning/services.json`` (``~/.local/state/...`` by default);
 4. the defaults: autotune ``127.0.0.1:29600``; Redis: spawn a local server.
 
-The file is JSON::
+The file is JSON (mode 0600)::
 
-    {"version": 1,
+    {"version": 2,
+     "deployment": "3f9c...",                      # id of the `up` that wrote it
      "autotune": "127.0.0.1:29600",
      "redis": {"hosts": [{"host": "127.0.0.1", "port": 7000}, ...], "cluster": true},
      "state_dir": "/home/me/.local/state/bagua-lightning",
-     "pids": {"autotune": 1234, "redis": [1235, 1236, 1237]}}
+     "secrets": {"redis_password": "<state_dir>/secrets/redis-password",
+                 "autotune_token": "<state_dir>/secrets/autotune-token",
+                 "cache_key": "<state_dir>/secrets/cache-key"},
+     "processes": {"autotune": [{"pid": 1234, "create_time": 1795000000.12, "deployment": "3f9c..."}],
+                   "redis": [...]}}
 
-Secrets (passwords) are never written here; they come from ``BAGUA_LIGHTNING_REDIS_PASSWORD``.
+Secrets are never written here, only the paths of the owner-only (0600) files that hold them. Each secret
+is resolved as: its environment variable (``BAGUA_LIGHTNING_REDIS_PASSWORD``,
+``BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, ``BAGUA_LIGHTNING_CACHE_KEY``), else the file the services file names,
+as long as the matching address also comes from the services file (a password meant for the recorded
+Redis is never sent to a server named by ``BAGUA_LIGHTNING_REDIS_HOSTS``).
+
+Every address is validated where it enters (here for the environment and the file): a parseable host and
+a port in 1..65535. A services file that exists but cannot be parsed is an error naming the file, never a
+silent fall-back to the default addresses.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigurationError
+from .procs import ProcessRecord, read_secret
+
 DEFAULT_AUTOTUNE_ADDRESS = "127.0.0.1:29600"
-FILE_VERSION = 1
+FILE_VERSION = 2
 
 ENV_FILE = "BAGUA_LIGHTNING_SERVICES_FILE"
 ENV_AUTOTUNE = "BAGUA_LIGHTNING_AUTOTUNE_SERVICE"
@@ -39,16 +57,93 @@ ENV_REDIS_HOSTS = "BAGUA_LIGHTNING_REDIS_HOSTS"
 ENV_REDIS_PASSWORD = "BAGUA_LIGHTNING_REDIS_PASSWORD"
 ENV_AUTOTUNE_TOKEN = "BAGUA_LIGHTNING_AUTOTUNE_TOKEN"
 ENV_CACHE_KEY = "BAGUA_LIGHTNING_CACHE_KEY"
+SECRET_NAMES = ("redis_password", "autotune_token", "cache_key")
+_HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
+
+
+class ServicesFileError(ConfigurationError):
+    """The services file exists but cannot be used; the message names the file and the fix."""
 
 
 def state_dir() -> Path:
-    """Folder for the services' state (data directories, logs, persisted plans)."""
+    """Folder for the services' state (data directories, logs, persisted plans, secrets)."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "bagua-lightning"
 
 
 def services_file_path() -> Path:
     return Path(os.environ.get(ENV_FILE) or state_dir() / "services.json")
+
+
+# ------------------------------------------------------------------------------------------- addresses
+
+
+def check_port(port: Any, what: str = "port") -> int:
+    """``port`` as an int in 1..65535; :class:`ConfigurationError` naming ``what`` and the value otherwise."""
+    if isinstance(port, str) and port.strip().isdigit():
+        port = int(port)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigurationError(f"{what} {port!r} is not a TCP port; give a number in 1..65535.")
+    return port
+
+
+def check_host(host: Any, what: str = "host") -> str:
+    """``host`` when it is an IP address or a DNS name; :class:`ConfigurationError` otherwise."""
+    if isinstance(host, str):
+        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            ipaddress.ip_address(bare)
+            return bare
+        except ValueError:
+            if _HOST_NAME.match(bare):
+                return bare
+    raise ConfigurationError(f"{what} {host!r} is not a host name or IP address; give e.g. 127.0.0.1.")
+
+
+def is_loopback(host: str) -> bool:
+    """True for loopback addresses and ``localhost``."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def parse_address(text: Any, what: str = "address") -> tuple[str, int]:
+    """``"host:port"`` / ``"[v6]:port"`` -> ``(host, port)``, both validated."""
+    if not isinstance(text, str) or ":" not in text:
+        raise ConfigurationError(f"{what} {text!r} is not host:port; give e.g. 127.0.0.1:7000.")
+    host, _, port = text.strip().rpartition(":")
+    if not port.strip().isdigit():
+        raise ConfigurationError(f"{what} {text!r} has no numeric port; give e.g. 127.0.0.1:7000.")
+    return check_host(host, what), check_port(int(port), f"{what} {text!r}: port")
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_host_list(text: str, what: str) -> list[dict[str, Any]]:
+    """``"h:p,h:p"`` -> ``[{"host", "port"}, ...]``, every item validated."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ConfigurationError(f"{what} {text!r} names no server; give host:port[,host:port...].")
+    return [dict(zip(("host", "port"), parse_address(item, what), strict=True)) for item in items]
+
+
+def _host_entries(value: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise ValueError(f"{where} is not a list")
+    out = []
+    for item in value:
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} item {item!r} is not {{host, port}}")
+        out.append({"host": check_host(item.get("host"), f"{where} host"),
+                    "port": check_port(item.get("port"), f"{where} port")})
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the file
 
 
 @dataclass(kw_only=True)
@@ -60,54 +155,104 @@ class ServicesInfo:
         redis_hosts: Redis nodes as ``{"host", "port"}`` dicts; empty when none runs.
         redis_cluster: True when ``redis_hosts`` form a Redis Cluster.
         state_dir: where the services keep their state.
-        pids: process ids of what ``bagua-lightning up`` started, for ``down``.
+        deployment: id of the deployment that wrote the file (its processes carry it).
+        processes: what ``bagua-lightning up`` started, by service, for ``down``.
+        secrets: paths of the 0600 files holding ``redis_password``, ``autotune_token``, ``cache_key``.
     """
 
     autotune: str | None = None
     redis_hosts: list[dict[str, Any]] = field(default_factory=list)
     redis_cluster: bool = False
     state_dir: str | None = None
-    pids: dict[str, Any] = field(default_factory=dict)
+    deployment: str = ""
+    processes: dict[str, list[ProcessRecord]] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pids(self) -> dict[str, Any]:
+        """``{"autotune": pid, "redis": [pid, ...]}`` of the recorded processes."""
+        auto = self.processes.get("autotune") or []
+        return {"autotune": auto[0].pid if auto else None,
+                "redis": [r.pid for r in self.processes.get("redis") or []]}
 
     def to_json(self) -> dict[str, Any]:
         return {
             "version": FILE_VERSION,
+            "deployment": self.deployment,
             "autotune": self.autotune,
             "redis": {"hosts": self.redis_hosts, "cluster": self.redis_cluster},
             "state_dir": self.state_dir,
-            "pids": self.pids,
+            "secrets": dict(self.secrets),
+            "processes": {k: [r.to_json() for r in v] for k, v in self.processes.items()},
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ServicesInfo:
+    def from_json(cls, data: Any) -> ServicesInfo:
+        """Parse and validate; ``ValueError`` naming the first bad field."""
+        if not isinstance(data, dict):
+            raise ValueError("it is not a JSON object")
         if data.get("version") != FILE_VERSION:
-            raise ValueError(f"services file version {data.get('version')!r} is not {FILE_VERSION}")
+            raise ValueError(f"version {data.get('version')!r} is not {FILE_VERSION}")
         redis = data.get("redis") or {}
+        if not isinstance(redis, dict):
+            raise ValueError("'redis' is not an object")
+        autotune = data.get("autotune")
+        if autotune is not None:
+            parse_address(autotune, "'autotune'")
+        state = data.get("state_dir")
+        if state is not None and not isinstance(state, str):
+            raise ValueError(f"'state_dir' {state!r} is not a path")
+        deployment = data.get("deployment")
+        if not isinstance(deployment, str) or not deployment:
+            raise ValueError(f"'deployment' {deployment!r} is not an id")
+        secrets, processes = data.get("secrets") or {}, data.get("processes") or {}
+        if not isinstance(secrets, dict) or not all(isinstance(v, str) for v in secrets.values()):
+            raise ValueError("'secrets' is not an object of file paths")
+        if not isinstance(processes, dict) or not all(isinstance(v, list) for v in processes.values()):
+            raise ValueError("'processes' is not an object of lists")
         return cls(
-            autotune=data.get("autotune"),
-            redis_hosts=list(redis.get("hosts") or []),
+            autotune=autotune,
+            redis_hosts=_host_entries(redis.get("hosts") or [], "'redis.hosts'"),
             redis_cluster=bool(redis.get("cluster", False)),
-            state_dir=data.get("state_dir"),
-            pids=dict(data.get("pids") or {}),
+            state_dir=state,
+            deployment=deployment,
+            processes={str(k): [ProcessRecord.from_json(r) for r in v] for k, v in processes.items()},
+            secrets={str(k): v for k, v in secrets.items()},
         )
 
 
 def read_services_file(path: Path | None = None) -> ServicesInfo | None:
-    """The recorded services, or None when no (valid) file exists."""
+    """The recorded services, or None when no file exists.
+
+    Raises:
+        ServicesFileError: the file exists but is not a valid services file.
+    """
     path = path or services_file_path()
     try:
-        return ServicesInfo.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, AttributeError):
+        text = path.read_text()
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise ServicesFileError(f"services file {path} cannot be read ({exc.strerror}); fix its permissions "
+                                f"or point {ENV_FILE} elsewhere.") from exc
+    try:
+        return ServicesInfo.from_json(json.loads(text))
+    except (ValueError, TypeError, RecursionError) as exc:
+        reason = "it nests too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ServicesFileError(
+            f"services file {path} is not valid ({reason}); if nothing it records still runs, delete it, "
+            f"or point {ENV_FILE} elsewhere."
+        ) from None
 
 
 def write_services_file(info: ServicesInfo, path: Path | None = None) -> Path:
-    """Write atomically (rename), so readers never see a half-written file."""
+    """Write atomically (rename) with mode 0600, so readers never see a half-written file."""
     path = path or services_file_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".services.", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(info.to_json(), f, indent=2)
+    os.chmod(tmp, 0o600)
     os.replace(tmp, path)
     return path
 
@@ -116,11 +261,16 @@ def remove_services_file(path: Path | None = None) -> None:
     (path or services_file_path()).unlink(missing_ok=True)
 
 
+# -------------------------------------------------------------------------------------------- resolving
+
+
 def resolve_autotune_address(explicit: str | None = None) -> str:
-    """Explicit argument, else env, else services file, else the default ``127.0.0.1:29600``."""
+    """Explicit argument, else env, else services file, else the default ``127.0.0.1:29600``; validated."""
     if explicit:
+        parse_address(explicit, "autotune_service")
         return explicit
     if os.environ.get(ENV_AUTOTUNE):
+        parse_address(os.environ[ENV_AUTOTUNE], f"${ENV_AUTOTUNE}")
         return os.environ[ENV_AUTOTUNE]
     info = read_services_file()
     if info is not None and info.autotune:
@@ -132,12 +282,7 @@ def resolve_redis_hosts() -> tuple[list[dict[str, Any]], bool] | None:
     """Redis hosts and whether they form a cluster, from env or the services file; None: spawn locally."""
     env = os.environ.get(ENV_REDIS_HOSTS)
     if env:
-        hosts = []
-        for item in env.split(","):
-            host, _, port = item.strip().rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"{ENV_REDIS_HOSTS} item {item!r} is not host:port")
-            hosts.append({"host": host, "port": int(port)})
+        hosts = parse_host_list(env, f"${ENV_REDIS_HOSTS}")
         return hosts, len(hosts) > 1
     info = read_services_file()
     if info is not None and info.redis_hosts:
@@ -145,17 +290,26 @@ def resolve_redis_hosts() -> tuple[list[dict[str, Any]], bool] | None:
     return None
 
 
+def _recorded_secret(name: str, unless_env: str) -> str | None:
+    # A secret from the services file only goes with the address from the same file.
+    if os.environ.get(unless_env):
+        return None
+    info = read_services_file()
+    path = info.secrets.get(name) if info is not None else None
+    return read_secret(path) if path else None
+
+
 def resolve_redis_password() -> str | None:
-    """The Redis password trainers and tools use: ``$BAGUA_LIGHTNING_REDIS_PASSWORD``, else None."""
-    return os.environ.get(ENV_REDIS_PASSWORD) or None
+    """``$BAGUA_LIGHTNING_REDIS_PASSWORD``, else the password file the services file names, else None."""
+    return os.environ.get(ENV_REDIS_PASSWORD) or _recorded_secret("redis_password", ENV_REDIS_HOSTS)
 
 
 def resolve_autotune_token() -> str | None:
-    """The bearer token for the autotune service: ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, else None."""
-    return os.environ.get(ENV_AUTOTUNE_TOKEN) or None
+    """``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, else the token file the services file names, else None."""
+    return os.environ.get(ENV_AUTOTUNE_TOKEN) or _recorded_secret("autotune_token", ENV_AUTOTUNE)
 
 
 def resolve_cache_key() -> bytes | None:
-    """The secret that authenticates cache entries: ``$BAGUA_LIGHTNING_CACHE_KEY``, else None (CRC only)."""
-    key = os.environ.get(ENV_CACHE_KEY)
+    """``$BAGUA_LIGHTNING_CACHE_KEY``, else the key file the services file names, else None (CRC only)."""
+    key = os.environ.get(ENV_CACHE_KEY) or _recorded_secret("cache_key", ENV_REDIS_HOSTS)
     return key.encode() if key else None

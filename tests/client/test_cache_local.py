@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from bagua_lightning.client import RedisStore
-from bagua_lightning.client.cache.local_server import _read, local_dir
-from bagua_lightning.services.redis_cluster import is_redis_pid, stop_pid
+from bagua_lightning.local_redis import PASSWORD_FILE, local_dir, stop_server
+from bagua_lightning.redis_server import is_redis_pid
 from tests.procs import free_port
 
 
@@ -23,9 +23,7 @@ def local_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     for name in ("BAGUA_LIGHTNING_REDIS_HOSTS", "BAGUA_LIGHTNING_REDIS_PASSWORD", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     yield tmp_path
-    server = _read(local_dir())
-    if server is not None:
-        stop_pid(server.pid)
+    stop_server()
 
 
 def test_local_server_is_protected_bounded_and_shared(local_state: Path) -> None:
@@ -41,7 +39,10 @@ def test_local_server_is_protected_bounded_and_shared(local_state: Path) -> None
     assert config["bind"] == "127.0.0.1" and config["protected-mode"] == "yes"
     assert int(config["maxmemory"]) == capacity and config["maxmemory-policy"] == "allkeys-lfu"
     assert config["save"] == "" and config["appendonly"] == "no"
-    assert oct(os.stat(local_dir() / "server.json").st_mode & 0o777) == "0o600"
+    for name in ("server.json", PASSWORD_FILE):
+        assert oct(os.stat(local_dir() / name).st_mode & 0o777) == "0o600"
+    assert first.options.password not in (local_dir() / "server.json").read_text()
+    assert first.options.password not in (local_dir() / "data" / "redis.conf").read_text()
 
     first.set("shared", b"1")
     second = RedisStore(hosts=None, capacity_per_node=capacity)  # another job on the node
@@ -85,3 +86,21 @@ def test_local_rank_zero_starts_the_server_and_the_others_find_it(local_state: P
     (_, port0, pid0, keys0), (_, port1, pid1, keys1) = results
     assert port0 == port1 and pid0 is not None and pid1 is None
     assert keys0 == keys1 == 2
+
+
+def test_a_server_started_for_one_node_serves_a_later_multi_node_job(local_state: Path) -> None:
+    from bagua_lightning.local_redis import ensure_server, read_server, set_password
+
+    first = ensure_server(32 * 1024 * 1024)
+    assert first.binds == ("127.0.0.1",)
+    # A later job spanning nodes reaches this node at another address and shares one password.
+    again = ensure_server(32 * 1024 * 1024, bind="127.0.0.2")
+    assert again.pid == first.pid and again.binds == ("127.0.0.1", "127.0.0.2")
+    set_password(again, "the-jobs-password")
+    with redis.Redis(host="127.0.0.2", port=again.port, password="the-jobs-password") as c:
+        assert c.ping()
+    with redis.Redis(host="127.0.0.1", port=again.port, password=first.password) as old, \
+            pytest.raises(redis.AuthenticationError):
+        old.ping()
+    recorded = read_server()
+    assert recorded is not None and recorded.password == "the-jobs-password" and recorded.binds == again.binds

@@ -23,8 +23,17 @@ from typing import Any
 
 import pytest
 
-from bagua_lightning.services import deploy, processes
-from bagua_lightning.services_file import DEFAULT_AUTOTUNE_ADDRESS, ENV_FILE, ServicesInfo, read_services_file
+from bagua_lightning import procs as processes
+from bagua_lightning.procs import read_secret
+from bagua_lightning.services import deploy
+from bagua_lightning.services_file import (
+    DEFAULT_AUTOTUNE_ADDRESS,
+    ENV_AUTOTUNE_TOKEN,
+    ENV_FILE,
+    ENV_REDIS_PASSWORD,
+    ServicesInfo,
+    read_services_file,
+)
 from tests.integration.compose import COMPOSE_FILE
 from tests.procs import free_port
 
@@ -94,6 +103,15 @@ class Deployment:
     def recorded(self) -> ServicesInfo | None:
         return read_services_file(Path(self.env[ENV_FILE])) if self.kind == "native" else None
 
+    def secret_env(self) -> dict[str, str]:
+        """The secrets a client of this deployment needs, as the environment variables that carry them."""
+        if self.kind == "docker":
+            return {k: v for k, v in os.environ.items() if k in (ENV_REDIS_PASSWORD, ENV_AUTOTUNE_TOKEN)}
+        info = self.recorded()
+        names = {"redis_password": ENV_REDIS_PASSWORD, "autotune_token": ENV_AUTOTUNE_TOKEN}
+        return {env: read_secret(info.secrets[name]) for name, env in names.items()
+                if info is not None and name in info.secrets}
+
     def ports(self) -> list[int]:
         port = int(self.autotune.rpartition(":")[2])
         return [port, *(int(h["port"]) for h in self.redis_hosts)]
@@ -102,6 +120,13 @@ class Deployment:
 def _recorded_pids(info: ServicesInfo) -> list[int]:
     pids = [info.pids.get("autotune"), *(info.pids.get("redis") or [])]
     return [int(p) for p in pids if p is not None]
+
+
+def stop_recorded(info: ServicesInfo | None) -> None:
+    """Stop every process ``info`` records that is still the recorded one (pid, start time, deployment)."""
+    for records in (info.processes.values() if info is not None else []):
+        for rec in records:
+            processes.stop(rec, timeout_s=5)
 
 
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -155,14 +180,9 @@ def native_deployment(state: Path) -> Iterator[Deployment]:
         with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
             dep.down()
         # Safety net: nothing this deployment started may outlive the tests.
-        from bagua_lightning.services.redis_cluster import is_redis_pid, stop_cluster
-        from bagua_lightning.services.redis_cluster import stop_pid as stop_redis_pid
+        from bagua_lightning.services.redis_cluster import stop_cluster
 
-        for pid in _recorded_pids(info) if info is not None else []:
-            if is_redis_pid(pid):
-                stop_redis_pid(pid)
-            elif processes.is_autotune_pid(pid):
-                processes.stop_pid(pid, processes.is_autotune_pid, timeout_s=5)
+        stop_recorded(info)
         stop_cluster(redis_port, state / "bagua-lightning")
 
 

@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 
 from bagua_lightning.cli import build_parser
-from bagua_lightning.services import deploy
+from bagua_lightning.services import deploy, deploy_cli
 from bagua_lightning.services.redis_cluster import DEFAULT_EVICTION_POLICY, NodeConfig
 from bagua_lightning.services_file import DEFAULT_AUTOTUNE_ADDRESS
 from tests.integration.compose import (
@@ -63,7 +63,9 @@ CUSTOM_ENV = {
     "BAGUA_LIGHTNING_REDIS_PASSWORD": "s3cret",
 }
 # redis-server settings that differ in a container on purpose (see the comment in docker-compose.yml).
-CONTAINER_ONLY = {"bind", "protected-mode", "dir", "logfile", "daemonize", "cluster-announce-ip"}
+# `set-proc-title no` is the native launcher's: `down` recognises its processes by their environment,
+# which a rewritten process title would overwrite; in a container the container is the identity.
+CONTAINER_ONLY = {"bind", "protected-mode", "dir", "logfile", "daemonize", "cluster-announce-ip", "set-proc-title"}
 _DURATION = re.compile(r"^(\d+(\.\d+)?(ns|us|ms|s|m|h))+$")
 
 
@@ -287,14 +289,14 @@ def test_autotune_healthcheck_is_the_status_command(services: dict[str, dict[str
     test = services["autotune"]["healthcheck"]["test"]
     assert test[:2] == ["CMD", "bagua-lightning"]
     args = build_parser().parse_args(test[2:])
-    assert args.func is deploy._cmd_status and args.autotune == f"127.0.0.1:{DEFAULT_AUTOTUNE_PORT}"
+    assert args.func is deploy_cli._cmd_status and args.autotune == f"127.0.0.1:{DEFAULT_AUTOTUNE_PORT}"
 
 
 @pytest.mark.parametrize("name", [f"redis-{i}" for i in range(6)])
 def test_redis_node_settings_are_the_native_launchers(services: dict[str, dict[str, Any]], name: str) -> None:
     compose = redis_directives(services[name]["command"])
     port = int(compose["port"])
-    native = config_directives(NodeConfig(port=port, data_dir=Path("/data"), cluster=True,
+    native = config_directives(NodeConfig(port=port, data_dir=Path("/data"), cluster=True, deployment="d",
                                           maxmemory=deploy.DEFAULT_MAXMEMORY).config_text())
     # No password by default: compose passes an empty one, the native config omits it.
     for key in ("requirepass", "masterauth"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,21 +22,12 @@ from typing import Any
 import pytest
 
 from tests.integration.compose import ROOT, load_compose
+from tests.integration.netns import netns_usable
 from tests.procs import running, wait_until
 
 pytestmark = pytest.mark.netns
 
 CLI = [sys.executable, "-m", "bagua_lightning.cli"]  # the image's entrypoint, `bagua-lightning`
-
-
-def _netns_usable() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("redis-server") is None:
-        return False
-    name = f"blcprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
 
 
 @contextlib.contextmanager
@@ -120,7 +110,7 @@ print("client ok")
 """
 
 
-@pytest.mark.skipif(not _netns_usable(), reason="needs root, `ip netns` and redis-server")
+@pytest.mark.skipif(not netns_usable(), reason="needs root, `ip netns` and redis-server")
 @pytest.mark.parametrize(("env", "profiles"), [({}, set()),
                                                ({"BAGUA_LIGHTNING_REDIS_PASSWORD": "s3cret"}, {"replicas"})],
                          ids=["defaults", "password-and-replicas"])

@@ -20,12 +20,11 @@ from pathlib import Path
 import pytest
 
 from bagua_lightning import cli
+from bagua_lightning import procs as processes
 from bagua_lightning.examples.report import JobResult, load_job
-from bagua_lightning.services import processes
-from bagua_lightning.services.redis_cluster import is_redis_pid, stop_cluster
-from bagua_lightning.services.redis_cluster import stop_pid as stop_redis_pid
+from bagua_lightning.services.redis_cluster import stop_cluster
 from bagua_lightning.services_file import ENV_FILE, read_services_file
-from tests.integration.conftest import free_port_block
+from tests.integration.conftest import free_port_block, stop_recorded
 from tests.procs import free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -48,11 +47,7 @@ def _take_down(env: dict[str, str], state: Path, redis_port: int) -> list[int]:
     with contextlib.suppress(subprocess.TimeoutExpired):
         subprocess.run([sys.executable, "-m", "bagua_lightning.cli", "down"], env=env, capture_output=True,
                        timeout=120)
-    for pid in pids:  # safety net: nothing the demo started may outlive the test
-        if is_redis_pid(pid):
-            stop_redis_pid(pid)
-        elif processes.is_autotune_pid(pid):
-            processes.stop_pid(pid, processes.is_autotune_pid, timeout_s=5)
+    stop_recorded(info)  # safety net: nothing the demo started may outlive the test
     stop_cluster(redis_port, state / "bagua-lightning")
     return pids
 

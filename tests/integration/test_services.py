@@ -11,12 +11,24 @@ import sys
 import uuid
 from typing import Any
 
+import pytest
+
+from bagua_lightning import procs as processes
 from bagua_lightning.client import AutotuneClient
 from bagua_lightning.client.cache.store import RedisStore
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
-from bagua_lightning.services import deploy, health, processes
+from bagua_lightning.services import deploy, health
 from bagua_lightning.services.autotune.persistence import StoredPlan, open_store
+from bagua_lightning.services_file import ENV_REDIS_PASSWORD
 from tests.integration.conftest import Deployment, _is_free
+
+
+@pytest.fixture(autouse=True)
+def secrets_in_env(services: Deployment, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients in this process get the deployment's secrets the way a trainer elsewhere would: the environment."""
+    for name, value in services.secret_env().items():
+        monkeypatch.setenv(name, value)
+
 
 TENSORS: list[dict[str, Any]] = [{"name": f"layer{i}.weight", "num_elements": 1000 * (i + 1), "dtype": "f32"} for i in range(5)]
 
@@ -24,7 +36,8 @@ TENSORS: list[dict[str, Any]] = [{"name": f"layer{i}.weight", "num_elements": 10
 def test_both_services_are_healthy(services: Deployment) -> None:
     autotune = health.check_autotune(services.autotune, timeout_s=5.0)
     assert autotune.healthy, autotune.detail
-    redis_health = health.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0)
+    redis_health = health.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0,
+                                      password=services.secret_env().get(ENV_REDIS_PASSWORD))
     assert redis_health.healthy, redis_health.detail
     assert "16384/16384 slots" in redis_health.detail
 
@@ -95,7 +108,8 @@ def test_up_twice_is_harmless(services: Deployment) -> None:
     assert sorted(services.processes()) == before  # nothing restarted, nothing added
     autotune = health.check_autotune(services.autotune, timeout_s=5.0)
     assert autotune.healthy, autotune.detail
-    assert health.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0).healthy
+    assert health.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0,
+                              password=services.secret_env().get(ENV_REDIS_PASSWORD)).healthy
 
 
 def test_down_leaves_no_process(services: Deployment) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from bagua_lightning import procs as processes
 from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services import deploy, processes
+from bagua_lightning.services import deploy
 from bagua_lightning.services_file import ENV_FILE, read_services_file
 from tests.integration.conftest import _recorded_pids, free_port_block
-from tests.procs import free_port, wait_until
+from tests.procs import free_port, running, wait_until
 
 
 @pytest.fixture
@@ -55,7 +57,7 @@ def test_parse_bytes(text: str | int, expected: int) -> None:
     assert deploy.parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "1 tb", "-5", "1.5gb", "lots"])
+@pytest.mark.parametrize("text", ["", "1 tb b", "-5", "1.5gb", "lots"])
 def test_parse_bytes_rejects_with_the_value(text: str) -> None:
     with pytest.raises(ConfigurationError, match=repr(text).replace("[", r"\[")):
         deploy.parse_bytes(text)
@@ -164,6 +166,7 @@ def test_status_without_services_file_finds_running_services(state: Path, monkey
     monkeypatch.setenv(ENV_FILE, str(state / "elsewhere.json"))
     monkeypatch.setenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", str(info.autotune))
     monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", f"127.0.0.1:{info.redis_hosts[0]['port']}")
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", Path(info.secrets["redis_password"]).read_text())
     try:
         result = _cli("status")
         assert result.returncode == 0, result.stdout + result.stderr
@@ -194,7 +197,7 @@ def test_concurrent_ups_start_one_set_of_services(state: Path) -> None:
     assert [p.returncode for p in procs] == [0, 0], outputs
     info = read_services_file()
     assert info is not None and all(processes.pid_alive(p) for p in _recorded_pids(info))
-    serving = [pid for pid in _pids_with(f"--port\0{autotune_port}\0".encode()) if processes.is_autotune_pid(pid)]
+    serving = [pid for pid in _pids_with(f"--port\0{autotune_port}\0".encode()) if processes.pid_alive(pid)]
     assert serving == [info.pids["autotune"]], "a second autotune service was started"
 
 
@@ -208,3 +211,73 @@ def _pids_with(fragment: bytes) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+# ----------------------------------------------------------------------------------------------- secrets
+
+
+def test_up_makes_secrets_hands_them_over_by_file_and_environment_only(state: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+    import redis
+
+    from bagua_lightning import services_file
+
+    info = deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=free_port(), single=True,
+                                     maxmemory=32 * 1024**2))
+    assert set(info.secrets) == {"redis_password", "autotune_token", "cache_key"}
+    secrets = {name: Path(path).read_text() for name, path in info.secrets.items()}
+    assert len(set(secrets.values())) == 3 and all(len(v) >= 32 for v in secrets.values())
+    for path in info.secrets.values():
+        assert oct(Path(path).stat().st_mode & 0o777) == "0o600"
+        assert oct(Path(path).parent.stat().st_mode & 0o777) == "0o700"
+    assert not any(v in Path(os.environ[ENV_FILE]).read_text() for v in secrets.values())
+    # Never on a command line, never in redis.conf; the autotune service has its token in its environment.
+    for records in info.processes.values():
+        for rec in records:
+            cmdline = " ".join(psutil.Process(rec.pid).cmdline())
+            assert not any(v in cmdline for v in secrets.values()), cmdline
+    conf = next((state / "bagua-lightning" / "redis").rglob("redis.conf")).read_text()
+    assert secrets["redis_password"] not in conf
+    autotune_env = psutil.Process(info.pids["autotune"]).environ()
+    assert autotune_env[services_file.ENV_AUTOTUNE_TOKEN] == secrets["autotune_token"]
+    # Redis requires the password; trainers on this machine resolve every secret through the services file.
+    (node,) = info.redis_hosts
+    with redis.Redis(host=node["host"], port=node["port"]) as anonymous, pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    assert services_file.resolve_redis_password() == secrets["redis_password"]
+    assert services_file.resolve_autotune_token() == secrets["autotune_token"]
+    assert services_file.resolve_cache_key() == secrets["cache_key"].encode()
+    # A server named by the environment never gets the recorded password; the environment wins.
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", f"127.0.0.1:{free_port()}")
+    assert services_file.resolve_redis_password() is None
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", "from-env")
+    assert services_file.resolve_redis_password() == "from-env"
+
+    deploy.down()
+    assert not any(Path(p).exists() for p in info.secrets.values())
+
+
+def test_up_takes_secrets_from_the_environment(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", "given-password")
+    info = deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=free_port(), single=True,
+                                     maxmemory=32 * 1024**2))
+    assert Path(info.secrets["redis_password"]).read_text() == "given-password"
+    assert deploy.running_services(info)["redis"].healthy
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_status_speaks_tls_to_a_tls_autotune_service(state: Path, tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    port = free_port()
+    argv = [sys.executable, "-m", "bagua_lightning.cli", "autotune", "serve", "--port", str(port),
+            "--tls-cert", str(cert), "--tls-key", str(key)]
+    with running(argv, env=dict(os.environ)):
+        address = f"127.0.0.1:{port}"
+        wait_until(lambda: _cli("status", "--autotune", address, "--tls-ca", str(cert)).returncode == 0, 60,
+                   "the TLS autotune service")
+        plain = _cli("status", "--autotune", address)
+        assert plain.returncode == 1 and "UNHEALTHY" in plain.stdout

@@ -1,0 +1,151 @@
+"""``bagua-lightning up | down | status``: the command line of :mod:`.deploy`.
+
+``status`` with nothing recorded checks where trainers would look (the environment's addresses, else the
+defaults) and lists the node-local cache server; it imports neither torch nor Lightning and answers in well
+under a second when nothing runs (connections to closed local ports fail at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bagua_lightning.cli import port_arg, positive_float_arg, positive_int_arg, size_arg
+from bagua_lightning.services_file import (
+    ENV_AUTOTUNE,
+    ENV_REDIS_HOSTS,
+    ServicesInfo,
+    format_address,
+    parse_address,
+    parse_host_list,
+    read_services_file,
+    resolve_autotune_address,
+    resolve_autotune_token,
+    resolve_redis_hosts,
+    resolve_redis_password,
+    services_file_path,
+)
+
+from . import deploy
+from .health import Health, check_autotune, check_redis
+
+
+def _print_info(info: ServicesInfo) -> None:
+    redis_hosts = ",".join(format_address(h["host"], h["port"]) for h in info.redis_hosts)
+    print(f"autotune service: {info.autotune}")
+    print(f"redis {'cluster' if info.redis_cluster else 'server'}: {redis_hosts}")
+    print(f"services file: {services_file_path()}")
+    print(f"logs and data: {info.state_dir}")
+    if info.secrets:
+        print(f"secrets (0600 files): {Path(next(iter(info.secrets.values()))).parent}")
+    print(f"trainers on this machine find them through the services file; elsewhere set "
+          f"{ENV_AUTOTUNE}={info.autotune} {ENV_REDIS_HOSTS}={redis_hosts} and the secrets (docs/deployment.md)")
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    cfg = deploy.UpConfig(host=args.host, autotune_port=args.autotune_port, redis_port=args.redis_port,
+                          nodes=args.nodes, replicas=args.replicas, single=args.single, maxmemory=args.maxmemory,
+                          timeout_s=args.timeout, auth=not args.no_auth)
+    _print_info(deploy.up(cfg))
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    path = services_file_path()
+    had_file = path.exists()
+    stopped = deploy.down(timeout_s=args.timeout, local=not args.keep_local)
+    if not had_file and not stopped:
+        print(f"nothing to stop: no services file at {path} and no node-local cache server")
+        return 0
+    what = f"stopped {len(stopped)} process(es){': ' + ' '.join(map(str, stopped)) if stopped else ''}"
+    print(f"{what}; removed {path}" if had_file else f"{what} (the node-local cache server); no services file")
+    return 0
+
+
+def _local_health() -> Health | None:
+    from bagua_lightning.local_redis import server_status
+
+    found = server_status()
+    if found is None:
+        return None
+    detail = f"{found['address']} pid {found['pid']} maxmemory {found['maxmemory']}"
+    if found.get("up"):
+        return Health(True, f"{detail}, {found['keys']} keys, {found['used_memory']} bytes used")
+    return Health(False, f"{detail}: {found.get('error', 'process gone')}")
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    report: dict[str, Health]
+    tls_ca = args.tls_ca
+    if args.autotune or args.redis:
+        report = {}
+        if args.autotune:
+            parse_address(args.autotune, "--autotune")
+            report["autotune"] = check_autotune(args.autotune, args.timeout, token=resolve_autotune_token(),
+                                                tls_ca=tls_ca)
+        if args.redis:
+            report["redis"] = check_redis(parse_host_list(args.redis, "--redis"), not args.single,
+                                          resolve_redis_password(), args.timeout)
+    else:
+        info = read_services_file()
+        report = deploy.running_services(info)
+        if not report:
+            # Nothing recorded (e.g. `docker compose up`): check where trainers would look.
+            autotune = resolve_autotune_address()
+            resolved = resolve_redis_hosts()
+            hosts, cluster = resolved if resolved is not None else (
+                [{"host": deploy.DEFAULT_HOST, "port": deploy.DEFAULT_REDIS_PORT + i} for i in range(3)], True)
+            print(f"no services recorded at {services_file_path()} (`bagua-lightning up` records them); "
+                  "checking the environment's or the default addresses", file=sys.stderr)
+            report = {"autotune": check_autotune(autotune, args.timeout, token=resolve_autotune_token(),
+                                                 tls_ca=tls_ca),
+                      "redis": check_redis(hosts, cluster, resolve_redis_password(), args.timeout)}
+        local = _local_health()
+        if local is not None:
+            report["node-local redis"] = local
+    if args.json:
+        print(json.dumps({k: {"healthy": h.healthy, "detail": h.detail} for k, h in report.items()}))
+    else:
+        for name, health in report.items():
+            print(f"{name}: {'healthy' if health.healthy else 'UNHEALTHY'} ({health.detail})")
+    return 0 if all(h.healthy for h in report.values()) else 1
+
+
+def register(subparsers: Any) -> None:
+    """Add ``up``, ``down`` and ``status`` to the ``bagua-lightning`` command line."""
+    p = subparsers.add_parser("up", help="start the autotune service and a local Redis Cluster in the background",
+                              description=(deploy.__doc__ or "").split("\n\n")[0] or None)
+    p.add_argument("--host", default=deploy.DEFAULT_HOST,
+                   help="address to bind and to give clients (default %(default)s)")
+    p.add_argument("--autotune-port", type=port_arg, default=deploy.DEFAULT_AUTOTUNE_PORT, help="default %(default)s")
+    p.add_argument("--redis-port", type=port_arg, default=deploy.DEFAULT_REDIS_PORT,
+                   help="first Redis port; node i uses port + i (default %(default)s)")
+    p.add_argument("--nodes", type=positive_int_arg, default=3, help="Redis Cluster masters (default %(default)s)")
+    p.add_argument("--replicas", type=int, default=0, help="replicas per master (default %(default)s)")
+    p.add_argument("--single", action="store_true", help="one standalone Redis instead of a cluster")
+    p.add_argument("--maxmemory", type=size_arg, default=deploy.DEFAULT_MAXMEMORY,
+                   help="bytes per Redis node, e.g. 1gb, 0 for no limit (default 1gb)")
+    p.add_argument("--timeout", type=positive_float_arg, default=60.0,
+                   help="seconds to wait for health (default %(default)s)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="no Redis password, autotune token or cache key (loopback only)")
+    p.set_defaults(func=_cmd_up)
+
+    p = subparsers.add_parser("down", help="stop what `bagua-lightning up` started and the node-local cache server")
+    p.add_argument("--timeout", type=positive_float_arg, default=10.0,
+                   help="seconds per process between SIGTERM and SIGKILL (default %(default)s)")
+    p.add_argument("--keep-local", action="store_true", help="leave the node-local cache server running")
+    p.set_defaults(func=_cmd_down)
+
+    p = subparsers.add_parser("status", help="health of the recorded services (exit 1 when one is unhealthy)")
+    p.add_argument("--autotune", metavar="HOST:PORT", help="check this autotune service instead of the file's")
+    p.add_argument("--redis", metavar="HOST:PORT[,...]", help="check these Redis nodes instead of the file's")
+    p.add_argument("--single", action="store_true", help="with --redis: standalone servers, not a cluster")
+    p.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
+                   help="speak TLS to the autotune service, trusting this CA certificate")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=positive_float_arg, default=2.0, help="seconds per check (default %(default)s)")
+    p.set_defaults(func=_cmd_status)
