@@ -2,14 +2,15 @@
 
 Entry layout (little endian)::
 
-    header (44 bytes): b"BLC" | format version u8 | flags u8 | digest kind u8 | 2 zero bytes
-                       | meta_len u32 | data_len u64 | digest (24 bytes, zero padded)
+    header (48 bytes): b"BLC" | format version u8 | digest kind u8 | 3 zero bytes | digest (24 bytes, zero
+                       padded) | flags u8 | 3 zero bytes | meta_len u32 | data_len u64
     meta   (meta_len):  the structure (see :mod:`.values`)
     pad               : zeros up to a multiple of 64 bytes
     data   (data_len) : raw array and image bytes, each starting on a 64-byte boundary
 
-The digest covers the key the entry was written under, the header up to the digest, the meta and the data,
-so a flipped bit, a truncated value or a valid entry copied under another key all fail :func:`decode` with
+The digest covers the key the entry was written under and everything after the digest (flags, lengths,
+meta, data: one contiguous region, hashed in one call); magic, version and digest kind are checked by
+value. A flipped bit, a truncated value or a valid entry copied under another key all fail :func:`decode` with
 :class:`CorruptEntryError`; the loader counts that as a miss and rewrites the entry. Digest kinds:
 
 * ``hmac-sha256`` (first 24 bytes): when a cache key (a secret shared by the job, see
@@ -52,10 +53,14 @@ DIGEST_NAMES = {DIGEST_CRC32: "crc32", DIGEST_XXH3: "xxh3-64", DIGEST_HMAC: "hma
 DIGEST_SIZE = 24
 MAX_ENTRY_BYTES = 4 * 1024**3  # a larger value is refused before any work
 
-_HEADER = struct.Struct(f"<3sBBBxxIQ{DIGEST_SIZE}s")
-HEADER_SIZE = _HEADER.size  # 44
-_DIGEST_OFFSET = HEADER_SIZE - DIGEST_SIZE
+_HEADER = struct.Struct(f"<3sBB3x{DIGEST_SIZE}sB3xIQ")
+HEADER_SIZE = _HEADER.size  # 48
+_DIGEST_OFFSET = 8
+_COVERED = _DIGEST_OFFSET + DIGEST_SIZE  # the digest covers the entry from here on
 _U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_PAD16 = bytes(16)
+_PAD20 = bytes(20)
 
 
 def default_digest_kind() -> int:
@@ -63,24 +68,20 @@ def default_digest_kind() -> int:
     return DIGEST_XXH3 if xxhash is not None else DIGEST_CRC32
 
 
-def _digest(kind: int, key: bytes, secret: bytes | None, head: bytes | memoryview,
-            body: bytes | bytearray | memoryview) -> bytes:
-    """Digest of ``key``, the header before the digest (``head``) and the rest of the entry (``body``)."""
+def _digest(kind: int, key: bytes, secret: bytes | None, covered: bytes | bytearray | memoryview) -> bytes:
+    """Digest of ``key`` and the ``covered`` part of an entry (everything after the digest field)."""
+    if kind == DIGEST_XXH3:
+        if xxhash is None:
+            raise CorruptEntryError("entry carries an xxh3 digest; install xxhash to verify it")
+        return _U64.pack(xxhash.xxh3_64_intdigest(covered, xxhash.xxh3_64_intdigest(key))) + _PAD16
     if kind == DIGEST_HMAC:
         if secret is None:
             raise CorruptEntryError("entry is authenticated with a cache key, and none is configured here")
         mac = hmac.new(secret, _U64.pack(len(key)) + key, "sha256")
-        mac.update(head)
-        mac.update(body)
+        mac.update(covered)
         return mac.digest()[:DIGEST_SIZE]
-    if kind == DIGEST_XXH3:
-        if xxhash is None:
-            raise CorruptEntryError("entry carries an xxh3 digest; install xxhash to verify it")
-        seed = xxhash.xxh3_64_intdigest(_U64.pack(len(key)) + key + bytes(head))
-        return _U64.pack(xxhash.xxh3_64_intdigest(body, seed)).ljust(DIGEST_SIZE, b"\0")
     if kind == DIGEST_CRC32:
-        crc = zlib.crc32(body, zlib.crc32(head, zlib.crc32(key)))
-        return struct.pack("<I", crc).ljust(DIGEST_SIZE, b"\0")
+        return _U32.pack(zlib.crc32(covered, zlib.crc32(key))) + _PAD20
     raise CorruptEntryError(f"unknown digest kind {kind}")
 
 
@@ -116,15 +117,15 @@ def _assemble(key: bytes, secret: bytes | None, kind: int, flags: int, meta: byt
     out[HEADER_SIZE:HEADER_SIZE + len(meta)] = meta
     for off, view in arrays:
         out[data_start + off:data_start + off + view.nbytes] = view
-    _HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, flags, kind, len(meta), data_len, b"")
+    _HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, kind, b"", flags, len(meta), data_len)
     mv = memoryview(out)
-    out[_DIGEST_OFFSET:HEADER_SIZE] = _digest(kind, key, secret, mv[:_DIGEST_OFFSET], mv[HEADER_SIZE:])
+    out[_DIGEST_OFFSET:_COVERED] = _digest(kind, key, secret, mv[_COVERED:])
     return mv
 
 
 def is_pickled(value: bytes | memoryview) -> bool:
     """True when ``value`` looks like an entry written with ``serializer="pickle"``."""
-    return len(value) >= HEADER_SIZE and bytes(value[:3]) == MAGIC and bool(value[4] & FLAG_PICKLE)
+    return len(value) >= HEADER_SIZE and bytes(value[:3]) == MAGIC and bool(value[_COVERED] & FLAG_PICKLE)
 
 
 def decode(value: bytes | bytearray | memoryview, key: bytes = b"", *, allow_pickle: bool = False,
@@ -152,25 +153,27 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", *, allow_pic
 
 def _decode(value: bytes | bytearray | memoryview, key: bytes, allow_pickle: bool, secret: bytes | None,
             owned: bool) -> Any:
-    mv = memoryview(value).cast("B")
-    if mv.nbytes < HEADER_SIZE:
-        raise CorruptEntryError(f"entry of {mv.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
-    if mv.nbytes > MAX_ENTRY_BYTES:
-        raise CorruptEntryError(f"entry of {mv.nbytes} bytes is over the {MAX_ENTRY_BYTES}-byte budget")
-    magic, version, flags, kind, meta_len, data_len, digest = _HEADER.unpack_from(mv, 0)
+    mv = memoryview(value)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    size = mv.nbytes
+    if size < HEADER_SIZE:
+        raise CorruptEntryError(f"entry of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
+    if size > MAX_ENTRY_BYTES:
+        raise CorruptEntryError(f"entry of {size} bytes is over the {MAX_ENTRY_BYTES}-byte budget")
+    magic, version, kind, digest, flags, meta_len, data_len = _HEADER.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CorruptEntryError("not a bagua-lightning cache entry (bad magic)")
     if version != FORMAT_VERSION:
         raise CorruptEntryError(f"entry format version {version}, this reader understands {FORMAT_VERSION}")
     data_start = HEADER_SIZE + meta_len
     data_start += pad(data_start)
-    if data_start + data_len != mv.nbytes:
-        raise CorruptEntryError(f"entry length {mv.nbytes} does not match its header ({data_start + data_len})")
+    if data_start + data_len != size:
+        raise CorruptEntryError(f"entry length {size} does not match its header ({data_start + data_len})")
     if secret is not None and kind != DIGEST_HMAC:
         raise CorruptEntryError(f"entry carries a {DIGEST_NAMES.get(kind, kind)} digest; a cache key is "
                                 "configured, so only entries authenticated with it are accepted")
-    expected = _digest(kind, key, secret, mv[:_DIGEST_OFFSET], mv[HEADER_SIZE:])
-    if not hmac.compare_digest(expected, digest):
+    if not hmac.compare_digest(_digest(kind, key, secret, mv[_COVERED:]), digest):
         raise CorruptEntryError("digest mismatch (corrupted, truncated, stored under another key"
                                 + (", or not written with this cache key)" if kind == DIGEST_HMAC else ")"))
     if flags & FLAG_PICKLE:

@@ -15,6 +15,7 @@ count read from an entry is checked against the bytes left before anything is al
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 import sys
 from typing import Any
@@ -341,17 +342,19 @@ class Decoder:
 
     def read(self, depth: int = 0) -> Any:
         meta = self.meta
-        tag = meta[self.pos]
-        self.pos += 1
+        pos = self.pos
+        tag = meta[pos]
+        self.pos = pos + 1
         if tag == T_TENSOR:
             return self._read_tensor()
         if tag == T_INT:
-            (v,) = _I64.unpack_from(meta, self.pos)
-            self.pos += 8
-            return v
-        if tag in (T_TUPLE, T_LIST, T_DICT, T_IMAGE, T_NAMEDTUPLE, T_DATACLASS):
-            if depth >= MAX_DEPTH:
-                raise CorruptEntryError(f"structure nested deeper than {MAX_DEPTH} levels")
+            self.pos = pos + 9
+            return _I64.unpack_from(meta, pos + 1)[0]
+        if depth >= MAX_DEPTH and tag in _NESTED:
+            raise CorruptEntryError(f"structure nested deeper than {MAX_DEPTH} levels")
+        if tag == T_TUPLE:
+            return tuple([self.read(depth + 1) for _ in range(self._count())])
+        if tag in _NESTED:
             return self._read_nested(tag, depth + 1)
         if tag == T_FLOAT:
             (f,) = _F64.unpack_from(meta, self.pos)
@@ -388,8 +391,6 @@ class Decoder:
         raise CorruptEntryError(f"unknown tag {tag:#x}")
 
     def _read_nested(self, tag: int, depth: int) -> Any:
-        if tag == T_TUPLE:
-            return tuple([self.read(depth) for _ in range(self._count())])
         if tag == T_LIST:
             return [self.read(depth) for _ in range(self._count())]
         if tag == T_DICT:
@@ -454,21 +455,37 @@ class Decoder:
         return image
 
     def _read_tensor(self) -> Any:
-        import torch
-
-        name = self._name()
-        if name not in TORCH_DTYPES:
-            raise CorruptEntryError(f"tensor dtype {name!r} is not one the codec writes")
-        dtype = getattr(torch, name)
-        shape, numel, off, nbytes = self._shape_and_bytes()
-        if numel * dtype.itemsize != nbytes:
-            raise CorruptEntryError(f"tensor of shape {shape} and dtype {name} does not fit {nbytes} bytes")
+        meta = self.meta
+        pos = self.pos
+        n = meta[pos]
+        spec = _tensor_types().get(meta[pos + 1:pos + 1 + n])
+        if spec is None:
+            raise CorruptEntryError(f"tensor dtype {meta[pos + 1:pos + 1 + n]!r} is not one the codec writes")
+        dtype, itemsize, np_dtype = spec
+        pos += 1 + n
+        ndim = meta[pos]
+        if ndim > _MAX_NDIM:
+            raise CorruptEntryError(f"array with {ndim} dimensions")
+        shape = _shape_struct(ndim).unpack_from(meta, pos + 1)
+        pos += 1 + 8 * ndim
+        off, nbytes = _ARR.unpack_from(meta, pos)
+        self.pos = pos + _ARR.size
+        numel = math.prod(shape)  # dims are read unsigned: nothing negative to check
+        if numel * itemsize != nbytes or off + nbytes > self.data.nbytes:
+            raise CorruptEntryError(f"tensor of shape {shape} and dtype {dtype} does not fit {nbytes} bytes "
+                                    f"at {off} of {self.data.nbytes}")
+        torch = _torch()
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         if self.shared:
             _consume_readonly_warning(torch)
-        buf = self.data if self.shared else self._writable()
-        return torch.frombuffer(buf, dtype=dtype, count=numel, offset=off).view(shape)
+            buf: Any = self.data
+        else:
+            buf = self._writable()
+        if np_dtype is not None:  # numpy builds a shaped view faster than torch.frombuffer(...).view(shape)
+            return torch.from_numpy(_np().frombuffer(buf, np_dtype, numel, off).reshape(shape))
+        t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off)
+        return t if ndim == 1 else t.view(shape)
 
     def _read_ndarray(self) -> Any:
         import numpy as np
@@ -485,6 +502,49 @@ class Decoder:
 
 
 _warned: list[bool] = [False]
+_NESTED = frozenset((T_TUPLE, T_LIST, T_DICT, T_IMAGE, T_NAMEDTUPLE, T_DATACLASS))
+_SHAPES: dict[int, struct.Struct] = {}
+_TORCH: list[Any] = []
+_TENSOR_TYPES: dict[bytes, tuple[Any, int, Any]] = {}
+_NUMPY: list[Any] = []
+
+
+def _np() -> Any:
+    if not _NUMPY:
+        import numpy
+
+        _NUMPY.append(numpy)
+    return _NUMPY[0]
+
+
+def _torch() -> Any:
+    if not _TORCH:
+        import torch
+
+        _TORCH.append(torch)
+    return _TORCH[0]
+
+
+def _tensor_types() -> dict[bytes, tuple[Any, int, Any]]:
+    """dtype name as written -> (torch dtype, item size, numpy dtype or None), built on first use."""
+    if not _TENSOR_TYPES:
+        torch = _torch()
+        try:
+            np: Any = _np()
+        except ImportError:  # torch runs without numpy: tensors then go through torch.frombuffer only
+            np = None
+        for name in TORCH_DTYPES:
+            dtype = getattr(torch, name)
+            np_dtype = np.dtype(name).newbyteorder("<") if np is not None and hasattr(np, name) else None
+            _TENSOR_TYPES[name.encode()] = (dtype, dtype.itemsize, np_dtype)
+    return _TENSOR_TYPES
+
+
+def _shape_struct(ndim: int) -> struct.Struct:
+    st = _SHAPES.get(ndim)
+    if st is None:
+        st = _SHAPES[ndim] = struct.Struct(f"<{ndim}Q")
+    return st
 
 
 def _consume_readonly_warning(torch: Any) -> None:
@@ -496,6 +556,8 @@ def _consume_readonly_warning(torch: Any) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             torch.frombuffer(b"\0", dtype=torch.uint8)
+            if any(spec[2] is not None for spec in _tensor_types().values()):
+                torch.from_numpy(_np().frombuffer(b"\0", _np().uint8))
         _warned[0] = True
 
 
