@@ -15,7 +15,11 @@ from torch.utils.data import Dataset
 from bagua_lightning.services.redis_cluster import ClusterInfo
 from bagua_lightning.torch_api.contrib.cache_loader import CacheLoader
 from bagua_lightning.torch_api.contrib.cached_dataset import CachedDataset
-from bagua_lightning.torch_api.contrib.utils.redis_store import RedisStore, find_free_port, start_redis_server_cli
+from bagua_lightning.torch_api.contrib.utils.redis_store import (
+    RedisStore,
+    find_free_port,
+    start_redis_server_cli,
+)
 from bagua_lightning.torch_api.contrib.utils.store import ClusterStore, Store
 
 
@@ -27,9 +31,9 @@ def bagua_check(store: Store) -> None:
     store.set("1", pickle.dumps(data[1]))
     store.mset({"2": pickle.dumps(data[2]), "3": pickle.dumps(data[3]), "4": pickle.dumps(data[4])})
     ret = store.mget(["1", "2", "5"])
-    assert (pickle.loads(ret[0]) == data[1]).all() and (pickle.loads(ret[1]) == data[2]).all()  # noqa: S301
+    assert (pickle.loads(ret[0]) == data[1]).all() and (pickle.loads(ret[1]) == data[2]).all()
     assert ret[2] is None
-    assert (pickle.loads(store.get("4")) == data[4]).all() and store.get("6") is None  # noqa: S301
+    assert (pickle.loads(store.get("4")) == data[4]).all() and store.get("6") is None
     assert store.num_keys() == 4
     assert store.status()
 
