@@ -36,7 +36,7 @@ import struct
 import zlib
 from typing import Any
 
-from .values import PICKLE_HINT, CorruptEntryError, Decoder, Encoder, pad
+from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Decoder, Encoder, pad
 
 try:
     import xxhash
@@ -144,47 +144,45 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", *, allow_pic
             budget, an unknown class, a pickled entry without ``allow_pickle``); never another exception.
     """
     try:
-        return _decode(value, key, allow_pickle, secret, owned)
+        mv = memoryview(value)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        size = mv.nbytes
+        if size < HEADER_SIZE:
+            raise CorruptEntryError(f"entry of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
+        if size > MAX_ENTRY_BYTES:
+            raise CorruptEntryError(f"entry of {size} bytes is over the {MAX_ENTRY_BYTES}-byte budget")
+        magic, version, kind, digest, flags, meta_len, data_len = _HEADER.unpack_from(mv, 0)
+        if magic != MAGIC:
+            raise CorruptEntryError("not a bagua-lightning cache entry (bad magic)")
+        if version != FORMAT_VERSION:
+            raise CorruptEntryError(f"entry format version {version}, this reader understands {FORMAT_VERSION}")
+        data_start = (HEADER_SIZE + meta_len + ALIGN - 1) & -ALIGN
+        if data_start + data_len != size:
+            raise CorruptEntryError(f"entry length {size} does not match its header ({data_start + data_len})")
+        if secret is not None and kind != DIGEST_HMAC:
+            raise CorruptEntryError(f"entry carries a {DIGEST_NAMES.get(kind, kind)} digest; a cache key is "
+                                    "configured, so only entries authenticated with it are accepted")
+        if kind == DIGEST_XXH3 and xxhash is not None:  # the common case, without a call to _digest
+            expected = _U64.pack(xxhash.xxh3_64_intdigest(mv[_COVERED:], xxhash.xxh3_64_intdigest(key))) + _PAD16
+        else:
+            expected = _digest(kind, key, secret, mv[_COVERED:])
+        if not hmac.compare_digest(expected, digest):
+            raise CorruptEntryError("digest mismatch (corrupted, truncated, stored under another key"
+                                    + (", or not written with this cache key)" if kind == DIGEST_HMAC else ")"))
+        if flags:
+            if flags != FLAG_PICKLE:
+                raise CorruptEntryError(f"unknown flags {flags:#x}")
+            if not allow_pickle:
+                raise CorruptEntryError('entry was written with serializer="pickle"; not unpickling it')
+            return pickle.loads(mv[data_start:])
+        dec = Decoder(bytes(mv[HEADER_SIZE:HEADER_SIZE + meta_len]), mv[data_start:],
+                      owned and type(value) is bytes)
+        obj = dec.read()
+        if dec.pos != meta_len:
+            raise CorruptEntryError("trailing bytes after the sample structure")
+        return obj
     except CorruptEntryError:
         raise
     except Exception as exc:  # a damaged structure can fail anywhere in the decoder: always a miss
         raise CorruptEntryError(f"malformed entry ({type(exc).__name__}: {exc})") from exc
-
-
-def _decode(value: bytes | bytearray | memoryview, key: bytes, allow_pickle: bool, secret: bytes | None,
-            owned: bool) -> Any:
-    mv = memoryview(value)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    size = mv.nbytes
-    if size < HEADER_SIZE:
-        raise CorruptEntryError(f"entry of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
-    if size > MAX_ENTRY_BYTES:
-        raise CorruptEntryError(f"entry of {size} bytes is over the {MAX_ENTRY_BYTES}-byte budget")
-    magic, version, kind, digest, flags, meta_len, data_len = _HEADER.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise CorruptEntryError("not a bagua-lightning cache entry (bad magic)")
-    if version != FORMAT_VERSION:
-        raise CorruptEntryError(f"entry format version {version}, this reader understands {FORMAT_VERSION}")
-    data_start = HEADER_SIZE + meta_len
-    data_start += pad(data_start)
-    if data_start + data_len != size:
-        raise CorruptEntryError(f"entry length {size} does not match its header ({data_start + data_len})")
-    if secret is not None and kind != DIGEST_HMAC:
-        raise CorruptEntryError(f"entry carries a {DIGEST_NAMES.get(kind, kind)} digest; a cache key is "
-                                "configured, so only entries authenticated with it are accepted")
-    if not hmac.compare_digest(_digest(kind, key, secret, mv[_COVERED:]), digest):
-        raise CorruptEntryError("digest mismatch (corrupted, truncated, stored under another key"
-                                + (", or not written with this cache key)" if kind == DIGEST_HMAC else ")"))
-    if flags & FLAG_PICKLE:
-        if not allow_pickle:
-            raise CorruptEntryError('entry was written with serializer="pickle"; not unpickling it')
-        return pickle.loads(mv[data_start:])
-    if flags:
-        raise CorruptEntryError(f"unknown flags {flags:#x}")
-    shared = owned and type(value) is bytes
-    dec = Decoder(bytes(mv[HEADER_SIZE:HEADER_SIZE + meta_len]), mv[data_start:], shared)
-    obj = dec.read()
-    if dec.pos != meta_len:
-        raise CorruptEntryError("trailing bytes after the sample structure")
-    return obj

@@ -13,6 +13,10 @@ from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.services_file import resolve_redis_password
 
 
+# bytes per socket read: a batch of samples is hundreds of KB per node, read in a few large chunks
+SOCKET_READ_SIZE = 1024 * 1024
+
+
 @dataclass(kw_only=True)
 class RedisOptions:
     """Connection options of :class:`RedisStore` (its ``**options``).
@@ -69,7 +73,7 @@ class RedisOptions:
 
     def connection_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
-            "password": self.password, "username": self.username,
+            "password": self.password, "username": self.username, "socket_read_size": SOCKET_READ_SIZE,
             "socket_timeout": self.socket_timeout_s, "socket_connect_timeout": self.connect_timeout_s,
         }
         if self.ssl:

@@ -353,7 +353,13 @@ class Decoder:
         if depth >= MAX_DEPTH and tag in _NESTED:
             raise CorruptEntryError(f"structure nested deeper than {MAX_DEPTH} levels")
         if tag == T_TUPLE:
-            return tuple([self.read(depth + 1) for _ in range(self._count())])
+            (n,) = _U32.unpack_from(meta, pos + 1)
+            self.pos = pos + 5
+            if n > self.end - pos:
+                raise CorruptEntryError(f"a container of {n} items in {self.end - pos} bytes of structure")
+            read = self.read
+            depth += 1
+            return tuple([read(depth) for _ in range(n)])
         if tag in _NESTED:
             return self._read_nested(tag, depth + 1)
         if tag == T_FLOAT:
@@ -458,32 +464,23 @@ class Decoder:
         meta = self.meta
         pos = self.pos
         n = meta[pos]
-        spec = _tensor_types().get(meta[pos + 1:pos + 1 + n])
-        if spec is None:
-            raise CorruptEntryError(f"tensor dtype {meta[pos + 1:pos + 1 + n]!r} is not one the codec writes")
-        dtype, itemsize, np_dtype = spec
+        spec = _TENSOR_TYPES.get(meta[pos + 1:pos + 1 + n]) or _tensor_spec(meta[pos + 1:pos + 1 + n])
+        dtype, itemsize, np_dtype, torch, np_frombuffer = spec
         pos += 1 + n
         ndim = meta[pos]
-        if ndim > _MAX_NDIM:
-            raise CorruptEntryError(f"array with {ndim} dimensions")
-        shape = _shape_struct(ndim).unpack_from(meta, pos + 1)
+        shape = (_SHAPES.get(ndim) or _shape_struct(ndim)).unpack_from(meta, pos + 1)
         pos += 1 + 8 * ndim
         off, nbytes = _ARR.unpack_from(meta, pos)
-        self.pos = pos + _ARR.size
+        self.pos = pos + 16
         numel = math.prod(shape)  # dims are read unsigned: nothing negative to check
         if numel * itemsize != nbytes or off + nbytes > self.data.nbytes:
             raise CorruptEntryError(f"tensor of shape {shape} and dtype {dtype} does not fit {nbytes} bytes "
                                     f"at {off} of {self.data.nbytes}")
-        torch = _torch()
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        if self.shared:
-            _consume_readonly_warning(torch)
-            buf: Any = self.data
-        else:
-            buf = self._writable()
+        buf = self.data if self.shared else self._writable()
         if np_dtype is not None:  # numpy builds a shaped view faster than torch.frombuffer(...).view(shape)
-            return torch.from_numpy(_np().frombuffer(buf, np_dtype, numel, off).reshape(shape))
+            return torch.from_numpy(np_frombuffer(buf, np_dtype, numel, off).reshape(shape))
         t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off)
         return t if ndim == 1 else t.view(shape)
 
@@ -501,64 +498,53 @@ class Decoder:
         return np.frombuffer(self._writable(), dtype=dt, count=numel, offset=off).reshape(shape)
 
 
-_warned: list[bool] = [False]
 _NESTED = frozenset((T_TUPLE, T_LIST, T_DICT, T_IMAGE, T_NAMEDTUPLE, T_DATACLASS))
 _SHAPES: dict[int, struct.Struct] = {}
-_TORCH: list[Any] = []
-_TENSOR_TYPES: dict[bytes, tuple[Any, int, Any]] = {}
-_NUMPY: list[Any] = []
+# dtype name as written -> (torch dtype, item size, numpy dtype or None, torch, numpy.frombuffer); filled on
+# first use, so that the hot path is one dict lookup.
+_TENSOR_TYPES: dict[bytes, tuple[Any, int, Any, Any, Any]] = {}
 
 
 def _np() -> Any:
-    if not _NUMPY:
-        import numpy
+    import numpy
 
-        _NUMPY.append(numpy)
-    return _NUMPY[0]
+    return numpy
 
 
-def _torch() -> Any:
-    if not _TORCH:
+def _tensor_spec(name: bytes) -> tuple[Any, int, Any, Any, Any]:
+    if not _TENSOR_TYPES:
+        import warnings
+
         import torch
 
-        _TORCH.append(torch)
-    return _TORCH[0]
-
-
-def _tensor_types() -> dict[bytes, tuple[Any, int, Any]]:
-    """dtype name as written -> (torch dtype, item size, numpy dtype or None), built on first use."""
-    if not _TENSOR_TYPES:
-        torch = _torch()
         try:
             np: Any = _np()
         except ImportError:  # torch runs without numpy: tensors then go through torch.frombuffer only
             np = None
-        for name in TORCH_DTYPES:
-            dtype = getattr(torch, name)
-            np_dtype = np.dtype(name).newbyteorder("<") if np is not None and hasattr(np, name) else None
-            _TENSOR_TYPES[name.encode()] = (dtype, dtype.itemsize, np_dtype)
-    return _TENSOR_TYPES
-
-
-def _shape_struct(ndim: int) -> struct.Struct:
-    st = _SHAPES.get(ndim)
-    if st is None:
-        st = _SHAPES[ndim] = struct.Struct(f"<{ndim}Q")
-    return st
-
-
-def _consume_readonly_warning(torch: Any) -> None:
-    # torch warns once per process that a tensor over a read-only buffer could write to it. A reply buffer
-    # is owned by the tensors decoded from it and nobody else reads it, so the warning would only alarm.
-    if not _warned[0]:
-        import warnings
-
+        for dtype_name in TORCH_DTYPES:
+            dtype = getattr(torch, dtype_name)
+            np_dtype = np.dtype(dtype_name).newbyteorder("<") if np is not None and hasattr(np, dtype_name) else None
+            _TENSOR_TYPES[dtype_name.encode()] = (dtype, dtype.itemsize, np_dtype, torch,
+                                                  np.frombuffer if np is not None else None)
+        # torch warns once per process that a tensor over a read-only buffer could write to it. A reply
+        # buffer is owned by the tensors decoded from it and nobody else reads it: the warning would only
+        # alarm, so it is used up here.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             torch.frombuffer(b"\0", dtype=torch.uint8)
-            if any(spec[2] is not None for spec in _tensor_types().values()):
-                torch.from_numpy(_np().frombuffer(b"\0", _np().uint8))
-        _warned[0] = True
+            if np is not None:
+                torch.from_numpy(np.frombuffer(b"\0", np.uint8))
+    spec = _TENSOR_TYPES.get(name)
+    if spec is None:
+        raise CorruptEntryError(f"tensor dtype {name!r} is not one the codec writes")
+    return spec
+
+
+def _shape_struct(ndim: int) -> struct.Struct:
+    if ndim > _MAX_NDIM:
+        raise CorruptEntryError(f"array with {ndim} dimensions")
+    st = _SHAPES[ndim] = struct.Struct(f"<{ndim}Q")
+    return st
 
 
 def _find_class(name: str) -> Any:
