@@ -36,6 +36,7 @@ from bagua_lightning.client.cache import codec
 from bagua_lightning.client.cache.backends import pack_gets
 from bagua_lightning.services.redis_cluster import running_cluster
 
+hiredis: Any
 try:
     import hiredis
 except ImportError:

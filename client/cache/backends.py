@@ -49,10 +49,13 @@ class Backend(ABC):
     def close(self) -> None: ...
 
 
+HIREDIS_PARSER: Any
+NOT_ENOUGH_DATA: object = object()
 try:  # the hiredis parser of redis-py: read many replies per socket read (see read_replies)
-    from redis._parsers.hiredis import NOT_ENOUGH_DATA, _HiredisParser
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA
+    from redis._parsers.hiredis import _HiredisParser as HIREDIS_PARSER
 except ImportError:  # pragma: no cover - redis-py without its hiredis module
-    _HiredisParser = None
+    HIREDIS_PARSER = None
 
 
 def read_replies(conn: Any, n: int) -> list[Any]:
@@ -62,9 +65,9 @@ def read_replies(conn: Any, n: int) -> list[Any]:
     chunks: one Python step per reply instead of a ``read_response`` call each (about half the cost of a
     batch at this size). Other parsers go through ``read_response``.
     """
-    parser = conn._parser
+    parser: Any = conn._parser
     reader = getattr(parser, "_reader", None)
-    if _HiredisParser is None or type(parser) is not _HiredisParser or reader is None:
+    if HIREDIS_PARSER is None or type(parser) is not HIREDIS_PARSER or reader is None:
         out = []
         for _ in range(n):
             try:
@@ -216,7 +219,7 @@ class ClusterBackend(Backend):
             node = table[key_slot(raw)]
             if node is None:  # a slot without a serving node
                 self._refresh()
-                return out, redis.ClusterDownError(f"no cluster node serves the slot of {k!r}")
+                return out, redis.exceptions.ClusterDownError(f"no cluster node serves the slot of {k!r}")
             group = groups.get(node.name)
             if group is None:
                 group = groups[node.name] = (node, [], [])

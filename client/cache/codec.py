@@ -38,6 +38,7 @@ from typing import Any
 
 from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Decoder, Encoder, pad
 
+xxhash: Any
 try:
     import xxhash
 except ImportError:  # pragma: no cover - depends on the environment

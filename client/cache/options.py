@@ -12,7 +12,6 @@ from redis.retry import Retry
 from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.services_file import resolve_redis_password
 
-
 # bytes per socket read: a batch of samples is hundreds of KB per node, read in a few large chunks
 SOCKET_READ_SIZE = 1024 * 1024
 
