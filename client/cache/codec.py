@@ -40,7 +40,6 @@ from typing import Any
 from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Decoder, Encoder, pad
 
 
-
 def _optional(module: str) -> Any:
     try:
         return importlib.import_module(module)
