@@ -2,15 +2,17 @@
 
 Entry layout (little endian)::
 
-    header (48 bytes): b"BLC" | format version u8 | digest kind u8 | 3 zero bytes | digest (24 bytes, zero
-                       padded) | flags u8 | 3 zero bytes | meta_len u32 | data_len u64
-    meta   (meta_len):  the structure (see :mod:`.values`)
-    pad               : zeros up to a multiple of 64 bytes
-    data   (data_len) : raw array and image bytes, each starting on a 64-byte boundary
+    header   (52 bytes): b"BLC" | format version u8 | digest kind u8 | 3 zero bytes | digest (24 bytes, zero
+                         padded) | flags u8 | 3 zero bytes | skeleton_len u32 | tail_len u32 | data_len u64
+    skeleton (skeleton_len): types, dtypes, ranks, lengths, names (:mod:`.values`); shared by the samples
+                         of a dataset, compiled once into a decoder (:mod:`.plans`)
+    tail     (tail_len): the fixed-size fields of this sample (numbers, shapes, offsets), 8 bytes each
+    pad                : zeros up to a multiple of 64 bytes
+    data     (data_len): array, image, string and bytes contents, arrays on 64-byte boundaries
 
 The digest covers the key the entry was written under and everything after the digest (flags, lengths,
-meta, data: one contiguous region, hashed in one call); magic, version and digest kind are checked by
-value. A flipped bit, a truncated value or a valid entry copied under another key all fail :func:`decode` with
+skeleton, tail, data: one contiguous region, hashed in one call); magic, version and digest kind are
+checked by value. A flipped bit, a truncated value or a valid entry copied under another key all fail :func:`decode` with
 :class:`CorruptEntryError`; the loader counts that as a miss and rewrites the entry. Digest kinds:
 
 * ``hmac-sha256`` (first 24 bytes): when a cache key (a secret shared by the job, see
@@ -37,7 +39,8 @@ import struct
 import zlib
 from typing import Any
 
-from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Decoder, Encoder, pad
+from .plans import plan_for
+from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Encoder, pad
 
 
 def _optional(module: str) -> Any:
@@ -59,8 +62,8 @@ DIGEST_NAMES = {DIGEST_CRC32: "crc32", DIGEST_XXH3: "xxh3-64", DIGEST_HMAC: "hma
 DIGEST_SIZE = 24
 MAX_ENTRY_BYTES = 4 * 1024**3  # a larger value is refused before any work
 
-_HEADER = struct.Struct(f"<3sBB3x{DIGEST_SIZE}sB3xIQ")
-HEADER_SIZE = _HEADER.size  # 48
+_HEADER = struct.Struct(f"<3sBB3x{DIGEST_SIZE}sB3xIIQ")
+HEADER_SIZE = _HEADER.size  # 52
 _DIGEST_OFFSET = 8
 _COVERED = _DIGEST_OFFSET + DIGEST_SIZE  # the digest covers the entry from here on
 _U64 = struct.Struct("<Q")
@@ -109,21 +112,22 @@ def encode(obj: Any, key: bytes = b"", *, allow_pickle: bool = False, secret: by
     kind = DIGEST_HMAC if secret is not None else default_digest_kind()
     if allow_pickle:
         data = pickle.dumps(obj, protocol=5)
-        return _assemble(key, secret, kind, FLAG_PICKLE, b"", [(0, memoryview(data))], len(data))
+        return _assemble(key, secret, kind, FLAG_PICKLE, b"", b"", [(0, memoryview(data))], len(data))
     enc = Encoder()
     enc.add(obj, "the sample")
-    return _assemble(key, secret, kind, 0, enc.meta, enc.arrays, enc.data_len)
+    return _assemble(key, secret, kind, 0, enc.meta, enc.tail(), enc.arrays, enc.data_len)
 
 
-def _assemble(key: bytes, secret: bytes | None, kind: int, flags: int, meta: bytes | bytearray,
-              arrays: list[tuple[int, memoryview]], data_len: int) -> memoryview:
-    data_start = HEADER_SIZE + len(meta)
+def _assemble(key: bytes, secret: bytes | None, kind: int, flags: int, skeleton: bytes | bytearray,
+              tail: bytes, arrays: list[tuple[int, memoryview]], data_len: int) -> memoryview:
+    meta_len = len(skeleton) + len(tail)
+    data_start = HEADER_SIZE + meta_len
     data_start += pad(data_start)
     out = bytearray(data_start + data_len)
-    out[HEADER_SIZE:HEADER_SIZE + len(meta)] = meta
+    out[HEADER_SIZE:HEADER_SIZE + meta_len] = bytes(skeleton) + tail
     for off, view in arrays:
         out[data_start + off:data_start + off + view.nbytes] = view
-    _HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, kind, b"", flags, len(meta), data_len)
+    _HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, kind, b"", flags, len(skeleton), len(tail), data_len)
     mv = memoryview(out)
     out[_DIGEST_OFFSET:_COVERED] = _digest(kind, key, secret, mv[_COVERED:])
     return mv
@@ -158,12 +162,13 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", *, allow_pic
             raise CorruptEntryError(f"entry of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
         if size > MAX_ENTRY_BYTES:
             raise CorruptEntryError(f"entry of {size} bytes is over the {MAX_ENTRY_BYTES}-byte budget")
-        magic, version, kind, digest, flags, meta_len, data_len = _HEADER.unpack_from(mv, 0)
+        magic, version, kind, digest, flags, skel_len, tail_len, data_len = _HEADER.unpack_from(mv, 0)
         if magic != MAGIC:
             raise CorruptEntryError("not a bagua-lightning cache entry (bad magic)")
         if version != FORMAT_VERSION:
             raise CorruptEntryError(f"entry format version {version}, this reader understands {FORMAT_VERSION}")
-        data_start = (HEADER_SIZE + meta_len + ALIGN - 1) & -ALIGN
+        tail_start = HEADER_SIZE + skel_len
+        data_start = (tail_start + tail_len + ALIGN - 1) & -ALIGN
         if data_start + data_len != size:
             raise CorruptEntryError(f"entry length {size} does not match its header ({data_start + data_len})")
         if secret is not None and kind != DIGEST_HMAC:
@@ -182,12 +187,15 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", *, allow_pic
             if not allow_pickle:
                 raise CorruptEntryError('entry was written with serializer="pickle"; not unpickling it')
             return pickle.loads(mv[data_start:])
-        dec = Decoder(bytes(mv[HEADER_SIZE:HEADER_SIZE + meta_len]), mv[data_start:],
-                      owned and type(value) is bytes)
-        obj = dec.read()
-        if dec.pos != meta_len:
-            raise CorruptEntryError("trailing bytes after the sample structure")
-        return obj
+        plan = plan_for(bytes(mv[HEADER_SIZE:tail_start]))
+        if plan.tail.size != tail_len:
+            raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
+        tail = plan.tail.unpack_from(mv, tail_start)
+        data = mv[data_start:]
+        shared = owned and type(value) is bytes
+        # numpy arrays need a writable buffer; tensors view the reply when the caller owns it
+        writable = bytearray(data) if plan.arrays or (plan.tensors and not shared) else None
+        return plan.build(tail, data if shared or writable is None else writable, writable)
     except CorruptEntryError:
         raise
     except Exception as exc:  # a damaged structure can fail anywhere in the decoder: always a miss

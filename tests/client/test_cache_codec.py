@@ -212,21 +212,21 @@ def test_deep_nesting_is_refused_on_write_and_a_miss_on_read() -> None:
         encode(cyclic, KEY)
     # A crafted entry: 2,000 nested lists with a valid digest. Decoding is a clean CorruptEntryError.
     meta = b"[\x01\x00\x00\x00" * 2000 + b"[\x00\x00\x00\x00"
-    entry = codec._assemble(KEY, None, codec.default_digest_kind(), 0, meta, [], 0)
+    entry = codec._assemble(KEY, None, codec.default_digest_kind(), 0, meta, b"", [], 0)
     with pytest.raises(CorruptEntryError, match="nested deeper"):
         decode(bytes(entry), KEY)
 
 
 def test_counts_larger_than_the_entry_are_refused_before_allocating() -> None:
     meta = b"[\xff\xff\xff\x7f"  # a list claiming 2**31-1 items in 5 bytes
-    entry = codec._assemble(KEY, None, codec.default_digest_kind(), 0, meta, [], 0)
+    entry = codec._assemble(KEY, None, codec.default_digest_kind(), 0, meta, b"", [], 0)
     with pytest.raises(CorruptEntryError, match="items in"):
         decode(bytes(entry), KEY)
 
 
 def test_a_class_that_is_not_imported_is_a_miss_not_an_import() -> None:
     meta = b"n" + bytes([len(b"antigravity:x")]) + b"antigravity:x" + b"\x00\x00\x00\x00"
-    entry = codec._assemble(KEY, None, codec.default_digest_kind(), 0, meta, [], 0)
+    entry = codec._assemble(KEY, None, codec.default_digest_kind(), 0, meta, b"", [], 0)
     with pytest.raises(CorruptEntryError, match="not imported"):
         decode(bytes(entry), KEY)
     assert "antigravity" not in sys.modules

@@ -63,7 +63,7 @@ def test_deeply_nested_entry_is_a_miss_reloaded_and_rewritten(store: RedisStore,
     ds.__getitems__([0, 1, 2])
     key = ds.cache_loader.redis_key(1)
     meta = b"[\x01\x00\x00\x00" * 2000 + b"[\x00\x00\x00\x00"  # 2,000 nested lists, valid digest
-    store.set(key, bytes(codec._assemble(key.encode(), None, codec.default_digest_kind(), 0, meta, [], 0)))
+    store.set(key, bytes(codec._assemble(key.encode(), None, codec.default_digest_kind(), 0, meta, b"", [], 0)))
     for _ in range(2):  # the second pass reads the rewritten entry
         out = ds.__getitems__([0, 1, 2])
         assert out[1][2]["id"] == "s0-1"
