@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from binascii import crc_hqx
 from collections.abc import Sequence
 from typing import Any
 
@@ -216,7 +217,8 @@ class ClusterBackend(Backend):
         table = self._slot_table()
         for j, k in enumerate(keys):
             raw = k.encode()
-            node = table[key_slot(raw)]
+            # Cache keys carry no hash tag ({ is percent-encoded in names); other keys take the full rule.
+            node = table[crc_hqx(raw, 0) & 16383 if b"{" not in raw else key_slot(raw)]
             if node is None:  # a slot without a serving node
                 self._refresh()
                 return out, redis.exceptions.ClusterDownError(f"no cluster node serves the slot of {k!r}")

@@ -138,7 +138,7 @@ def is_pickled(value: bytes | memoryview) -> bool:
     return len(value) >= HEADER_SIZE and bytes(value[:3]) == MAGIC and bool(value[_COVERED] & FLAG_PICKLE)
 
 
-def decode(value: bytes | bytearray | memoryview, key: bytes = b"", *, allow_pickle: bool = False,
+def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle: bool = False,
            secret: bytes | None = None, owned: bool = False) -> Any:
     """Rebuild the sample from an entry read under ``key``.
 

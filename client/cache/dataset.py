@@ -67,7 +67,8 @@ class CachedDataset(Dataset[Any]):
         return value
 
     def __getitems__(self, indices: list[Any]) -> list[Any]:
-        idx = [self._check(i) for i in indices]
+        n = self._len
+        idx = [i if type(i) is int and 0 <= i < n else self._check(i) for i in indices]
         values = self.cache_loader.get_many(idx, self._load_many)
         self._count(len(idx))
         return values

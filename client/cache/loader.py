@@ -119,7 +119,8 @@ class CacheLoader:
         """
         if _registered_pid[0] != os.getpid():  # first use in a forked DataLoader worker
             _register_exit_flush(self)
-        rkeys = [self.redis_key(k) for k in keys]
+        prefix = self._prefix
+        rkeys = [f"{prefix}{k}" for k in keys]
         out: list[Any] = [None] * len(keys)
         found = [False] * len(keys)
         overwrite = [False] * len(keys)
@@ -128,7 +129,7 @@ class CacheLoader:
         if self._buffer:
             to_fetch = self._from_buffer(rkeys, out, found, to_fetch)
         if to_fetch and self._outage.available():
-            values, error = self.store.fetch([rkeys[j] for j in to_fetch])
+            values, error = self.store.fetch(rkeys if len(to_fetch) == len(rkeys) else [rkeys[j] for j in to_fetch])
             nbytes = 0
             decode, secret, pickled = codec.decode, self._secret, self._allow_pickle
             owned = self.store.replies_owned
@@ -136,7 +137,7 @@ class CacheLoader:
                 if value is None:
                     continue
                 try:
-                    out[j] = decode(value, rkeys[j].encode(), allow_pickle=pickled, secret=secret, owned=owned)
+                    out[j] = decode(value, rkeys[j].encode(), pickled, secret, owned)
                 except codec.CorruptEntryError as exc:
                     counters.add("corrupt")
                     overwrite[j] = True
