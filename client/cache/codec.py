@@ -39,7 +39,7 @@ import struct
 import zlib
 from typing import Any
 
-from .plans import plan_for
+from .plans import PLANS, plan_for
 from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Encoder, pad
 
 
@@ -155,7 +155,7 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle
     """
     try:
         mv = memoryview(value)
-        if mv.format != "B" or mv.ndim != 1:
+        if type(value) is not bytes and (mv.format != "B" or mv.ndim != 1):
             mv = mv.cast("B")
         size = mv.nbytes
         if size < HEADER_SIZE:
@@ -187,7 +187,8 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle
             if not allow_pickle:
                 raise CorruptEntryError('entry was written with serializer="pickle"; not unpickling it')
             return pickle.loads(mv[data_start:])
-        plan = plan_for(bytes(mv[HEADER_SIZE:tail_start]))
+        skeleton = bytes(mv[HEADER_SIZE:tail_start])
+        plan = PLANS.get(skeleton) or plan_for(skeleton)
         if plan.tail.size != tail_len:
             raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
         tail = plan.tail.unpack_from(mv, tail_start)
