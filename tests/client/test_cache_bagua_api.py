@@ -190,3 +190,25 @@ def test_a_users_store_gets_batched_fetch_and_put_that_never_raise(redis_standal
     loader = CacheLoader(dataset_name="own", store=dead)
     assert [loader.get(i, lambda k: k * 2) for i in range(3)] == [0, 2, 4]  # from the source, no exception
     assert loader.stats.errors >= 1
+
+
+def test_cluster_store_serves_the_live_shards_when_one_is_down(redis_servers3: ClusterInfo) -> None:
+    live = RedisStore(hosts=redis_servers3.hosts[2:])
+    dead = RedisStore(hosts=[f"127.0.0.1:{find_free_port()}"], retries=0, connect_timeout_s=0.5)
+    store = ClusterStore([live, dead])
+    try:
+        live.clear()
+        keys = [f"k{i}" for i in range(40)]
+        done, error = store.put([(k, k.encode()) for k in keys])
+        assert isinstance(error, redis.ConnectionError) and 0 < sum(done) < len(keys)
+        values, error = store.fetch(keys)
+        assert isinstance(error, redis.ConnectionError)
+        assert [v for v, ok in zip(values, done, strict=True) if ok] == [k.encode() for k, ok in zip(keys, done,
+                                                                                                   strict=True) if ok]
+        assert all(v is None for v, ok in zip(values, done, strict=True) if not ok)
+        with pytest.raises(redis.ConnectionError):
+            store.mget(keys)
+        assert store.status() is False and live.status() is True
+    finally:
+        live.clear()
+        store.shutdown()
