@@ -223,6 +223,12 @@ class CacheLoader:
         """Number of keys in the backing store (all datasets, as in Bagua)."""
         return self.store.num_keys()
 
+    def cleanup(self) -> None:
+        """Write pending entries, then release the store (Bagua's ``cleanup``): its connections close, and a
+        node-local server stops only if this process started it."""
+        self.flush()
+        self.store.shutdown()
+
     @property
     def stats(self) -> CacheStats:
         """Counters of this loader, summed over this process and its DataLoader workers."""

@@ -179,6 +179,10 @@ def test_a_users_store_gets_batched_fetch_and_put_that_never_raise(redis_standal
         assert loader.get(3, lambda k: ("three", k)) == ("three", 3)
         assert CacheLoader(dataset_name="own", store=store).get(3, lambda k: None) == ("three", 3)
         assert loader.stats.writes == 1
+        pending = CacheLoader(dataset_name="own", store=store, writer_buffer_size=10)
+        pending.get(4, lambda k: "four")
+        pending.cleanup()  # writes what is pending, then closes the store
+        assert store.get(pending.redis_key(4)) is not None
     finally:
         store.clear()
         store.shutdown()
