@@ -12,8 +12,9 @@ Entry layout (little endian)::
 
 The digest covers the key the entry was written under and everything after the digest (flags, lengths,
 skeleton, tail, data: one contiguous region, hashed in one call); magic, version and digest kind are
-checked by value. A flipped bit, a truncated value or a valid entry copied under another key all fail :func:`decode` with
-:class:`CorruptEntryError`; the loader counts that as a miss and rewrites the entry. Digest kinds:
+checked by value. A flipped bit, a truncated value or a valid entry copied under another key all fail
+:func:`decode` with :class:`CorruptEntryError`; the loader counts that as a miss and rewrites the entry.
+Digest kinds:
 
 * ``hmac-sha256`` (first 24 bytes): when a cache key (a secret shared by the job, see
   :func:`bagua_lightning.services_file.resolve_cache_key`) is configured. Only holders of the key can write an
