@@ -1,4 +1,4 @@
-"""The sample cache: a safe codec, Redis stores, CacheLoader and CachedDataset.
+"""The sample cache: a safe codec, stores (Redis, sharded), CacheLoader and CachedDataset.
 
 ``CachedDataset`` and ``CacheLoader`` import torch; the codec, the stores and the catalog do not.
 """
@@ -13,7 +13,7 @@ from .codec import CorruptEntryError, decode, encode
 from .faults import OutagePolicy
 from .loader import CacheLoader
 from .stats import CacheStats
-from .store import RedisOptions, RedisStore, Store
+from .store import ClusterStore, RedisOptions, RedisStore, Store
 
 if TYPE_CHECKING:
     from .dataset import CachedDataset
@@ -22,6 +22,7 @@ __all__ = [
     "CacheLoader",
     "CacheStats",
     "CachedDataset",
+    "ClusterStore",
     "CorruptEntryError",
     "OutagePolicy",
     "RedisOptions",

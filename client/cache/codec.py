@@ -1,426 +1,204 @@
-"""The safe sample codec: tensors, numpy arrays, numbers, strings, bytes and containers, without pickle.
+"""The safe sample codec: one self-describing, checked entry per sample, without pickle.
 
 Entry layout (little endian)::
 
-    header (24 bytes): b"BLC" | format version u8 | flags u8 | 3 zero bytes | meta_len u32 | data_len u64 | crc32 u32
-    meta   (meta_len):  the structure, one tag byte per value (see ``_Tag``), array descriptors, small scalars
-    pad               : zeros up to a multiple of 64 bytes
-    data   (data_len) : raw array bytes, each array starting on a 64-byte boundary
+    header   (52 bytes): b"BLC" | format version u8 | digest kind u8 | 3 zero bytes | digest (24 bytes, zero
+                         padded) | flags u8 | 3 zero bytes | skeleton_len u32 | tail_len u32 | data_len u64
+    skeleton (skeleton_len): types, dtypes, ranks, lengths, names (:mod:`.values`); shared by the samples
+                         of a dataset, compiled once into a decoder (:mod:`.plans`)
+    tail     (tail_len): the fixed-size fields of this sample (numbers, shapes, offsets), 8 bytes each
+    pad                : zeros up to a multiple of 64 bytes
+    data     (data_len): array, image, string and bytes contents, arrays on 64-byte boundaries
 
-The CRC-32 covers the key the entry was written under, the header up to the CRC, the meta and the data: a
-flipped bit, a truncated value or a valid entry copied under another key all fail :func:`decode` with
-:class:`CorruptEntryError`, which the loader counts and treats as a miss. Array bytes are copied once on
-write (straight from the tensor's memory into the value) and once on read (into one writable buffer that
-every decoded tensor and array of the entry views, with no per-array copy).
+The digest covers the key the entry was written under and everything after the digest (flags, lengths,
+skeleton, tail, data: one contiguous region, hashed in one call); magic, version and digest kind are
+checked by value. A flipped bit, a truncated value or a valid entry copied under another key all fail
+:func:`decode` with :class:`CorruptEntryError`; the loader counts that as a miss and rewrites the entry.
+Digest kinds:
 
-Only exact types are accepted (a ``namedtuple`` or an ``OrderedDict`` would come back as a plain tuple or
-dict, i.e. a different sample), so anything else raises ``TypeError`` naming the type, where it sits in the
-sample and how to opt in to pickle. Pickle (flag bit 0) is written and read only with ``allow_pickle``; an
-entry written with pickle is a miss for a reader that did not opt in, never unpickled.
+* ``hmac-sha256`` (first 24 bytes): when a cache key (a secret shared by the job, see
+  :func:`bagua_lightning.services_file.resolve_cache_key`) is configured. Only holders of the key can write an
+  entry that reads back, so an entry forged by someone who can write to Redis is a miss. With a key, entries
+  without this digest are refused.
+* ``xxh3-64`` (when the ``xxhash`` package is installed, ~30 GB/s) or ``crc32`` (zlib) otherwise: without
+  a key. These detect corruption, not forgery: anyone who can write to Redis can write a valid entry.
+
+A reader verifies whichever unkeyed kind an entry carries (an ``xxh3`` entry without ``xxhash`` installed is a
+miss). Entries of format version 1 are misses, rewritten in this format.
+
+Decoding a reply buffer (``bytes``) that the caller hands over (``owned=True``) builds tensors directly on it,
+with no copy; otherwise arrays view one writable copy of the data region. Pickle (flag bit 0) is written and
+read only with ``allow_pickle``; a pickled entry is a miss for a reader that did not opt in, never unpickled.
 """
 
 from __future__ import annotations
 
+import hmac
+import importlib
 import pickle
 import struct
-import sys
 import zlib
 from typing import Any
 
-from bagua_lightning.errors import CacheError
+from .plans import PLANS, plan_for
+from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Encoder, pad
+
+
+def _optional(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+xxhash: Any = _optional("xxhash")  # ~30 GB/s checksums when installed; zlib's crc32 otherwise
+
+__all__ = ["PICKLE_HINT", "CorruptEntryError", "decode", "encode", "is_pickled"]
 
 MAGIC = b"BLC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FLAG_PICKLE = 0x01
-ALIGN = 64  # bytes; keeps every array aligned for vectorised kernels after a zero-copy view
+DIGEST_CRC32, DIGEST_XXH3, DIGEST_HMAC = 1, 2, 3
+DIGEST_NAMES = {DIGEST_CRC32: "crc32", DIGEST_XXH3: "xxh3-64", DIGEST_HMAC: "hmac-sha256"}
+DIGEST_SIZE = 24
+MAX_ENTRY_BYTES = 4 * 1024**3  # a larger value is refused before any work
 
-_HEADER = struct.Struct("<3sBB3xIQI")
-HEADER_SIZE = _HEADER.size  # 24
-_CRC_OFFSET = HEADER_SIZE - 4
+_HEADER = struct.Struct(f"<3sBB3x{DIGEST_SIZE}sB3xIIQ")
+HEADER_SIZE = _HEADER.size  # 52
+_DIGEST_OFFSET = 8
+_COVERED = _DIGEST_OFFSET + DIGEST_SIZE  # the digest covers the entry from here on
+_U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
-_I64 = struct.Struct("<q")
-_F64 = struct.Struct("<d")
-_C128 = struct.Struct("<dd")
-_ARR = struct.Struct("<QQ")  # offset in the data region, nbytes
-_MAX_NDIM = 64
-
-PICKLE_HINT = (
-    'or pass serializer="pickle" to CachedDataset/CacheLoader if you trust everyone who can write to this '
-    "Redis (unpickling runs code from the cache)"
-)
+_PAD16 = bytes(16)
+_PAD20 = bytes(20)
 
 
-class CorruptEntryError(CacheError):
-    """A cached value is not a valid entry for its key (checksum, length, version or format mismatch)."""
+def default_digest_kind() -> int:
+    """The unkeyed digest this process writes: xxh3-64 when ``xxhash`` is installed, else crc32."""
+    return DIGEST_XXH3 if xxhash is not None else DIGEST_CRC32
 
 
-# Tag bytes of the meta section.
-T_NONE, T_TRUE, T_FALSE = b"N"[0], b"T"[0], b"F"[0]
-T_INT, T_BIGINT, T_FLOAT, T_COMPLEX = b"i"[0], b"I"[0], b"f"[0], b"c"[0]
-T_STR, T_BYTES, T_BYTEARRAY = b"s"[0], b"b"[0], b"B"[0]
-T_TUPLE, T_LIST, T_DICT = b"("[0], b"["[0], b"{"[0]
-T_TENSOR, T_NDARRAY, T_NPSCALAR = b"X"[0], b"A"[0], b"a"[0]
-
-_TORCH_DTYPES = (
-    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "bool",
-    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-    "float8_e4m3fn", "float8_e5m2",
-)
-
-
-def _pad(n: int) -> int:
-    return (-n) % ALIGN
-
-
-class _Encoder:
-    """Walks a sample once: meta bytes go to ``self.meta``, array sources to ``self.arrays``."""
-
-    __slots__ = ("arrays", "data_len", "meta")
-
-    def __init__(self) -> None:
-        self.meta = bytearray()
-        self.arrays: list[tuple[int, memoryview]] = []  # (offset in data, bytes view)
-        self.data_len = 0
-
-    def _add_array(self, view: memoryview) -> None:
-        self.data_len += _pad(self.data_len)
-        self.meta += _ARR.pack(self.data_len, view.nbytes)
-        self.arrays.append((self.data_len, view))
-        self.data_len += view.nbytes
-
-    def _shape(self, shape: tuple[int, ...]) -> None:
-        self.meta.append(len(shape))
-        for d in shape:
-            self.meta += _I64.pack(d)
-
-    def add(self, obj: Any, path: str) -> None:
-        t = type(obj)
-        m = self.meta
-        if obj is None:
-            m.append(T_NONE)
-        elif t is bool:
-            m.append(T_TRUE if obj else T_FALSE)
-        elif t is int:
-            if -(2**63) <= obj < 2**63:
-                m.append(T_INT)
-                m += _I64.pack(obj)
-            else:
-                raw = obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True)
-                m.append(T_BIGINT)
-                m += _U32.pack(len(raw)) + raw
-        elif t is float:
-            m.append(T_FLOAT)
-            m += _F64.pack(obj)
-        elif t is complex:
-            m.append(T_COMPLEX)
-            m += _C128.pack(obj.real, obj.imag)
-        elif t is str:
-            raw = obj.encode("utf-8", "surrogatepass")
-            m.append(T_STR)
-            m += _U32.pack(len(raw)) + raw
-        elif t is bytes or t is bytearray:
-            m.append(T_BYTES if t is bytes else T_BYTEARRAY)
-            m += _U32.pack(len(obj)) + obj
-        elif t is tuple or t is list:
-            m.append(T_TUPLE if t is tuple else T_LIST)
-            m += _U32.pack(len(obj))
-            for i, item in enumerate(obj):
-                self.add(item, f"{path}[{i}]")
-        elif t is dict:
-            m.append(T_DICT)
-            m += _U32.pack(len(obj))
-            for k, v in obj.items():
-                self.add(k, f"{path} key {k!r}")
-                self.add(v, f"{path}[{k!r}]")
-        elif _is_tensor(obj):
-            self._tensor(obj, path)
-        elif _is_numpy(obj, "ndarray"):
-            self._ndarray(obj, path)
-        elif _is_numpy(obj, "generic"):
-            self._npscalar(obj, path)
-        else:
-            raise TypeError(
-                f"the safe cache codec cannot store {path} of type {t.__module__}.{t.__qualname__}: it stores "
-                "torch.Tensor, numpy.ndarray, numpy scalars, int, float, complex, bool, None, str, bytes and "
-                "tuple/list/dict of them (exact types). Convert the sample in your dataset, " + PICKLE_HINT + "."
-            )
-
-    def _tensor(self, obj: Any, path: str) -> None:
-        import torch
-
-        name = str(obj.dtype).removeprefix("torch.")
-        problem = None
-        if type(obj) is not torch.Tensor:
-            problem = f"a {type(obj).__qualname__} (tensor subclass)"
-        elif obj.layout != torch.strided:
-            problem = f"a {obj.layout} tensor"
-        elif obj.device.type != "cpu":
-            problem = f"a tensor on {obj.device} (move samples to the device after loading)"
-        elif obj.is_quantized or name not in _TORCH_DTYPES:
-            problem = f"a tensor of dtype {obj.dtype}"
-        elif obj.requires_grad:
-            problem = "a tensor that requires grad (detach it in the dataset)"
-        if problem is not None:
-            raise TypeError(f"the safe cache codec cannot store {path}: {problem}; " + PICKLE_HINT + ".")
-        raw = name.encode()
-        self.meta.append(T_TENSOR)
-        self.meta.append(len(raw))
-        self.meta += raw
-        self._shape(tuple(obj.shape))
-        flat = obj.contiguous().reshape(-1)
-        if flat.numel() == 0:
-            self._add_array(memoryview(b""))
-        else:
-            self._add_array(memoryview(flat.view(torch.uint8).numpy()).cast("B"))
-
-    def _ndarray(self, obj: Any, path: str) -> None:
-        import numpy as np
-
-        dt = obj.dtype
-        if dt.hasobject or dt.fields is not None or dt.subdtype is not None or dt.kind == "V":
-            raise TypeError(f"the safe cache codec cannot store {path}: a numpy array of dtype {dt}; "
-                            + PICKLE_HINT + ".")
-        raw = dt.str.encode()
-        self.meta.append(T_NDARRAY)
-        self.meta.append(len(raw))
-        self.meta += raw
-        self._shape(tuple(obj.shape))
-        arr = np.ascontiguousarray(obj)
-        flat: Any = arr.reshape(-1).view(np.uint8)
-        self._add_array(memoryview(flat).cast("B") if arr.size else memoryview(b""))
-
-    def _npscalar(self, obj: Any, path: str) -> None:
-        dt = obj.dtype
-        if dt.hasobject or dt.fields is not None or dt.kind == "V":
-            raise TypeError(f"the safe cache codec cannot store {path}: a numpy scalar of dtype {dt}; "
-                            + PICKLE_HINT + ".")
-        raw = dt.str.encode()
-        data = obj.tobytes()
-        self.meta.append(T_NPSCALAR)
-        self.meta.append(len(raw))
-        self.meta += raw
-        self.meta += _U32.pack(len(data)) + data
+def _digest(kind: int, key: bytes, secret: bytes | None, covered: bytes | bytearray | memoryview) -> bytes:
+    """Digest of ``key`` and the ``covered`` part of an entry (everything after the digest field)."""
+    if kind == DIGEST_XXH3:
+        if xxhash is None:
+            raise CorruptEntryError("entry carries an xxh3 digest; install xxhash to verify it")
+        return _U64.pack(xxhash.xxh3_64_intdigest(covered, xxhash.xxh3_64_intdigest(key))) + _PAD16
+    if kind == DIGEST_HMAC:
+        if secret is None:
+            raise CorruptEntryError("entry is authenticated with a cache key, and none is configured here")
+        mac = hmac.new(secret, _U64.pack(len(key)) + key, "sha256")
+        mac.update(covered)
+        return mac.digest()[:DIGEST_SIZE]
+    if kind == DIGEST_CRC32:
+        return _U32.pack(zlib.crc32(covered, zlib.crc32(key))) + _PAD20
+    raise CorruptEntryError(f"unknown digest kind {kind}")
 
 
-def _is_tensor(obj: Any) -> bool:
-    torch = sys.modules.get("torch")  # no tensor can exist unless torch was imported
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def _is_numpy(obj: Any, kind: str) -> bool:
-    np = sys.modules.get("numpy")
-    return np is not None and isinstance(obj, getattr(np, kind))
-
-
-def _crc(key: bytes, header: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-    return zlib.crc32(body, zlib.crc32(header[:_CRC_OFFSET], zlib.crc32(key))) & 0xFFFFFFFF
-
-
-def encode(obj: Any, key: bytes = b"", *, allow_pickle: bool = False) -> memoryview:
+def encode(obj: Any, key: bytes = b"", *, allow_pickle: bool = False, secret: bytes | None = None) -> memoryview:
     """Serialize ``obj`` into one entry for ``key``.
 
     Args:
         obj: the sample.
-        key: the Redis key it is stored under (bound into the checksum).
+        key: the Redis key it is stored under (bound into the digest).
         allow_pickle: store with pickle (protocol 5) instead of the safe codec.
+        secret: the cache key; when given the entry is authenticated with HMAC-SHA256.
 
     Returns:
         A view of the entry's bytes, accepted by redis-py as a value without another copy.
 
     Raises:
-        TypeError: a value the safe codec does not store (message names it and where it is).
+        TypeError: a value the safe codec does not store (message names it, where it is and the opt-in).
     """
+    kind = DIGEST_HMAC if secret is not None else default_digest_kind()
     if allow_pickle:
         data = pickle.dumps(obj, protocol=5)
-        return _assemble(key, FLAG_PICKLE, b"", [(0, memoryview(data))], len(data))
-    enc = _Encoder()
+        return _assemble(key, secret, kind, FLAG_PICKLE, b"", b"", [(0, memoryview(data))], len(data))
+    enc = Encoder()
     enc.add(obj, "the sample")
-    return _assemble(key, 0, enc.meta, enc.arrays, enc.data_len)
+    return _assemble(key, secret, kind, 0, enc.meta, enc.tail(), enc.arrays, enc.data_len)
 
 
-def _assemble(key: bytes, flags: int, meta: bytes | bytearray, arrays: list[tuple[int, memoryview]],
-              data_len: int) -> memoryview:
-    data_start = HEADER_SIZE + len(meta)
-    data_start += _pad(data_start)
+def _assemble(key: bytes, secret: bytes | None, kind: int, flags: int, skeleton: bytes | bytearray,
+              tail: bytes, arrays: list[tuple[int, memoryview]], data_len: int) -> memoryview:
+    meta_len = len(skeleton) + len(tail)
+    data_start = HEADER_SIZE + meta_len
+    data_start += pad(data_start)
     out = bytearray(data_start + data_len)
-    out[HEADER_SIZE:HEADER_SIZE + len(meta)] = meta
+    out[HEADER_SIZE:HEADER_SIZE + meta_len] = bytes(skeleton) + tail
     for off, view in arrays:
         out[data_start + off:data_start + off + view.nbytes] = view
-    _HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, flags, len(meta), data_len, 0)
+    _HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, kind, b"", flags, len(skeleton), len(tail), data_len)
     mv = memoryview(out)
-    _U32.pack_into(out, _CRC_OFFSET, _crc(key, mv[:HEADER_SIZE], mv[HEADER_SIZE:]))
+    out[_DIGEST_OFFSET:_COVERED] = _digest(kind, key, secret, mv[_COVERED:])
     return mv
 
 
 def is_pickled(value: bytes | memoryview) -> bool:
     """True when ``value`` looks like an entry written with ``serializer="pickle"``."""
-    return len(value) >= HEADER_SIZE and bytes(value[:3]) == MAGIC and bool(value[4] & FLAG_PICKLE)
+    return len(value) >= HEADER_SIZE and bytes(value[:3]) == MAGIC and bool(value[_COVERED] & FLAG_PICKLE)
 
 
-def decode(value: bytes | bytearray | memoryview, key: bytes = b"", *, allow_pickle: bool = False) -> Any:
+def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle: bool = False,
+           secret: bytes | None = None, owned: bool = False) -> Any:
     """Rebuild the sample from an entry read under ``key``.
 
+    Args:
+        value: the entry.
+        key: the key it was read under.
+        allow_pickle: accept (and unpickle) entries written with pickle.
+        secret: the cache key; when given only entries authenticated with it are accepted.
+        owned: ``value`` is a ``bytes`` object nobody else uses (a fresh reply): tensors view it directly.
+
     Raises:
-        CorruptEntryError: not an entry of this format/version for this key, a checksum mismatch, or a
-            pickled entry while ``allow_pickle`` is False.
+        CorruptEntryError: not a valid entry of this format for this key, for any reason (digest, format,
+            budget, an unknown class, a pickled entry without ``allow_pickle``); never another exception.
     """
-    mv = memoryview(value).cast("B")
-    if mv.nbytes < HEADER_SIZE:
-        raise CorruptEntryError(f"entry of {mv.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
-    magic, version, flags, meta_len, data_len, crc = _HEADER.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise CorruptEntryError("not a bagua-lightning cache entry (bad magic)")
-    if version != FORMAT_VERSION:
-        raise CorruptEntryError(f"entry format version {version}, this reader understands {FORMAT_VERSION}")
-    data_start = HEADER_SIZE + meta_len
-    data_start += _pad(data_start)
-    if data_start + data_len != mv.nbytes:
-        raise CorruptEntryError(f"entry length {mv.nbytes} does not match its header ({data_start + data_len})")
-    if zlib.crc32(mv[HEADER_SIZE:], zlib.crc32(mv[:_CRC_OFFSET], zlib.crc32(key))) != crc:
-        raise CorruptEntryError("checksum mismatch (corrupted, truncated or stored under another key)")
-    if flags & FLAG_PICKLE:
-        if not allow_pickle:
-            raise CorruptEntryError('entry was written with serializer="pickle"; not unpickling it')
-        return pickle.loads(mv[data_start:])
-    if flags:
-        raise CorruptEntryError(f"unknown flags {flags:#x}")
     try:
-        dec = _Decoder(bytes(mv[HEADER_SIZE:HEADER_SIZE + meta_len]), mv[data_start:])
-        obj = dec.read()
-        if dec.pos != meta_len:
-            raise CorruptEntryError("trailing bytes after the sample structure")
+        mv = memoryview(value)
+        if type(value) is not bytes and (mv.format != "B" or mv.ndim != 1):
+            mv = mv.cast("B")
+        size = mv.nbytes
+        if size < HEADER_SIZE:
+            raise CorruptEntryError(f"entry of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
+        if size > MAX_ENTRY_BYTES:
+            raise CorruptEntryError(f"entry of {size} bytes is over the {MAX_ENTRY_BYTES}-byte budget")
+        magic, version, kind, digest, flags, skel_len, tail_len, data_len = _HEADER.unpack_from(mv, 0)
+        if magic != MAGIC:
+            raise CorruptEntryError("not a bagua-lightning cache entry (bad magic)")
+        if version != FORMAT_VERSION:
+            raise CorruptEntryError(f"entry format version {version}, this reader understands {FORMAT_VERSION}")
+        tail_start = HEADER_SIZE + skel_len
+        data_start = (tail_start + tail_len + ALIGN - 1) & -ALIGN
+        if data_start + data_len != size:
+            raise CorruptEntryError(f"entry length {size} does not match its header ({data_start + data_len})")
+        if secret is not None and kind != DIGEST_HMAC:
+            raise CorruptEntryError(f"entry carries a {DIGEST_NAMES.get(kind, kind)} digest; a cache key is "
+                                    "configured, so only entries authenticated with it are accepted")
+        if kind == DIGEST_XXH3 and xxhash is not None:  # the common case, without a call to _digest
+            expected = _U64.pack(xxhash.xxh3_64_intdigest(mv[_COVERED:], xxhash.xxh3_64_intdigest(key))) + _PAD16
+        else:
+            expected = _digest(kind, key, secret, mv[_COVERED:])
+        if not hmac.compare_digest(expected, digest):
+            raise CorruptEntryError("digest mismatch (corrupted, truncated, stored under another key"
+                                    + (", or not written with this cache key)" if kind == DIGEST_HMAC else ")"))
+        if flags:
+            if flags != FLAG_PICKLE:
+                raise CorruptEntryError(f"unknown flags {flags:#x}")
+            if not allow_pickle:
+                raise CorruptEntryError('entry was written with serializer="pickle"; not unpickling it')
+            return pickle.loads(mv[data_start:])
+        skeleton = bytes(mv[HEADER_SIZE:tail_start])
+        plan = PLANS.get(skeleton) or plan_for(skeleton)
+        if plan.tail.size != tail_len:
+            raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
+        tail = plan.tail.unpack_from(mv, tail_start)
+        data = mv[data_start:]
+        shared = owned and type(value) is bytes
+        # numpy arrays need a writable buffer; tensors view the reply when the caller owns it
+        writable = bytearray(data) if plan.arrays or (plan.tensors and not shared) else None
+        return plan.build(tail, data if shared or writable is None else writable, writable)
     except CorruptEntryError:
         raise
-    except (ValueError, TypeError, IndexError, struct.error, UnicodeDecodeError, AttributeError) as exc:
-        raise CorruptEntryError(f"malformed entry structure: {exc}") from exc
-    return obj
-
-
-class _Decoder:
-    """Reads the meta section with ``unpack_from`` at a moving offset (no per-field slicing)."""
-
-    __slots__ = ("buf", "data", "end", "meta", "pos")
-
-    def __init__(self, meta: bytes, data: memoryview) -> None:
-        self.meta = meta
-        self.end = len(meta)
-        self.data = data
-        self.buf: bytearray | None = None  # the one writable copy of the data region, made on first array
-        self.pos = 0
-
-    def _take(self, n: int) -> bytes:
-        pos = self.pos
-        if pos + n > self.end:
-            raise CorruptEntryError("entry structure runs past its meta section")
-        self.pos = pos + n
-        return self.meta[pos:pos + n]
-
-    def _u32(self) -> int:
-        (n,) = _U32.unpack_from(self.meta, self.pos)
-        self.pos += 4
-        return int(n)
-
-    def _name(self) -> str:
-        n = self.meta[self.pos]
-        self.pos += 1
-        return str(self._take(n), "ascii")
-
-    def _shape_and_bytes(self) -> tuple[tuple[int, ...], int, bytearray, int, int]:
-        ndim = self.meta[self.pos]
-        if ndim > _MAX_NDIM:
-            raise CorruptEntryError(f"array with {ndim} dimensions")
-        shape = struct.unpack_from(f"<{ndim}q", self.meta, self.pos + 1)
-        self.pos += 1 + 8 * ndim
-        off, nbytes = _ARR.unpack_from(self.meta, self.pos)
-        self.pos += _ARR.size
-        if off + nbytes > self.data.nbytes:
-            raise CorruptEntryError("array data runs past the entry")
-        if self.buf is None:
-            self.buf = bytearray(self.data)
-        numel = 1
-        for d in shape:
-            if d < 0:
-                raise CorruptEntryError(f"negative dimension in shape {shape}")
-            numel *= d
-        return shape, numel, self.buf, off, nbytes
-
-    def read(self) -> Any:
-        meta = self.meta
-        tag = meta[self.pos]
-        self.pos += 1
-        if tag == T_TENSOR:
-            return self._read_tensor()
-        if tag == T_INT:
-            (v,) = _I64.unpack_from(meta, self.pos)
-            self.pos += 8
-            return v
-        if tag in (T_TUPLE, T_LIST):
-            items = [self.read() for _ in range(self._u32())]
-            return tuple(items) if tag == T_TUPLE else items
-        if tag == T_DICT:
-            n = self._u32()
-            out = {}
-            for _ in range(n):
-                k = self.read()
-                out[k] = self.read()
-            if len(out) != n:
-                raise CorruptEntryError("duplicate dict keys")
-            return out
-        if tag == T_FLOAT:
-            (f,) = _F64.unpack_from(meta, self.pos)
-            self.pos += 8
-            return f
-        if tag == T_NDARRAY:
-            return self._read_ndarray()
-        if tag == T_STR:
-            return str(self._take(self._u32()), "utf-8", "surrogatepass")
-        if tag == T_BYTES:
-            return self._take(self._u32())
-        if tag == T_NONE:
-            return None
-        if tag == T_TRUE:
-            return True
-        if tag == T_FALSE:
-            return False
-        if tag == T_BIGINT:
-            return int.from_bytes(self._take(self._u32()), "little", signed=True)
-        if tag == T_COMPLEX:
-            re, im = _C128.unpack_from(meta, self.pos)
-            self.pos += 16
-            return complex(re, im)
-        if tag == T_BYTEARRAY:
-            return bytearray(self._take(self._u32()))
-        if tag == T_NPSCALAR:
-            import numpy as np
-
-            dt = np.dtype(self._name())
-            raw = self._take(self._u32())
-            return np.frombuffer(raw, dtype=dt, count=1)[0].copy()
-        raise CorruptEntryError(f"unknown tag {tag:#x}")
-
-    def _read_tensor(self) -> Any:
-        import torch
-
-        name = self._name()
-        if name not in _TORCH_DTYPES:
-            raise CorruptEntryError(f"tensor dtype {name!r} is not one the codec writes")
-        dtype = getattr(torch, name)
-        shape, numel, buf, off, nbytes = self._shape_and_bytes()
-        if numel * dtype.itemsize != nbytes:
-            raise CorruptEntryError(f"tensor of shape {shape} and dtype {name} does not fit {nbytes} bytes")
-        if numel == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype, count=numel, offset=off).view(shape)
-
-    def _read_ndarray(self) -> Any:
-        import numpy as np
-
-        dt = np.dtype(self._name())
-        if dt.hasobject:
-            raise CorruptEntryError("object arrays are never decoded")
-        shape, numel, buf, off, nbytes = self._shape_and_bytes()
-        if numel * dt.itemsize != nbytes:
-            raise CorruptEntryError(f"array of shape {shape} and dtype {dt} does not fit {nbytes} bytes")
-        if numel == 0:
-            return np.empty(shape, dtype=dt)
-        return np.frombuffer(buf, dtype=dt, count=numel, offset=off).reshape(shape)
+    except Exception as exc:  # a damaged structure can fail anywhere in the decoder: always a miss
+        raise CorruptEntryError(f"malformed entry ({type(exc).__name__}: {exc})") from exc

@@ -54,14 +54,21 @@ class CachedDataset(Dataset[Any]):
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, index: Any) -> Any:
+    def _check(self, index: Any) -> int:
         i = _index(index)
+        if not -self._len <= i < self._len:
+            raise IndexError(f"index {i} is out of range for a dataset of {self._len} samples")
+        return i % self._len  # one key per sample: -1 and len-1 are the same entry
+
+    def __getitem__(self, index: Any) -> Any:
+        i = self._check(index)
         value = self.cache_loader.get(i, self.dataset.__getitem__)
         self._count(1)
         return value
 
     def __getitems__(self, indices: list[Any]) -> list[Any]:
-        idx = [_index(i) for i in indices]
+        n = self._len
+        idx = [i if type(i) is int and 0 <= i < n else self._check(i) for i in indices]
         values = self.cache_loader.get_many(idx, self._load_many)
         self._count(len(idx))
         return values

@@ -12,9 +12,11 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.services_file import resolve_cache_key
 
-from . import catalog, codec
+from . import codec
 from .faults import OutagePolicy, OutageTracker
+from .keys import entry_prefix
 from .stats import CacheStats, SharedCounters
 from .store import STORE_ERRORS, RedisStore, Store
 
@@ -28,22 +30,27 @@ DEFAULT_VERSION = "0"
 class CacheLoader:
     """Caches values of an expensive ``load_fn`` by key in Redis, so later reads skip the computation.
 
-    Entries are stored under ``"{dataset_name}:{version}:{key}"``: loaders with the same name and version
-    share entries (also across jobs), a new version never sees the old ones. Values go through the safe codec
-    (:mod:`.codec`), each entry carrying a checksum bound to its key; a corrupt entry is a miss that is
-    reloaded, rewritten and counted. When the store is unreachable values come from ``load_fn``, a warning is
-    logged once per outage, and caching resumes when the store is back.
+    Entries are stored under ``"{dataset_name}:{version}:{key}"`` with the name and version percent-encoded
+    (:mod:`.keys`): loaders with the same name and version share entries (also across jobs), a new version
+    never sees the old ones. Values go through the safe codec (:mod:`.codec`), each entry carrying a digest
+    bound to its key, keyed with the cache key when one is configured; an entry that does not decode, for
+    any reason, is a miss that is reloaded, rewritten and counted. When the store is unreachable values come
+    from ``load_fn``, a warning is logged once per outage, and caching resumes when the store is back.
 
     Args:
         backend: key-value store implementation; only ``"redis"``.
-        dataset_name: name of the dataset (letters, digits and ``._/+=@-``; ``""`` is shared by every
-            unnamed loader, as in Bagua).
+        dataset_name: name of the dataset, any string (``""`` is shared by every unnamed loader, as in
+            Bagua).
         writer_buffer_size: number of new entries to collect before writing them in one pipelined call.
         version: the dataset's version (user-chosen, or a fingerprint such as
             :func:`bagua_lightning.client.cache.fingerprint`); default ``"0"``.
         serializer: ``"safe"`` (default) or ``"pickle"``, which stores any picklable value but runs code
             from the cache when reading it: only for a Redis that nobody untrusted can write to.
         store: an existing :class:`Store` to use instead of creating a ``RedisStore``.
+        cache_key: the secret that authenticates entries (HMAC-SHA256); None: the deployment's
+            (:func:`bagua_lightning.services_file.resolve_cache_key`), ``b""``: none (unkeyed digest). Every
+            job sharing a cache must use the same key: an entry written without it, or with another, is a
+            miss.
         outage_policy: back-off while the store is unavailable.
         record_catalog: keep the datasets catalog up to date on writes.
         **kwargs: :class:`RedisStore` arguments (``hosts``, ``cluster_mode``, ``capacity_per_node``,
@@ -52,15 +59,17 @@ class CacheLoader:
 
     def __init__(self, backend: str = "redis", dataset_name: str = "", writer_buffer_size: int = 1, *,
                  version: str = DEFAULT_VERSION, serializer: str = "safe", store: Store | None = None,
-                 outage_policy: OutagePolicy | None = None, record_catalog: bool = True, **kwargs: Any) -> None:
+                 outage_policy: OutagePolicy | None = None, record_catalog: bool = True,
+                 cache_key: bytes | str | None = None, **kwargs: Any) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {list(BACKENDS)}.")
         if serializer not in SERIALIZERS:
             raise ValueError(f"serializer={serializer!r} is not supported; use 'safe' or 'pickle'.")
         if not isinstance(writer_buffer_size, int) or writer_buffer_size < 1:
             raise ConfigurationError(f"writer_buffer_size={writer_buffer_size!r}; use an integer >= 1.")
-        self.dataset_name = catalog.check_name("dataset_name", dataset_name, allow_empty=True)
-        self.version = catalog.check_name("version", str(version), allow_empty=False)
+        self._prefix = entry_prefix(dataset_name, str(version))  # validates both
+        self.dataset_name = dataset_name
+        self.version = str(version)
         self.writer_buffer_size = writer_buffer_size
         self.serializer = serializer
         if serializer == "pickle":
@@ -69,9 +78,11 @@ class CacheLoader:
                 "this Redis can run code in every training process. Use it only with a trusted, "
                 "password-protected Redis.", UserWarning, stacklevel=2)
         self.store: Store = store if store is not None else RedisStore(**kwargs)
-        self.record_catalog = record_catalog and isinstance(self.store, RedisStore)
-        self._prefix = catalog.entry_prefix(self.dataset_name, self.version)
+        self.record_catalog = record_catalog
         self._allow_pickle = serializer == "pickle"
+        if cache_key is None:
+            cache_key = resolve_cache_key()
+        self._secret = (cache_key.encode() if isinstance(cache_key, str) else cache_key) or None
         self._outage = OutageTracker(f"the sample cache ({self.store!r})", outage_policy)
         self._counters = SharedCounters()
         self._buffer: dict[str, tuple[memoryview, bool]] = {}  # redis key -> (entry, overwrite)
@@ -93,7 +104,7 @@ class CacheLoader:
         _register_exit_flush(self)
 
     def redis_key(self, key: Hashable) -> str:
-        """The store key of ``key``: ``"{dataset_name}:{version}:{key}"``."""
+        """The store key of ``key``: ``"{dataset_name}:{version}:{key}"``, name and version encoded."""
         return f"{self._prefix}{key}"
 
     def get(self, key: Any, load_fn: Callable[[Any], Any]) -> Any:
@@ -108,7 +119,8 @@ class CacheLoader:
         """
         if _registered_pid[0] != os.getpid():  # first use in a forked DataLoader worker
             _register_exit_flush(self)
-        rkeys = [self.redis_key(k) for k in keys]
+        prefix = self._prefix
+        rkeys = [f"{prefix}{k}" for k in keys]
         out: list[Any] = [None] * len(keys)
         found = [False] * len(keys)
         overwrite = [False] * len(keys)
@@ -117,13 +129,15 @@ class CacheLoader:
         if self._buffer:
             to_fetch = self._from_buffer(rkeys, out, found, to_fetch)
         if to_fetch and self._outage.available():
-            values, error = self._fetch([rkeys[j] for j in to_fetch])
+            values, error = self.store.fetch(rkeys if len(to_fetch) == len(rkeys) else [rkeys[j] for j in to_fetch])
             nbytes = 0
+            decode, secret, pickled = codec.decode, self._secret, self._allow_pickle
+            owned = self.store.replies_owned
             for j, value in zip(to_fetch, values, strict=True):
                 if value is None:
                     continue
                 try:
-                    out[j] = codec.decode(value, rkeys[j].encode(), allow_pickle=self._allow_pickle)
+                    out[j] = decode(value, rkeys[j].encode(), pickled, secret, owned)
                 except codec.CorruptEntryError as exc:
                     counters.add("corrupt")
                     overwrite[j] = True
@@ -146,7 +160,7 @@ class CacheLoader:
                 raise ValueError(f"load function returned {len(loaded)} values for {len(missing)} keys")
             for j, value in zip(missing, loaded, strict=True):
                 out[j] = value
-                entry = codec.encode(value, rkeys[j].encode(), allow_pickle=self._allow_pickle)
+                entry = codec.encode(value, rkeys[j].encode(), allow_pickle=self._allow_pickle, secret=self._secret)
                 self._buffer[rkeys[j]] = (entry, overwrite[j])
             _pending[id(self)] = self  # kept alive until flushed, at the latest at exit
             if len(self._buffer) >= self.writer_buffer_size:
@@ -160,17 +174,10 @@ class CacheLoader:
             if pending is None:
                 rest.append(j)
             else:
-                out[j] = codec.decode(pending[0], rkeys[j].encode(), allow_pickle=self._allow_pickle)
+                out[j] = codec.decode(pending[0], rkeys[j].encode(), allow_pickle=self._allow_pickle,
+                                      secret=self._secret)
                 found[j] = True
         return rest
-
-    def _fetch(self, rkeys: list[str]) -> tuple[list[bytes | None], BaseException | None]:
-        if isinstance(self.store, RedisStore):
-            return self.store.fetch(rkeys)
-        try:
-            return self.store.mget(rkeys), None
-        except STORE_ERRORS as exc:
-            return [None] * len(rkeys), exc
 
     def flush(self) -> None:
         """Write the buffered entries now (a store failure drops them and is counted, never raised)."""
@@ -189,7 +196,7 @@ class CacheLoader:
         for batch, overwrite in ((new, False), (rewrite, True)):
             if not batch:
                 continue
-            done, error = self._put(batch, overwrite)
+            done, error = self.store.put(batch, overwrite)
             if error is not None:
                 failed += len(batch)
                 self._counters.add("errors")
@@ -204,24 +211,23 @@ class CacheLoader:
                     created_bytes += v.nbytes
         if failed:
             self._counters.add("write_errors", failed)
-        elif self.record_catalog and isinstance(self.store, RedisStore):
+        elif self.record_catalog:
             try:
-                catalog.record_writes(self.store, self.dataset_name, self.version, created_n, created_bytes)
+                catalog = self.store.catalog()
+                if catalog is not None:
+                    catalog.record(self.dataset_name, self.version, created_n, created_bytes)
             except STORE_ERRORS as exc:
                 log.debug("catalog update failed: %s", exc)
-
-    def _put(self, items: list[tuple[str, memoryview]], overwrite: bool) -> tuple[list[bool], BaseException | None]:
-        if isinstance(self.store, RedisStore):
-            return self.store.put(items, overwrite=overwrite)
-        try:
-            self.store.mset(dict(items))
-            return [True] * len(items), None
-        except STORE_ERRORS as exc:
-            return [False] * len(items), exc
 
     def num_keys(self) -> int:
         """Number of keys in the backing store (all datasets, as in Bagua)."""
         return self.store.num_keys()
+
+    def cleanup(self) -> None:
+        """Write pending entries, then release the store (Bagua's ``cleanup``): its connections close, and a
+        node-local server stops only if this process started it."""
+        self.flush()
+        self.store.shutdown()
 
     @property
     def stats(self) -> CacheStats:

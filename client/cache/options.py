@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -11,7 +10,10 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services_file import ENV_REDIS_PASSWORD
+from bagua_lightning.services_file import resolve_redis_password
+
+# bytes per socket read: a batch of samples is hundreds of KB per node, read in a few large chunks
+SOCKET_READ_SIZE = 1024 * 1024
 
 
 @dataclass(kw_only=True)
@@ -19,7 +21,7 @@ class RedisOptions:
     """Connection options of :class:`RedisStore` (its ``**options``).
 
     Attributes:
-        password: AUTH password; None reads ``BAGUA_LIGHTNING_REDIS_PASSWORD``.
+        password: AUTH password; None: the deployment's (``resolve_redis_password()``).
         username: ACL user (Redis 6+); None: the default user.
         ssl: connect with TLS.
         ssl_ca_certs: CA bundle to verify the servers (TLS).
@@ -48,7 +50,7 @@ class RedisOptions:
 
     def __post_init__(self) -> None:
         if self.password is None:
-            self.password = os.environ.get(ENV_REDIS_PASSWORD) or None
+            self.password = resolve_redis_password()
         if self.ssl_cert_reqs not in ("required", "optional", "none"):
             raise ConfigurationError(f"ssl_cert_reqs={self.ssl_cert_reqs!r}; use 'required', 'optional' or 'none'.")
         for name in ("socket_timeout_s", "connect_timeout_s", "start_timeout_s"):
@@ -70,7 +72,7 @@ class RedisOptions:
 
     def connection_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
-            "password": self.password, "username": self.username,
+            "password": self.password, "username": self.username, "socket_read_size": SOCKET_READ_SIZE,
             "socket_timeout": self.socket_timeout_s, "socket_connect_timeout": self.connect_timeout_s,
         }
         if self.ssl:

@@ -29,17 +29,29 @@ from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.services_file import resolve_redis_hosts
 
 from .backends import STORE_ERRORS, Backend, ClusterBackend, NodesBackend, Value, probe_is_cluster
+from .catalog import RESERVED_KEYS, Catalog, RedisCatalog
+from .hashing import RendezvousHash
 from .options import RedisOptions, parse_hosts
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 100 * 1024**3  # bytes per node, as in Bagua
-# Keys the project keeps next to the samples; not counted by num_keys().
-RESERVED_KEYS = ("__bagua_lightning_catalog__",)
+Fetched = tuple[list[bytes | None], BaseException | None]
+Written = tuple[list[bool], BaseException | None]
 
 
 class Store(ABC):
-    """A key-value store of ``bytes`` values: Bagua's ``Store`` interface."""
+    """A key-value store of ``bytes`` values: Bagua's ``Store`` interface plus what the cache loader needs.
+
+    Subclasses implement Bagua's operations (``mget``, ``mset``, ``num_keys``, ``clear``, ``status``,
+    ``shutdown``); ``get``/``set`` go through them. The loader uses only :meth:`fetch` and :meth:`put`, which
+    never raise for a failing store (they return the error beside the values, so training goes on with the
+    source), and :meth:`catalog`. Stores that can do better than the defaults (one round trip for many
+    keys, write-if-absent on the server) override them.
+    """
+
+    #: ``fetch`` returns fresh ``bytes`` objects that nobody else holds, so decoded tensors may view them.
+    replies_owned: bool = False
 
     @abstractmethod
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -50,10 +62,11 @@ class Store(ABC):
         """Set every key of ``dictionary``."""
 
     def get(self, key: str) -> bytes | None:
-        """The value of ``key``, or None."""
+        """The value of ``key``, or None if the key does not exist."""
         return self.mget([key])[0]
 
     def set(self, key: str, value: Value) -> None:
+        """Set ``key`` to ``value``."""
         self.mset({key: value})
 
     @abstractmethod
@@ -66,11 +79,107 @@ class Store(ABC):
 
     @abstractmethod
     def status(self) -> bool:
-        """True when every node answers."""
+        """True when the store is alive (every node answers)."""
 
     @abstractmethod
     def shutdown(self) -> None:
         """Close connections and stop the servers this store started; servers it found keep running."""
+
+    def fetch(self, keys: Sequence[str]) -> Fetched:
+        """Values of ``keys`` (None: missing or unreachable) and the first error met; never raises for the store."""
+        try:
+            return list(self.mget(keys)), None
+        except Exception as exc:  # any store's failure is a miss for the loader, never a crash of training
+            return [None] * len(keys), exc
+
+    def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> Written:
+        """Write ``items`` (with ``overwrite=False`` existing keys are kept); per key whether it was written,
+        and the first error met. Never raises for the store."""
+        try:
+            if overwrite:
+                self.mset(dict(items))
+                return [True] * len(items), None
+            existing = self.mget([k for k, _ in items])
+            new = {k: v for (k, v), old in zip(items, existing, strict=True) if old is None}
+            if new:
+                self.mset(new)
+            return [old is None for old in existing], None
+        except Exception as exc:
+            return [False] * len(items), exc
+
+    def catalog(self) -> Catalog | None:
+        """The datasets catalog this store keeps, or None (the loader then keeps no bookkeeping)."""
+        return None
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+class ClusterStore(Store):
+    """Entries sharded over several stores by their keys (rendezvous hashing on the store's position).
+
+    Args:
+        stores: the stores to shard entries on; their order decides where a key lives, so every process
+            of a job must list them in the same order.
+    """
+
+    def __init__(self, stores: Sequence[Store]) -> None:
+        stores = list(stores)
+        if not stores or not all(isinstance(s, Store) for s in stores):
+            raise ConfigurationError(f"ClusterStore(stores={stores!r}) needs a non-empty list of Store objects.")
+        self.stores = stores
+        self._ring = RendezvousHash([f"store-{i}" for i in range(len(stores))])
+        self.replies_owned = all(s.replies_owned for s in stores)
+
+    def _groups(self, keys: Sequence[str]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for j, k in enumerate(keys):
+            groups.setdefault(self._ring.node_of(k), []).append(j)
+        return groups
+
+    def fetch(self, keys: Sequence[str]) -> Fetched:
+        out: list[bytes | None] = [None] * len(keys)
+        error: BaseException | None = None
+        for i, idx in self._groups(keys).items():
+            values, err = self.stores[i].fetch([keys[j] for j in idx])
+            error = error or err
+            for j, v in zip(idx, values, strict=True):
+                out[j] = v
+        return out, error
+
+    def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> Written:
+        done = [False] * len(items)
+        error: BaseException | None = None
+        for i, idx in self._groups([k for k, _ in items]).items():
+            ok, err = self.stores[i].put([items[j] for j in idx], overwrite)
+            error = error or err
+            for j, flag in zip(idx, ok, strict=True):
+                done[j] = flag
+        return done, error
+
+    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        values, error = self.fetch(list(keys))
+        _raise(error)
+        return values
+
+    def mset(self, dictionary: Mapping[str, Value]) -> None:
+        _raise(self.put(list(dictionary.items()))[1])
+
+    def num_keys(self) -> int:
+        return sum(s.num_keys() for s in self.stores)
+
+    def clear(self) -> None:
+        for s in self.stores:
+            s.clear()
+
+    def status(self) -> bool:
+        return all(s.status() for s in self.stores)
+
+    def shutdown(self) -> None:
+        for s in self.stores:
+            s.shutdown()
 
 
 def node_index() -> int:
@@ -149,16 +258,19 @@ class RedisStore(Store):
     def is_cluster(self) -> bool:
         return isinstance(self.backend, ClusterBackend)
 
-    def fetch(self, keys: Sequence[str]) -> tuple[list[bytes | None], BaseException | None]:
-        """Like :meth:`mget` but never raises for the store: values of the reachable nodes plus the first error."""
+    replies_owned = True
+
+    def fetch(self, keys: Sequence[str]) -> Fetched:
+        """Values of the reachable nodes (one pipelined round trip per node, all nodes at once) and the first
+        error met; never raises for the store."""
         try:
             return self.backend.fetch(keys)
         except STORE_ERRORS as exc:
             self._backend_obj = None  # reconnect (and re-probe the topology) next time
             return [None] * len(keys), exc
 
-    def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> tuple[list[bool], BaseException | None]:
-        """Write ``items``; with ``overwrite=False`` existing keys are kept. Never raises for the store."""
+    def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> Written:
+        """Write ``items`` pipelined (``SET`` / ``SET NX``); never raises for the store."""
         try:
             return self.backend.put(items, overwrite)
         except STORE_ERRORS as exc:
@@ -167,14 +279,14 @@ class RedisStore(Store):
 
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
         values, error = self.fetch(list(keys))
-        if error is not None:
-            raise error
+        _raise(error)
         return values
 
     def mset(self, dictionary: Mapping[str, Value]) -> None:
-        _, error = self.put(list(dictionary.items()), overwrite=True)
-        if error is not None:
-            raise error
+        _raise(self.put(list(dictionary.items()), overwrite=True)[1])
+
+    def catalog(self) -> Catalog:
+        return RedisCatalog(self.backend.client_for_key(RESERVED_KEYS[0]), self.backend.primaries)
 
     def _each_primary(self, fn: Callable[[redis.Redis], Any]) -> list[Any]:
         return [fn(c) for c in self.backend.primaries()]
@@ -195,14 +307,17 @@ class RedisStore(Store):
             return False
 
     def shutdown(self) -> None:
+        if self.managed_pid is not None and os.getpid() == self._creator_pid:
+            # The server this store started (a node-local one): stopped through its own authenticated
+            # connection, so no process is ever signalled by pid.
+            try:
+                self.backend.primaries()[0].shutdown(nosave=True)
+            except STORE_ERRORS as exc:
+                log.warning("could not stop the local Redis this store started: %s", exc)
+            self.managed_pid = None
         if self._backend_obj is not None:
             self._backend_obj.close()
             self._backend_obj = None
-        if self.managed_pid is not None and os.getpid() == self._creator_pid:
-            from bagua_lightning.services.redis_cluster import stop_pid
-
-            stop_pid(self.managed_pid)
-            self.managed_pid = None
 
     def __repr__(self) -> str:
         hosts = ",".join(f"{h}:{p}" for h, p in self.hosts)

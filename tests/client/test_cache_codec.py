@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import collections
+import ctypes
+import dataclasses
 import pickle
+import sys
+import typing
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from bagua_lightning.client.cache import codec
 from bagua_lightning.client.cache.codec import CorruptEntryError, decode, encode
@@ -106,10 +111,17 @@ def test_foreign_values_are_rejected(garbage: bytes) -> None:
 Point = collections.namedtuple("Point", "x y")
 
 
+def _local_point() -> type:
+    return collections.namedtuple("LocalPoint", "x y")
+
+
+_LOCAL_POINT = _local_point()  # its name LocalPoint is not reachable in this module
+
+
 @pytest.mark.parametrize(("sample", "names"), [
     (object(), "builtins.object"),
     ({"img": [1, {"x": object()}]}, "the sample['img'][1]['x']"),
-    (Point(1, 2), "Point"),
+    (_LOCAL_POINT(1, 2), "defined inside a function"),
     (collections.OrderedDict(a=1), "OrderedDict"),
     (torch.nn.Parameter(torch.ones(2)), "tensor subclass"),
     (torch.ones(2, requires_grad=True), "requires grad"),
@@ -132,3 +144,135 @@ def test_pickle_needs_opt_in_on_both_sides() -> None:
     assert decode(entry, KEY, allow_pickle=True) == sample
     with pytest.raises(CorruptEntryError, match="not unpickling"):
         decode(entry, KEY)
+
+
+class Labeled(typing.NamedTuple):
+    image: torch.Tensor
+    label: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    features: np.ndarray
+    name: str
+    weight: float = 1.0
+    extra: list[int] = dataclasses.field(default_factory=list, init=False)
+
+
+def _images() -> list[Image.Image]:
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 255, (7, 5, 3), dtype=np.uint8))
+    rgb.info["dpi"] = (72, 72)
+    rgb.info["handle"] = object()  # not storable: dropped, the image itself still round-trips
+    return [rgb, rgb.convert("L"), rgb.convert("RGBA"), rgb.convert("P"), rgb.convert("I;16"),
+            rgb.convert("F"), Image.new("1", (9, 3), 1)]
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_pil_images_round_trip_natively(index: int) -> None:
+    image = _images()[index]
+    entry = bytes(encode((image, 3), KEY))
+    assert not codec.is_pickled(entry)
+    out, label = decode(entry, KEY)
+    assert label == 3 and type(out) is Image.Image
+    assert (out.mode, out.size, out.tobytes(), out.getpalette()) == (image.mode, image.size, image.tobytes(),
+                                                                      image.getpalette())
+    assert out.info.get("dpi") == image.info.get("dpi") and "handle" not in out.info
+    if "handle" not in image.info:
+        assert out == image
+
+
+def test_namedtuples_dataclasses_none_bool_and_numpy_scalars_round_trip() -> None:
+    rec = Record(np.arange(3.0), "r")
+    object.__setattr__(rec, "extra", [4])
+    sample = [Labeled(torch.ones(2), 5), Point(None, True), rec, np.int16(-2), np.bool_(False), np.float64(0.5)]
+    out = decode(bytes(encode(sample, KEY)), KEY)
+    assert type(out[0]) is Labeled and torch.equal(out[0].image, torch.ones(2)) and out[0].label == 5
+    assert out[1] == Point(None, True) and type(out[1]) is Point
+    assert type(out[2]) is Record and out[2].name == "r" and out[2].extra == [4]
+    assert np.array_equal(out[2].features, rec.features)
+    assert [(type(x), x) for x in out[3:]] == [(type(x), x) for x in sample[3:]]
+
+
+def _nested(depth: int) -> list[object]:
+    root: list[object] = []
+    node = root
+    for _ in range(depth):
+        child: list[object] = []
+        node.append(child)
+        node = child
+    return root
+
+
+def test_deep_nesting_is_refused_on_write_and_a_miss_on_read() -> None:
+    with pytest.raises(TypeError, match="nested deeper"):
+        encode(_nested(2000), KEY)
+    cyclic: list[object] = []
+    cyclic.append(cyclic)
+    with pytest.raises(TypeError, match="holds itself"):
+        encode(cyclic, KEY)
+    # A crafted entry: 2,000 nested lists with a valid digest. Decoding is a clean CorruptEntryError.
+    meta = b"[\x01\x00\x00\x00" * 2000 + b"[\x00\x00\x00\x00"
+    entry = codec._assemble(KEY, None, codec.default_digest_kind(), 0, meta, b"", [], 0)
+    with pytest.raises(CorruptEntryError, match="nested deeper"):
+        decode(bytes(entry), KEY)
+
+
+def test_counts_larger_than_the_entry_are_refused_before_allocating() -> None:
+    meta = b"[\xff\xff\xff\x7f"  # a list claiming 2**31-1 items in 5 bytes
+    entry = codec._assemble(KEY, None, codec.default_digest_kind(), 0, meta, b"", [], 0)
+    with pytest.raises(CorruptEntryError, match="items in"):
+        decode(bytes(entry), KEY)
+
+
+def test_a_class_that_is_not_imported_is_a_miss_not_an_import() -> None:
+    meta = b"n" + bytes([len(b"antigravity:x")]) + b"antigravity:x" + b"\x00\x00\x00\x00"
+    entry = codec._assemble(KEY, None, codec.default_digest_kind(), 0, meta, b"", [], 0)
+    with pytest.raises(CorruptEntryError, match="not imported"):
+        decode(bytes(entry), KEY)
+    assert "antigravity" not in sys.modules
+
+
+SECRET = b"a cache key shared by the job"
+
+
+def test_keyed_entries_need_the_key_and_refuse_unkeyed_ones() -> None:
+    sample = (torch.arange(5), "x")
+    keyed = bytes(encode(sample, KEY, secret=SECRET))
+    assert_same(decode(keyed, KEY, secret=SECRET), sample)
+    with pytest.raises(CorruptEntryError, match="not written with this cache key"):
+        decode(keyed, KEY, secret=b"another key")
+    with pytest.raises(CorruptEntryError, match="none is configured"):
+        decode(keyed, KEY)
+    # A forgery by someone who can write to Redis but has no key: a valid unkeyed digest is refused.
+    forged = bytes(encode(sample, KEY))
+    assert_same(decode(forged, KEY), sample)
+    with pytest.raises(CorruptEntryError, match="only entries authenticated"):
+        decode(forged, KEY, secret=SECRET)
+    tampered = bytearray(keyed)
+    tampered[-1] ^= 1
+    with pytest.raises(CorruptEntryError):
+        decode(bytes(tampered), KEY, secret=SECRET)
+
+
+def test_both_unkeyed_digests_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "xxhash", None)
+    crc_entry = bytes(encode(torch.ones(3), KEY))
+    assert crc_entry[4] == codec.DIGEST_CRC32
+    monkeypatch.undo()
+    assert_same(decode(crc_entry, KEY), torch.ones(3))
+
+
+def test_owned_reply_buffers_are_viewed_without_a_copy() -> None:
+    value = bytes(encode((torch.arange(4.0), np.arange(2)), KEY))
+    t, a = decode(value, KEY, owned=True)
+    base = ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value or 0
+    assert base <= t.data_ptr() < base + len(value)  # the tensor views the reply itself
+    a[:] += 1  # numpy arrays still get a writable copy
+    assert a.tolist() == [1, 2]
+
+
+def test_format_version_1_entries_are_misses() -> None:
+    entry = bytearray(encode(1, KEY))
+    entry[3] = 1
+    with pytest.raises(CorruptEntryError, match="version 1"):
+        decode(bytes(entry), KEY)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from bagua_lightning.cli import main as cli_main
 from bagua_lightning.client import CachedDataset, CacheLoader, RedisStore
-from bagua_lightning.client.cache import codec
+from bagua_lightning.client.cache import catalog, codec
 from bagua_lightning.services.redis_cluster import ClusterInfo
 from tests.client.cache_datasets import Source, Unstorable
 
@@ -175,8 +175,8 @@ def test_cache_loader_api(cluster_store: RedisStore, redis_cluster3: ClusterInfo
     assert calls == ["a"] and loader.num_keys() == 1 and loader.redis_key("a") == "test:0:a"
     with pytest.raises(ValueError, match="backend='lmdb' is not supported"):
         CacheLoader(backend="lmdb")
-    with pytest.raises(ValueError, match="dataset_name 'a:b' is not valid"):
-        CacheLoader(dataset_name="a:b", hosts=redis_cluster3.hosts)
+    with pytest.raises(TypeError, match="dataset_name=3 is a int"):
+        CacheLoader(dataset_name=3, hosts=redis_cluster3.hosts)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="writer_buffer_size=0"):
         CacheLoader(writer_buffer_size=0, hosts=redis_cluster3.hosts)
 
@@ -199,7 +199,26 @@ def test_catalog_and_cache_cli(cluster_store: RedisStore, redis_cluster3: Cluste
     assert cluster_store.num_keys() == 0
     assert cli_main(["cache", "ls", *hosts]) == 0
     assert "no cached datasets" in capsys.readouterr().out
-    assert cli_main(["cache", "rm", "bad{name}", *hosts]) == 1
+    assert cli_main(["cache", "rm", "never{cached}", *hosts]) == 0
+    assert "deleted 0 entries" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["my data", "ds:v1", "données/ü", "{tag}*?[x]%", ""])
+def test_any_string_is_a_dataset_name(cluster_store: RedisStore, redis_cluster3: ClusterInfo, name: str) -> None:
+    ds = CachedDataset(Source(4), dataset_name=name, version="v:1", hosts=redis_cluster3.hosts)
+    first = ds.__getitems__([0, 1, 2, 3])
+    again = CachedDataset(Source(4), dataset_name=name, version="v:1", hosts=redis_cluster3.hosts)
+    second = again.__getitems__([0, 1, 2, 3])
+    assert all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(first, second, strict=True))
+    assert again.stats.hits == 4 and again.stats.misses == 0
+    other = CachedDataset(Source(4), dataset_name=name + "x", version="v:1", hosts=redis_cluster3.hosts)
+    other.__getitems__([0])
+    other.flush()
+    assert other.stats.misses == 1  # a different name never shares entries
+    listed = [(e.name, e.version, e.samples) for e in catalog.list_datasets(cluster_store)]
+    assert (name, "v:1", 4) in listed
+    assert catalog.remove_dataset(cluster_store, name) == 4
+    assert cluster_store.num_keys() == 1  # only the other dataset's entry is left
 
 
 def test_store_keys_follow_the_documented_layout(cluster_store: RedisStore, redis_cluster3: ClusterInfo) -> None:
@@ -207,5 +226,7 @@ def test_store_keys_follow_the_documented_layout(cluster_store: RedisStore, redi
     ds.__getitems__([0, 1, 2])
     keys = sorted(k.decode() for c in cluster_store.backend.primaries() for k in c.scan_iter(match="layout:*"))
     assert keys == ["layout:7:0", "layout:7:1", "layout:7:2"]
+    assert CacheLoader(dataset_name="my data", version="ds:v1", hosts=redis_cluster3.hosts).redis_key(5) == \
+        "my%20data:ds%3Av1:5"
     with redis.RedisCluster(host=redis_cluster3.nodes[0].host, port=redis_cluster3.nodes[0].port) as rc:
         assert len({rc.keyslot(k) for k in keys}) == 3  # no hash tag: a dataset spreads over every master

@@ -1,0 +1,331 @@
+"""Reading cache entries: a skeleton is compiled once into a :class:`Plan`, then every entry with it decodes
+with one ``struct`` unpack of its tail and a prebuilt function.
+
+Samples of a dataset almost always share their skeleton (types, dtypes, numbers of dimensions, container
+lengths; see :mod:`.values`), so after the first entry a read costs a dict lookup, an unpack and the
+construction of the values themselves. Plans are cached per process, at most :data:`MAX_PLANS` of them (the
+cache is emptied when full, so hostile entries cannot grow it).
+
+Every check that keeps a damaged or hostile entry from costing more than its own size happens here: the
+skeleton nests at most :data:`~.values.MAX_DEPTH` levels, every count is checked against the bytes left
+before anything is built, the tail must be exactly as long as the skeleton says, and contents are read
+through bounds-checked views. Classes of namedtuples and dataclasses are looked up among modules already
+imported, at compile time; nothing is ever imported because of an entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from .values import (
+    MAX_DEPTH,
+    MAX_NDIM,
+    T_BIGINT,
+    T_BYTEARRAY,
+    T_BYTES,
+    T_COMPLEX,
+    T_DATACLASS,
+    T_DICT,
+    T_FALSE,
+    T_FLOAT,
+    T_IMAGE,
+    T_INT,
+    T_LIST,
+    T_NAMEDTUPLE,
+    T_NDARRAY,
+    T_NONE,
+    T_NPSCALAR,
+    T_STR,
+    T_TENSOR,
+    T_TRUE,
+    T_TUPLE,
+    TORCH_DTYPES,
+    CorruptEntryError,
+    _find_class,
+)
+
+MAX_PLANS = 1024
+Build = Callable[[tuple[Any, ...], Any, Any], Any]  # (tail values, tensor buffer, writable buffer) -> value
+_U32 = struct.Struct("<I")
+
+
+class Plan:
+    """A compiled skeleton: the tail's layout and the function that builds the sample.
+
+    ``tensors``: the sample holds tensors (they view the reply when the caller owns it, else a copy);
+    ``arrays``: it holds numpy arrays (always a writable copy of the data region).
+    """
+
+    __slots__ = ("arrays", "build", "tail", "tensors")
+
+    def __init__(self, tail: struct.Struct, build: Build, tensors: bool, arrays: bool) -> None:
+        self.tail = tail
+        self.build = build
+        self.tensors = tensors
+        self.arrays = arrays
+
+
+PLANS: dict[bytes, Plan] = {}
+
+
+def plan_for(skeleton: bytes) -> Plan:
+    """The plan of ``skeleton``, compiled on first use."""
+    plan = PLANS.get(skeleton)
+    if plan is None:
+        plan = _Compiler(skeleton).plan()
+        if len(PLANS) >= MAX_PLANS:
+            PLANS.clear()
+        PLANS[skeleton] = plan
+    return plan
+
+
+def _at(buf: Any, off: int, n: int) -> Any:
+    """``buf[off:off+n]``, refusing a range past the end (slicing would silently shorten it)."""
+    if off + n > len(buf):
+        raise CorruptEntryError(f"{n} bytes at {off} run past the {len(buf)}-byte data region")
+    return buf[off:off + n]
+
+
+_ENV: dict[str, Any] = {}
+
+
+def _env() -> dict[str, Any]:
+    """torch, numpy and the dtype table, imported on the first tensor or array."""
+    if not _ENV:
+        import numpy as np
+        import torch
+
+        table = {}
+        for name in TORCH_DTYPES:
+            dtype = getattr(torch, name)
+            np_dtype = np.dtype(name).newbyteorder("<") if hasattr(np, name) else None
+            table[name.encode()] = (dtype, dtype.itemsize, np_dtype)
+        # torch warns once per process that a tensor over a read-only buffer could write to it. A reply
+        # buffer is owned by the tensors decoded from it and nobody else reads it: the warning would only
+        # alarm, so it is used up here.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.frombuffer(b"\0", dtype=torch.uint8)
+            torch.from_numpy(np.frombuffer(b"\0", np.uint8))
+        _ENV.update(torch=torch, np=np, dtypes=table)
+    return _ENV
+
+
+class _Compiler:
+    """Walks a skeleton once, assigning each leaf its position in the tail."""
+
+    def __init__(self, skeleton: bytes) -> None:
+        self.skel = skeleton
+        self.pos = 0
+        self.fmt: list[str] = []
+        self.tensors = False
+        self.arrays = False
+
+    def plan(self) -> Plan:
+        build = self.node(0)
+        if self.pos != len(self.skel):
+            raise CorruptEntryError("trailing bytes after the sample structure")
+        return Plan(struct.Struct("<" + "".join(self.fmt)), build, self.tensors, self.arrays)
+
+    def _fields(self, code: str, n: int = 1) -> int:
+        """Reserve ``n`` tail fields; return the index of the first."""
+        i = len(self.fmt)
+        self.fmt.extend(code * n)
+        return i
+
+    def _byte(self) -> int:
+        b = self.skel[self.pos]
+        self.pos += 1
+        return b
+
+    def _name(self) -> bytes:
+        n = self._byte()
+        if self.pos + n > len(self.skel):
+            raise CorruptEntryError("entry structure runs past its skeleton")
+        self.pos += n
+        return self.skel[self.pos - n:self.pos]
+
+    def _count(self) -> int:
+        (n,) = _U32.unpack_from(self.skel, self.pos)
+        self.pos += 4
+        # Every item takes at least one byte of skeleton: a larger count is a lie, refused before building.
+        if n > len(self.skel) - self.pos:
+            raise CorruptEntryError(f"a container of {n} items in {len(self.skel) - self.pos} bytes of structure")
+        return int(n)
+
+    def node(self, depth: int) -> Build:
+        tag = self._byte()
+        if tag == T_TENSOR:
+            return self._tensor()
+        if tag in (T_INT, T_FLOAT):
+            i = self._fields("q" if tag == T_INT else "d")
+            return lambda v, d, w: v[i]
+        if tag in (T_NONE, T_TRUE, T_FALSE):
+            const = None if tag == T_NONE else tag == T_TRUE
+            return lambda v, d, w: const
+        if tag in (T_STR, T_BYTES, T_BYTEARRAY, T_BIGINT):
+            return self._blob(tag)
+        if tag == T_COMPLEX:
+            i = self._fields("d", 2)
+            return lambda v, d, w: complex(v[i], v[i + 1])
+        if tag == T_NDARRAY:
+            return self._ndarray()
+        if tag == T_NPSCALAR:
+            return self._npscalar()
+        if depth >= MAX_DEPTH:
+            raise CorruptEntryError(f"structure nested deeper than {MAX_DEPTH} levels")
+        if tag in (T_TUPLE, T_LIST):
+            return self._sequence(tag, depth + 1)
+        if tag == T_DICT:
+            return self._dict(depth + 1)
+        if tag == T_IMAGE:
+            return self._image(depth + 1)
+        if tag in (T_NAMEDTUPLE, T_DATACLASS):
+            return self._record(tag, depth + 1)
+        raise CorruptEntryError(f"unknown tag {tag:#x}")
+
+    def _sequence(self, tag: int, depth: int) -> Build:
+        items = [self.node(depth) for _ in range(self._count())]
+        if tag == T_LIST:
+            return lambda v, d, w: [f(v, d, w) for f in items]
+        if len(items) == 2:  # (input, target): the most common sample
+            a, b = items
+            return lambda v, d, w: (a(v, d, w), b(v, d, w))
+        return lambda v, d, w: tuple([f(v, d, w) for f in items])
+
+    def _dict(self, depth: int) -> Build:
+        n = self._count()
+        pairs = [(self.node(depth), self.node(depth)) for _ in range(n)]
+
+        def build(v: tuple[Any, ...], d: Any, w: Any) -> Any:
+            out = {k(v, d, w): x(v, d, w) for k, x in pairs}
+            if len(out) != n:
+                raise CorruptEntryError("duplicate dict keys")
+            return out
+
+        return build
+
+    def _record(self, tag: int, depth: int) -> Build:
+        name = self._name().decode("utf-8")
+        cls = _find_class(name)
+        n = self._count()
+        if tag == T_NAMEDTUPLE:
+            if not (isinstance(cls, type) and issubclass(cls, tuple) and len(getattr(cls, "_fields", ())) == n):
+                raise CorruptEntryError(f"{name} is not a namedtuple of {n} fields")
+            items = [self.node(depth) for _ in range(n)]
+            make = cls._make  # type: ignore[attr-defined]
+            return lambda v, d, w: make([f(v, d, w) for f in items])
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise CorruptEntryError(f"{name} is not a dataclass")
+        fields = [(self._name().decode("utf-8"), self.node(depth)) for _ in range(n)]
+        expected = [f.name for f in dataclasses.fields(cls)]
+        if [f for f, _ in fields] != expected:
+            raise CorruptEntryError(f"fields {[f for f, _ in fields]} do not match {name}'s {expected}")
+        new, setattr_ = object.__new__, object.__setattr__
+
+        def build(v: tuple[Any, ...], d: Any, w: Any) -> Any:
+            # As pickle does: no __init__ (fields with init=False exist too), every field set directly.
+            obj = new(cls)
+            for field, f in fields:
+                setattr_(obj, field, f(v, d, w))
+            return obj
+
+        return build
+
+    def _blob(self, tag: int) -> Build:
+        i = self._fields("Q", 2)
+        if tag == T_STR:
+            return lambda v, d, w: str(_at(d, v[i], v[i + 1]), "utf-8", "surrogatepass")
+        if tag == T_BYTES:
+            return lambda v, d, w: bytes(_at(d, v[i], v[i + 1]))
+        if tag == T_BYTEARRAY:
+            return lambda v, d, w: bytearray(_at(d, v[i], v[i + 1]))
+        return lambda v, d, w: int.from_bytes(_at(d, v[i], v[i + 1]), "little", signed=True)
+
+    def _dims(self) -> tuple[int, int]:
+        ndim = self._byte()
+        if ndim > MAX_NDIM:
+            raise CorruptEntryError(f"array with {ndim} dimensions")
+        return ndim, self._fields("Q", ndim)
+
+    def _tensor(self) -> Build:
+        env = _env()
+        spec = env["dtypes"].get(self._name())
+        if spec is None:
+            raise CorruptEntryError("tensor of a dtype the codec does not write")
+        dtype, itemsize, np_dtype = spec
+        ndim, s = self._dims()
+        e = s + ndim  # shape is v[s:e]; offset and length of the bytes follow
+        self._fields("Q", 2)
+        self.tensors = True
+        torch = env["torch"]
+        from_numpy, frombuffer, empty = torch.from_numpy, env["np"].frombuffer, torch.empty
+
+        if np_dtype is not None:  # numpy builds a shaped view faster than torch.frombuffer(...).view(shape)
+            def build(v: tuple[Any, ...], d: Any, w: Any) -> Any:
+                n = v[e + 1] // itemsize
+                if n == 0:
+                    return empty(v[s:e], dtype=dtype)
+                return from_numpy(frombuffer(d, np_dtype, n, v[e]).reshape(v[s:e]))
+
+            return build
+
+        def build_torch(v: tuple[Any, ...], d: Any, w: Any) -> Any:
+            n = v[e + 1] // itemsize
+            if n == 0:
+                return empty(v[s:e], dtype=dtype)
+            return torch.frombuffer(d, dtype=dtype, count=n, offset=v[e]).view(v[s:e])
+
+        return build_torch
+
+    def _ndarray(self) -> Build:
+        np = _env()["np"]
+        dt = np.dtype(self._name().decode("ascii"))
+        if dt.hasobject:
+            raise CorruptEntryError("object arrays are never decoded")
+        ndim, s = self._dims()
+        e = s + ndim
+        self._fields("Q", 2)
+        self.arrays = True
+        frombuffer, empty = np.frombuffer, np.empty
+
+        def build(v: tuple[Any, ...], d: Any, w: Any) -> Any:
+            n = v[e + 1] // dt.itemsize
+            if n == 0:
+                return empty(v[s:e], dtype=dt)
+            return frombuffer(w, dt, n, v[e]).reshape(v[s:e])
+
+        return build
+
+    def _npscalar(self) -> Build:
+        np = _env()["np"]
+        dt = np.dtype(self._name().decode("ascii"))
+        if dt.hasobject:
+            raise CorruptEntryError("object scalars are never decoded")
+        i = self._fields("Q", 2)
+        return lambda v, d, w: np.frombuffer(_at(d, v[i], v[i + 1]), dtype=dt, count=1)[0].copy()
+
+    def _image(self, depth: int) -> Build:
+        from PIL import Image
+
+        mode = self._name().decode("ascii")
+        size = self._fields("Q", 2)
+        palette_mode = self._name().decode("ascii")
+        palette = self._fields("Q", 2) if palette_mode else -1
+        if self.skel[self.pos] != T_DICT:
+            raise CorruptEntryError("image info is not a dict")
+        info = self.node(depth)
+        pixels = self._fields("Q", 2)
+
+        def build(v: tuple[Any, ...], d: Any, w: Any) -> Any:
+            image = Image.frombytes(mode, (v[size], v[size + 1]), _at(d, v[pixels], v[pixels + 1]))
+            if palette >= 0:
+                image.putpalette(bytes(_at(d, v[palette], v[palette + 1])), palette_mode)
+            image.info.update(info(v, d, w))
+            return image
+
+        return build
