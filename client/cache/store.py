@@ -220,13 +220,18 @@ class RedisStore(Store):
             if resolved is not None:
                 hosts = resolved[0]
             else:
-                from .local_server import find_or_start
+                from .local_server import job_servers
 
-                server = find_or_start(capacity_per_node, self.options.start_timeout_s)
-                hosts = [{"host": server.host, "port": server.port}]
-                self.options.password = server.password
+                # Every node's server, exchanged over the job's torch.distributed store when there is one:
+                # one store over all of them, so a sample cached on one node is a hit on every node.
+                servers = job_servers(capacity_per_node, self.options.start_timeout_s)
+                hosts = servers.hosts
+                self.options.password = servers.password
                 self.local = True
-                self.managed_pid = server.pid if server.started_here else None
+                if len(hosts) > 1:
+                    self.cluster_mode = True  # shard over every node's server, not only this node's
+                elif servers.local is not None and servers.started_here:
+                    self.managed_pid = servers.local.pid
         self.hosts = parse_hosts(hosts)
         self._backend_obj: Backend | None = None
         self._pid = os.getpid()

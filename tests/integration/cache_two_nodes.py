@@ -43,10 +43,13 @@ def main(job: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                             rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=60))
     try:
-        servers = job_servers(64 * 1024 * 1024, timeout_s=60)
+        servers = job_servers(64 * 1024 * 1024, timeout_s=60)  # what hosts=None does: reported below
         source = Counting()
-        ds = CachedDataset(source, dataset_name="two-nodes", hosts=servers.hosts, password=servers.password,
+        ds = CachedDataset(source, dataset_name="two-nodes", hosts=None, capacity_per_node=64 * 1024 * 1024,
                            writer_buffer_size=1)
+        store = ds.cache_loader.store
+        if store.hosts != [(h["host"], h["port"]) for h in servers.hosts]:
+            raise SystemExit(f"hosts=None gave {store.hosts}, job_servers {servers.hosts}")
         # Job 0: node 0's rank computes every sample first; job 1: node 1's rank reads first.
         first = 0 if job == 0 else 1
         for turn in (first, 1 - first):
