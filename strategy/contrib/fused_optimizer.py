@@ -1,12 +1,17 @@
 """Fused optimizer: one update per run of contiguous parameters instead of one per parameter.
 
-``fuse_optimizer`` moves every parameter group's parameters, gradients and parameter-shaped optimizer state
-into flat buffers (one per group, dtype and device) and leaves the original tensors as views of them.
-``fuse_step`` then finds the *runs*: parameters whose weights, gradients and every parameter-shaped state
-tensor sit next to each other in memory, in the same order, and whose other state (``step`` counters and the
-like) is equal. Each run becomes one flat parameter; the optimizer's own ``step`` runs once over those flat
-parameters (the original optimizer object, its hyper-parameters and hooks: only ``param_groups[i]["params"]``
-and ``state`` are swapped for the duration), so a group of 200 tensors costs a handful of kernels.
+``fuse_optimizer`` moves every parameter group's parameters and parameter-shaped optimizer state into flat
+buffers (one per group, dtype and device) and leaves the original tensors as views of them. ``fuse_step``
+then finds the *runs*: parameters whose weights and every parameter-shaped state tensor sit next to each
+other in memory, in the same order, and whose other state (``step`` counters and the like) is equal. Each
+run becomes one flat parameter; the optimizer's own ``step`` runs once over those flat parameters (the
+original optimizer object, its hyper-parameters and hooks: only ``param_groups[i]["params"]`` and ``state``
+are swapped for the duration), so a group of 200 tensors costs a handful of kernels.
+
+Gradients: where a run's gradients already lie side by side in the same order (e.g. in a communication
+bucket) the fused gradient is a view of them. Otherwise the run has a gradient buffer: gradients autograd
+allocated are moved into it (so a backward after ``zero_grad(set_to_none=False)`` writes there, no copy);
+gradients that are views of someone else's buffer are copied in each step and left where they are.
 
 Exactness: for update rules that are element-wise (SGD, Adam, AdamW, Adamax, RMSprop, Rprop, ASGD, Adadelta,
 Adagrad, NAdam, RAdam, ...) the fused update does the same floating-point operations per element as the
@@ -139,6 +144,10 @@ class _Run:
     param: torch.nn.Parameter
     members: list[torch.Tensor]
     scalar_keys: list[str]
+    grad_views: list[torch.Tensor]
+    """Per member, the view of ``param.grad`` its gradient must be in (copied there when it is not)."""
+    owns_grads: bool
+    """``param.grad`` is our buffer (True) or a view over gradients laid out by someone else (False)."""
 
 
 @dataclass(slots=True)
@@ -176,6 +185,42 @@ def _state_of(optimizer: torch.optim.Optimizer) -> _FusedState:
     return st  # type: ignore[no-any-return]
 
 
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for t in like:
+        views.append(flat.narrow(0, offset, t.numel()).view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def _standalone(t: torch.Tensor) -> bool:
+    """A tensor alone in its storage (what autograd allocates for a gradient), not a view of a buffer."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _gather_grads(run: _Run) -> bool:
+    """Copy members' gradients into the run's buffer where they are elsewhere; False when that is impossible.
+
+    A gradient autograd allocated on its own is then replaced by its view in the buffer (the next backward
+    accumulates there, no copy); a gradient that is a view of someone else's buffer is only copied.
+    """
+    dst, src = [], []
+    for p, v in zip(run.members, run.grad_views):
+        g = p.grad
+        if g is v:
+            continue
+        if g is None or not run.owns_grads or g.shape != v.shape or g.dtype != v.dtype:
+            return False
+        dst.append(v)
+        src.append(g)
+        if _standalone(g):
+            p.grad = v
+    if dst:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
+    return True
+
+
 def _build_group_plan(optimizer: torch.optim.Optimizer, group: dict[str, Any], fused_state: Any) -> _GroupPlan:
     params: list[torch.Tensor] = list(group["params"])
     state = optimizer.state
@@ -195,28 +240,38 @@ def _build_group_plan(optimizer: torch.optim.Optimizer, group: dict[str, Any], f
         if len(idx) < 2:
             continue
         members = [params[i] for i in idx]
-        lists = [[p.detach() for p in members], [p.grad for p in members]]
+        lists = [[p.detach() for p in members]]
         lists += [[state[p][k] for p in members] for k in ew_keys]
         for group_idx in calculate_mutual_groups(lists):  # type: ignore[arg-type]
             run_members = [members[j] for j in group_idx]
             numel = sum(p.numel() for p in run_members)
             first = run_members[0]
             fp = torch.nn.Parameter(_flat_view(first.detach(), numel), requires_grad=False)
-            fp.grad = _flat_view(first.grad, numel)  # type: ignore[arg-type]
+            grads = [p.grad for p in run_members]
+            in_order = calculate_mutual_groups([[p.detach() for p in run_members], grads])  # type: ignore[list-item]
+            if in_order == [list(range(len(run_members)))]:
+                # Gradients already side by side in the same order (ours, or a bucket's): step them in place.
+                fp.grad = _flat_view(grads[0], numel)  # type: ignore[arg-type]
+                run = _Run(fp, run_members, [], list(grads), owns_grads=False)  # type: ignore[arg-type]
+            else:
+                fp.grad = torch.empty(numel, dtype=first.dtype, device=first.device)
+                views = _split(fp.grad, run_members)
+                run = _Run(fp, run_members, [], views, owns_grads=True)
+                _gather_grads(run)
             fst = fused_state[fp]
             for k in ew_keys:
                 fst[k] = _flat_view(state[first][k], numel)
-            scalar_names = [k for k, _ in scalars]
-            for k in scalar_names:
+            run.scalar_keys = [k for k, _ in scalars]
+            for k in run.scalar_keys:
                 v = state[first][k]
                 fst[k] = v.clone() if isinstance(v, torch.Tensor) else v
-            runs.append(_Run(fp, run_members, scalar_names))
+            runs.append(run)
             fused_ids.update(id(p) for p in run_members)
     step_params = [r.param for r in runs] + [p for p in params if id(p) not in fused_ids]
     return _GroupPlan(
         params=params,
         data_ptrs=[p.data_ptr() for p in params],
-        grads=[p.grad for p in params],
+        grads=[p.grad for p in params],  # after gathering: what a step without a new backward finds
         step_params=step_params,
         runs=runs,
         fused_tensors=len(fused_ids),
@@ -264,39 +319,28 @@ def _adopt_new_state(optimizer: torch.optim.Optimizer, st: _FusedState) -> bool:
 
 
 def _valid_plans(optimizer: torch.optim.Optimizer, st: _FusedState) -> list[_GroupPlan]:
-    """The cached plans when the layout still matches; otherwise rebuilt (gradients re-gathered first)."""
+    """The cached plans when the layout still matches (gradients gathered); otherwise rebuilt."""
     plans = st.plans
     if plans is not None and len(plans) == len(optimizer.param_groups):
         ok = True
-        regather: list[tuple[torch.Tensor, torch.Tensor]] = []
         for plan, group in zip(plans, optimizer.param_groups):
             params = group["params"]
             if len(params) != len(plan.params) or any(a is not b for a, b in zip(params, plan.params)):
                 ok = False
-                break
-            if [p.data_ptr() for p in params] != plan.data_ptrs:
+            elif [p.data_ptr() for p in params] != plan.data_ptrs:
                 ok = False
-                break
-            for p, g in zip(params, plan.grads):
-                if p.grad is g:
-                    continue
-                if p.grad is None or g is None or p.grad.shape != g.shape or p.grad.dtype != g.dtype:
+            elif any(p.grad is not g for p, g in zip(params, plan.grads)):
+                # Fresh gradients (zero_grad(set_to_none=True) + backward): into the run buffers again.
+                if any((p.grad is None) != (g is None) for p, g in zip(params, plan.grads)):
                     ok = False
-                    break
-                regather.append((p, g))
+                else:
+                    ok = all(_gather_grads(run) for run in plan.runs)
+                    plan.grads = [p.grad for p in params]
             if not ok:
                 break
         if ok:
-            if regather:
-                # zero_grad(set_to_none=True) + backward gave fresh gradients: copy them into the flat buffer.
-                with torch.no_grad():
-                    torch._foreach_copy_([g for _, g in regather], [p.grad for p, _ in regather])  # type: ignore[misc]
-                for p, g in regather:
-                    p.grad = g
             return plans
     _sync_scalars_back(optimizer, st)
-    if st.flattened:
-        _regather_grads(optimizer)
     st.fused_state = defaultdict(dict)
     st.plans = [_build_group_plan(optimizer, g, st.fused_state) for g in optimizer.param_groups]
     if st.check_flatten and not st.warned:
@@ -305,7 +349,7 @@ def _valid_plans(optimizer: torch.optim.Optimizer, st: _FusedState) -> list[_Gro
         if total > 1 and fused < total:
             st.warned = True
             log.warning(
-                "fused optimizer: %d of %d parameter tensors are contiguous with their gradients and state; the "
+                "fused optimizer: %d of %d parameter tensors are contiguous with their neighbours and state; the "
                 "rest are stepped one by one (did something re-allocate parameters, e.g. with_bagua(do_flatten=True)?)",
                 fused, total,
             )
@@ -321,20 +365,6 @@ def _groups_by_type(group: dict[str, Any]) -> list[list[torch.Tensor]]:
     return [ps for ps in by_type.values() if len(ps) > 1]
 
 
-def _regather_grads(optimizer: torch.optim.Optimizer) -> None:
-    """Put gradients that left the flat layout back into one flat buffer per group and type."""
-    for group in optimizer.param_groups:
-        for params in _groups_by_type(group):
-            with_grad = [p for p in params if p.grad is not None and not p.grad.is_sparse]
-            if len(with_grad) < 2:
-                continue
-            grads = [p.grad for p in with_grad]
-            if calculate_mutual_groups([[p.detach() for p in with_grad], grads]) == [list(range(len(grads)))]:  # type: ignore[list-item]
-                continue
-            for p, v in zip(with_grad, _flatten(grads)):  # type: ignore[arg-type]
-                p.grad = v
-
-
 def _flatten_params_and_state(optimizer: torch.optim.Optimizer) -> None:
     state = optimizer.state
     for group in optimizer.param_groups:
@@ -342,9 +372,6 @@ def _flatten_params_and_state(optimizer: torch.optim.Optimizer) -> None:
             with torch.no_grad():
                 for p, v in zip(params, _flatten([p.detach() for p in params])):
                     p.data = v
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                for p, v in zip(params, _flatten(grads)):
-                    p.grad = v
             _flatten_state(state, params)
 
 

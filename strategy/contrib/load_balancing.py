@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torch.utils.data.sampler import Sampler
 
-__all__ = ["LoadBalancingDistributedBatchSampler", "LoadBalancingDistributedSampler", "keep_load_balancing_samplers"]
+__all__ = ["LoadBalancingDistributedBatchSampler", "LoadBalancingDistributedSampler"]
 
 
 class LoadBalancingDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
@@ -172,24 +172,3 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         self.sampler.set_epoch(epoch)
         self.generate_batches()
 
-
-def keep_load_balancing_samplers(trainer: Any) -> None:
-    """Make a Lightning ``Trainer`` keep data loaders that use our batch sampler as they are.
-
-    With ``use_distributed_sampler=True`` Lightning replaces a loader's sampler with a ``DistributedSampler``
-    unless it already is one (our :class:`LoadBalancingDistributedSampler` is); a loader built with
-    ``batch_sampler=LoadBalancingDistributedBatchSampler(...)`` has a plain sampler, and Lightning cannot
-    re-create our batch sampler around a new one. This wraps the trainer's decision so such loaders pass.
-    """
-    connector = getattr(trainer, "_data_connector", None)
-    original = getattr(connector, "_requires_distributed_sampler", None)
-    if original is None or getattr(original, "_keeps_load_balancing", False):
-        return
-
-    def requires_distributed_sampler(dataloader: Any) -> bool:
-        if isinstance(getattr(dataloader, "batch_sampler", None), LoadBalancingDistributedBatchSampler):
-            return False
-        return bool(original(dataloader))
-
-    requires_distributed_sampler._keeps_load_balancing = True  # type: ignore[attr-defined]
-    connector._requires_distributed_sampler = requires_distributed_sampler  # type: ignore[union-attr]
