@@ -329,13 +329,13 @@ def _valid_plans(optimizer: torch.optim.Optimizer, st: _FusedState) -> list[_Gro
                 ok = False
             elif [p.data_ptr() for p in params] != plan.data_ptrs:
                 ok = False
-            elif any(p.grad is not g for p, g in zip(params, plan.grads)):
-                # Fresh gradients (zero_grad(set_to_none=True) + backward): into the run buffers again.
-                if any((p.grad is None) != (g is None) for p, g in zip(params, plan.grads)):
-                    ok = False
-                else:
-                    ok = all(_gather_grads(run) for run in plan.runs)
-                    plan.grads = [p.grad for p in params]
+            elif any((p.grad is None) != (g is None) for p, g in zip(params, plan.grads)):
+                ok = False
+            else:
+                # Gradients that are not (yet) in a run's buffer are copied there: fresh ones from
+                # zero_grad(set_to_none=True) + backward, or views of someone else's buffer, every step.
+                ok = all(_gather_grads(run) for run in plan.runs)
+                plan.grads = [p.grad for p in params]
             if not ok:
                 break
         if ok:
