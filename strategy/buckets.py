@@ -25,24 +25,22 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from bagua_lightning.errors import PlanMismatchError
-from bagua_lightning.proto.plan import (
+from ..errors import PlanMismatchError
+from ..proto.plan import (
     DEFAULT_BUCKET_SIZE,
     BucketPlan,
-    BucketTimingRecord,
     StepTimings,
     TensorDeclaration,
     split_into_buckets,
 )
+from .runners import BucketTimer, CudaRunner, ThreadRunner
 
 TORCH_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "f32",
@@ -65,9 +63,23 @@ def declare(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[TensorDecl
     return decls
 
 
+#: Attribute of a module listing parameter and buffer names that are never communicated (Bagua's name).
+IGNORE_ATTRIBUTE = "_bagua_params_and_buffers_to_ignore"
+
+
+def is_communicated(name: str, tensor: torch.Tensor, ignore: Iterable[str] = ()) -> bool:
+    """False for tensors data parallelism leaves alone: MoE experts (``tensor.expert``) and ignored names."""
+    return not getattr(tensor, "expert", False) and name not in set(ignore)
+
+
 def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` of every parameter that requires a gradient, in registration order."""
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    """``(name, parameter)`` of every communicated parameter that requires a gradient, in registration order.
+
+    Left out: parameters marked ``param.expert = True`` (mixture-of-experts experts, each
+    rank's own) and names in ``module._bagua_params_and_buffers_to_ignore``.
+    """
+    ignore = set(getattr(module, IGNORE_ATTRIBUTE, None) or ())
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad and is_communicated(n, p, ignore)]
 
 
 def default_plan(
@@ -149,151 +161,6 @@ def _make_bucket(index: int, names: Sequence[str], params: Sequence[nn.Parameter
                   numel=numel)
 
 
-class _CudaRunner:
-    """Runs bucket jobs under a side stream: launched from autograd's thread, the host never waits."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device=device)
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            job()
-
-    def wait_all(self) -> None:
-        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-
-    def close(self) -> None:
-        pass
-
-
-class _ThreadRunner:
-    """Runs bucket jobs in submission order on one thread (Gloo collectives block their caller)."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._futures: list[Future[None]] = []
-
-    def submit(self, job: Callable[[], None]) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bagua-comm")
-        self._futures.append(self._pool.submit(job))
-
-    def wait_all(self) -> None:
-        futures, self._futures = self._futures, []
-        for f in futures:
-            f.result()
-
-    def close(self) -> None:
-        self.wait_all()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-class _Timer:
-    """Per-bucket timings; CUDA events double-buffered so reading never forces a sync."""
-
-    def __init__(self, num_buckets: int, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.n = num_buckets
-        self.step_id = -1
-        if self.cuda:
-            def ev() -> torch.cuda.Event:
-                return torch.cuda.Event(enable_timing=True)
-
-            # [parity] -> (bw_start, bw_end, ready[n], start[n], end[n])
-            self._events = [
-                (ev(), ev(), [ev() for _ in range(self.n)], [ev() for _ in range(self.n)],
-                 [ev() for _ in range(self.n)])
-                for _ in range(2)
-            ]
-            self._recorded: list[int] = [-1, -1]  # step id held by each parity
-        else:
-            self._t0 = 0.0
-            self._t_end = 0.0
-            self._ready = [0.0] * self.n
-            self._start = [0.0] * self.n
-            self._stop = [0.0] * self.n
-            self._last: StepTimings | None = None
-
-    def begin(self) -> None:
-        self.step_id += 1
-        if self.cuda:
-            p = self.step_id % 2
-            self._recorded[p] = -1
-            self._events[p][0].record()
-        else:
-            self._t0 = time.monotonic()
-
-    def ready(self, i: int) -> None:
-        if self.cuda:
-            self._events[self.step_id % 2][2][i].record()
-        else:
-            self._ready[i] = time.monotonic()
-
-    def comm_start(self, i: int) -> None:  # on the side stream / communication thread
-        if self.cuda:
-            self._events[self.step_id % 2][3][i].record()
-        else:
-            self._start[i] = time.monotonic()
-
-    def comm_end(self, i: int) -> None:
-        if self.cuda:
-            self._events[self.step_id % 2][4][i].record()
-        else:
-            self._stop[i] = time.monotonic()
-
-    def backward_end(self) -> None:
-        if self.cuda:
-            self._events[self.step_id % 2][1].record()
-        else:
-            self._t_end = time.monotonic()
-
-    def finished(self, nbytes: Sequence[int]) -> None:
-        if self.cuda:
-            self._recorded[self.step_id % 2] = self.step_id
-            self._nbytes = list(nbytes)
-            return
-        ms = 1000.0
-        self._last = StepTimings(
-            buckets=[
-                BucketTimingRecord(
-                    bucket_index=i,
-                    bytes=nbytes[i],
-                    ready_ms=(self._ready[i] - self._t0) * ms,
-                    comm_ms=(self._stop[i] - self._start[i]) * ms,
-                    wait_ms=max(0.0, self._stop[i] - self._t_end) * ms,
-                )
-                for i in range(self.n)
-            ],
-            backward_ms=(self._t_end - self._t0) * ms,
-        )
-
-    def last(self) -> StepTimings | None:
-        if not self.cuda:
-            return self._last
-        # Newest fully recorded step whose events have completed; never synchronises.
-        for step in sorted((s for s in self._recorded if s >= 0), reverse=True):
-            bw0, bw1, ready, start, end = self._events[step % 2]
-            if not all(e.query() for e in (bw1, *end)):
-                continue
-            return StepTimings(
-                buckets=[
-                    BucketTimingRecord(
-                        bucket_index=i,
-                        bytes=self._nbytes[i],
-                        ready_ms=bw0.elapsed_time(ready[i]),
-                        comm_ms=start[i].elapsed_time(end[i]),
-                        wait_ms=max(0.0, bw1.elapsed_time(end[i])),
-                    )
-                    for i in range(self.n)
-                ],
-                backward_ms=bw0.elapsed_time(bw1),
-            )
-        return None
-
-
 class BucketEngine:
     """Flat buckets over a set of parameters, communicated in plan order as they become ready.
 
@@ -351,8 +218,8 @@ class BucketEngine:
         self.pad_multiple = max(1, pad_multiple)
         device = self.named_params[0][1].device
         self.device = device
-        self._runner: _CudaRunner | _ThreadRunner = (
-            _CudaRunner(device) if device.type == "cuda" else _ThreadRunner()
+        self._runner: CudaRunner | ThreadRunner = (
+            CudaRunner(device) if device.type == "cuda" else ThreadRunner()
         )
         self._lock = threading.Lock()
         self.observed_order: list[str] = []
@@ -376,7 +243,7 @@ class BucketEngine:
         }
         self._sizes = [len(b.params) for b in self.buckets]
         self._nbytes = [b.nbytes for b in self.buckets]
-        self._timer = _Timer(len(self.buckets), self.device)
+        self._timer = BucketTimer(len(self.buckets), self.device)
         self._backwards = 0  # the first backward of a plan is measured
         self._active = False
         self._marked = [bytearray(n) for n in self._sizes]
@@ -539,11 +406,9 @@ class BucketEngine:
             for j, p in enumerate(b.params):
                 if not self._marked[b.index][j]:
                     self._marked[b.index][j] = 1
-                    if self.bind_grads and self.flatten:
+                    if self.bind_grads and self.flatten:  # (caller-owned values stay as they are)
                         b.views[j].zero_() if p.grad is None else b.views[j].copy_(p.grad)
                         p.grad = b.views[j]
-                    elif not self.bind_grads:
-                        pass  # caller-owned values stay as they are
             self._pending[b.index] = 0
             if self._timed:
                 self._timer.ready(b.index)

@@ -7,14 +7,20 @@ collective call), so building it is itself safe from mismatches.
 Hierarchy: ranks are laid out node by node (rank = node * local_size + local_rank),
 as torchrun and Lightning launch them. ``intra_group`` holds the ranks of this
 node; ``inter_group`` holds local rank ``local_rank`` of every node (for local rank
-0, the node leaders). With one node, hierarchical paths reduce to the flat ones.
+0, the node leaders). Hierarchical has Bagua's meaning on any number of nodes:
+reduce within the node at full precision, run the algorithm's inter-node step
+among node leaders (nothing to do with one node), broadcast within the node. With
+one node ``intra_group`` is the world group; with one rank per node ``inter_group`` is.
+
+Ranks inside a context are positions in its world group; :meth:`CommContext.global_rank`
+turns them into the global ranks torch.distributed's ``src``/``dst``/peer arguments take.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,7 +40,7 @@ class CommContext:
     """Process groups and ranks an algorithm communicates with.
 
     Attributes:
-        rank: global rank.
+        rank: rank in the world group (the global rank for the default group).
         world_size: number of ranks.
         local_rank: rank within this node.
         local_size: ranks per node (every node has the same number).
@@ -42,6 +48,7 @@ class CommContext:
         intra_group: ranks of this node.
         inter_group: the ranks with this local rank on every node (node leaders for local rank 0).
         backend: the world group's backend ("gloo", "nccl", ...); "" when unknown.
+        side_contexts: contexts :meth:`side_context` created, by purpose.
     """
 
     rank: int
@@ -52,6 +59,7 @@ class CommContext:
     intra_group: dist.ProcessGroup | None = None
     inter_group: dist.ProcessGroup | None = None
     backend: str = ""
+    side_contexts: dict[str, CommContext] = field(default_factory=dict, repr=False)
 
     @property
     def is_nccl(self) -> bool:
@@ -79,9 +87,71 @@ class CommContext:
         """True when there is more than one node and more than one rank per node."""
         return self.num_nodes > 1 and self.local_size > 1
 
+    @property
+    def is_leader(self) -> bool:
+        """True on local rank 0 (the rank that takes part in a hierarchical algorithm's inter-node step)."""
+        return self.local_rank == 0
+
     def node_leader(self, node: int | None = None) -> int:
-        """Global rank of the leader (local rank 0) of ``node`` (default: this node)."""
+        """Rank (in this context) of the leader (local rank 0) of ``node`` (default: this node)."""
         return (self.node_rank if node is None else node) * self.local_size
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of ``rank`` of this context's world group (what ``src``/``dst`` take)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """Global ranks of this context's world group, in group order."""
+        return [self.global_rank(r) for r in range(self.world_size)]
+
+    def side_context(self, purpose: str, *, backend: str | None = None) -> CommContext:
+        """A context with the same ranks on process groups of its own, one per ``purpose``.
+
+        Gloo orders the collectives of one group by the order the calls are made: a
+        background thread issuing collectives on the group the main thread uses
+        (SyncBatchNorm during backward) could interleave them differently on two ranks.
+        The engine's communication thread (``"thread"``) and the asynchronous averaging
+        thread (``"async"``) therefore work on groups of their own. The first call for a
+        purpose creates them (every member calls it at the same point; non-members never
+        do); later calls return the same context. The groups live as long as the process
+        group they clone: torch would give a group created after a destroyed one its name,
+        and with it the destroyed group's rendezvous keys.
+        """
+        key = f"{purpose}/{backend or self.backend}"
+        side = self.side_contexts.get(key)
+        if side is not None:
+            return side
+        if self.world_size == 1:
+            side = CommContext(rank=self.rank, world_size=1, local_rank=0, local_size=1, backend=self.backend)
+        else:
+            ranks = self.global_ranks
+
+            def make(members: list[int]) -> dist.ProcessGroup:
+                return dist.new_group(members, backend=backend or self.backend or None,
+                                      use_local_synchronization=True)
+
+            group = make(ranks)
+            intra = inter = None
+            if self.is_hierarchical_possible:
+                node = self.node_rank
+                intra = make(ranks[node * self.local_size:(node + 1) * self.local_size])
+                inter = make([ranks[n * self.local_size + self.local_rank] for n in range(self.num_nodes)])
+            side = CommContext(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
+                               local_size=self.local_size, group=group, intra_group=intra, inter_group=inter,
+                               backend=str(dist.get_backend(group)))
+        self.side_contexts[key] = side
+        return side
+
+    @property
+    def node_group(self) -> dist.ProcessGroup | None:
+        """The ranks of this node: ``intra_group``, or the world group when every rank is on one node."""
+        return self.group if self.num_nodes == 1 else self.intra_group
+
+    @property
+    def leaders_group(self) -> dist.ProcessGroup | None:
+        """The node leaders' group (for a leader): ``inter_group``, or the world group with one rank per node."""
+        return self.group if self.local_size == 1 else self.inter_group
 
     @classmethod
     def build(cls, *, local_size: int, backend_group: dist.ProcessGroup | None = None) -> CommContext:
@@ -163,16 +233,17 @@ def all_reduce_(
 def hierarchical_all_reduce_(tensor: torch.Tensor, comm: CommContext, *, average: bool = True) -> None:
     """Intra-node reduce to the leader, allreduce among node leaders, intra-node broadcast.
 
-    With one node (or one rank per node) this is :func:`all_reduce_`.
+    With one node (the reduce within the node is the whole reduction) or one rank per
+    node (only the leaders' step is left) this is :func:`all_reduce_`.
     """
     if not comm.is_hierarchical_possible:
         all_reduce_(tensor, comm, average=average)
         return
     if average:
         tensor.mul_(1.0 / comm.world_size)
-    leader = comm.node_leader()
+    leader = comm.global_rank(comm.node_leader())
     _wait(dist.reduce(tensor, dst=leader, group=comm.intra_group, async_op=True))
-    if comm.local_rank == 0:
+    if comm.is_leader:
         _wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=comm.inter_group, async_op=True))
     _wait(dist.broadcast(tensor, src=leader, group=comm.intra_group, async_op=True))
 
@@ -389,17 +460,22 @@ def compressed_all_reduce_(
 ) -> None:
     """Compressed allreduce (ByteGrad) of ``flat`` in place.
 
-    ``hierarchical`` (and more than one node): plain intra-node reduce to the leader,
-    compressed exchange among node leaders, intra-node broadcast. ``flat.numel()``
-    must be divisible by the number of ranks taking part in the exchange. ``buffers``:
-    see :class:`ExchangeBuffers` (one per bucket, reused every step).
+    ``hierarchical`` (Bagua's meaning): plain intra-node reduce to the leader,
+    compressed exchange among node leaders, intra-node broadcast; with one node
+    nothing is compressed (a full-precision allreduce within the node), with one
+    rank per node the exchange runs among all ranks. ``flat.numel()`` must be
+    divisible by the number of ranks taking part in the exchange. ``buffers``: see
+    :class:`ExchangeBuffers` (one per bucket, reused every step).
     """
     if comm.world_size == 1:
         return
+    if hierarchical and comm.num_nodes == 1:
+        all_reduce_(flat, comm, average=average)
+        return
     if hierarchical and comm.is_hierarchical_possible:
-        leader = comm.node_leader()
+        leader = comm.global_rank(comm.node_leader())
         _wait(dist.reduce(flat, dst=leader, group=comm.intra_group, async_op=True))
-        if comm.local_rank == 0:
+        if comm.is_leader:
             scale = 1.0 / comm.world_size if average else 1.0
             compressed_exchange_(flat, comm.inter_group, comm.num_nodes, scale=scale, buffers=buffers)
         _wait(dist.broadcast(flat, src=leader, group=comm.intra_group, async_op=True))
@@ -410,4 +486,6 @@ def compressed_all_reduce_(
 
 def exchange_size(comm: CommContext, *, hierarchical: bool) -> int:
     """How many ranks a compressed exchange splits a buffer between (its padding multiple)."""
+    if hierarchical and comm.num_nodes == 1:
+        return 1  # nothing is compressed within a node
     return comm.num_nodes if hierarchical and comm.is_hierarchical_possible else comm.world_size

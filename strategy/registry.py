@@ -1,10 +1,13 @@
-"""Registers ``"bagua"`` in Lightning's strategy registry (Lightning 2.x no longer knows it by itself)."""
+"""Registers ``"bagua"`` and one ``"bagua_<algorithm>"`` alias per algorithm in Lightning's strategy registry.
+
+Lightning 2.x no longer knows Bagua by itself.
+"""
 
 from __future__ import annotations
 
 
 def register_bagua_strategy() -> None:
-    """Make ``Trainer(strategy="bagua")`` resolve to :class:`BaguaStrategy`; idempotent."""
+    """Make ``Trainer(strategy="bagua")`` and ``"bagua_bytegrad"``, ... resolve to :class:`BaguaStrategy`; idempotent."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     from bagua_lightning.strategy.strategy import BaguaStrategy

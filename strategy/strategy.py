@@ -33,7 +33,7 @@ from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
 from bagua_lightning.services_file import resolve_autotune_address
 from bagua_lightning.strategy.algorithms.base import Algorithm, get_algorithm_class
-from bagua_lightning.strategy.algorithms.q_adam import QADAM_OPTIMIZER_ERROR
+from bagua_lightning.strategy.algorithms.q_adam import QAdamOptimizerError
 from bagua_lightning.strategy.autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
 from bagua_lightning.strategy.autotune import (
     AutotuneController,
@@ -103,7 +103,6 @@ class BaguaStrategy(DDPStrategy):
             raise ConfigurationError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
         self._algorithm_class = get_algorithm_class(algorithm)
         self._algorithm_class.from_kwargs(**bagua_kwargs)  # validate now, not at fit
-        # --- autotune (issue 5) ---
         if not isinstance(autotune, bool):
             raise ConfigurationError(f"autotune must be a bool, got {autotune!r}")
         self._autotune_settings: AutotuneSettings | None = None
@@ -117,7 +116,6 @@ class BaguaStrategy(DDPStrategy):
                 address=resolve_autotune_address(autotune_service), interval=autotune_interval)
         self._autotune: AutotuneController | None = None
         self.autotune_summary: AutotuneSummary | None = None
-        # --- end autotune ---
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -174,10 +172,8 @@ class BaguaStrategy(DDPStrategy):
         if wrapper is not None:
             try:
                 wrapper.attach_optimizers([self._unwrap(o) for o in self.optimizers])
-            except ConfigurationError as exc:
-                if str(exc).startswith(QADAM_OPTIMIZER_ERROR):
-                    raise MisconfigurationException(str(exc)) from exc
-                raise
+            except QAdamOptimizerError as exc:
+                raise MisconfigurationException(str(exc)) from exc
             if self._autotune_settings is not None and trainer.state.fn == TrainerFn.FITTING:
                 self._start_autotune(wrapper)
 
@@ -225,7 +221,7 @@ class BaguaStrategy(DDPStrategy):
         module = self.bagua_module
         return module.last_step_timings() if module is not None else None
 
-    # ------------------------------------------------------------------ autotune (issue 5)
+    # ------------------------------------------------------------------ autotune
 
     def _start_autotune(self, wrapper: BaguaDistributedDataParallel) -> None:
         assert self._autotune_settings is not None and self._comm is not None
@@ -329,3 +325,20 @@ class BaguaStrategy(DDPStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="Bagua's algorithms on torch.distributed (bagua-lightning)"
         )
+        for name, description in ALGORITHM_ALIASES.items():
+            strategy_registry.register(
+                f"{cls.strategy_name}_{name}", cls, description=description, algorithm=name
+            )
+
+
+#: One registered strategy name per algorithm (``Trainer(strategy="bagua_bytegrad")``), as Lightning
+#: registers ``ddp_spawn``; the value is the registry's description.
+ALGORITHM_ALIASES: dict[str, str] = {
+    "gradient_allreduce": "BaguaStrategy with gradient_allreduce: bucketed gradient allreduce (like DDP)",
+    "bytegrad": "BaguaStrategy with bytegrad: gradients reduced with MinMax uint8 compression",
+    "decentralized": "BaguaStrategy with decentralized: weights averaged with all ranks or one changing peer",
+    "low_precision_decentralized": "BaguaStrategy with low_precision_decentralized: compressed weight "
+    "differences on a ring",
+    "qadam": "BaguaStrategy with qadam: Adam whose compressed first moment is exchanged after warm-up",
+    "async": "BaguaStrategy with async: weights averaged by a background thread, training never waits",
+}

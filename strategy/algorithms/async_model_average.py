@@ -33,7 +33,7 @@ of collectives. A rank that stops (:meth:`abort`, :meth:`teardown`) votes 0 in t
 next round and every thread leaves the loop after that same vote: ranks may have
 run different numbers of training steps, but no rank is left inside a collective.
 ``abort()`` and ``resume()`` must be called on every rank (like any collective);
-``teardown()`` waits for the thread with a timeout and destroys the async group.
+``teardown()`` waits for the thread with a timeout.
 
 Parameters differ between ranks (``keeps_replicas_identical = False``).
 Checkpoints: Lightning writes global rank 0's weights; resuming loads them on every
@@ -123,10 +123,9 @@ class AsyncModelAverageAlgorithm(Algorithm):
             self._warmup = GradientAllReduceAlgorithm(hierarchical=False, average=True)
             self._warmup.flatten = self.flatten
             self._warmup.setup(module, comm, plan)
-        # new_group is collective: every rank creates it here, in the same order. Gloo on every backend
+        # Created by every member here, in the same order, kept with the context. Gloo on every backend
         # (see the module docstring: concurrent NCCL communicators from two threads can deadlock).
-        self._group = (dist.new_group(ranks=list(range(comm.world_size)), backend="gloo")
-                       if comm.world_size > 1 else None)
+        self._group = comm.side_context("async", backend="gloo").group if comm.world_size > 1 else None
         self._aborted = False
         self._started = False
         self._error = None
@@ -136,9 +135,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
         self._end_warmup()
         self._stop_thread()
         self._release_lock()
-        if self._group is not None and (self._thread is None or not self._thread.is_alive()):
-            dist.destroy_process_group(self._group)
-            self._group = None
+        if self._thread is None or not self._thread.is_alive():
+            self._group = None  # the context keeps the group (see CommContext.side_context)
         self._buckets = None
 
     def abort(self, module: nn.Module | None = None) -> None:

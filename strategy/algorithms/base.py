@@ -1,13 +1,11 @@
-"""The interface every algorithm implements, and the registry that maps Bagua's names to classes.
+"""The interface every engine algorithm implements, and the registry that maps Bagua's names to classes.
 
-Note for algorithm authors (issue 4 part A, extensions; nothing was removed or renamed):
-new optional hooks ``on_backward_start(step)`` and ``bind_optimizers(optimizers)``,
-class attribute ``flatten`` (set by the wrapper before ``setup``), and
-``on_forward_start`` is not called under ``no_sync()`` or without grad.
-``get_algorithm_class`` tolerates builtin modules that do not exist yet.
+An engine algorithm instance holds one model's state between ``setup`` and
+``teardown``. ``bagua_lightning.torch_api``'s ``Algorithm`` objects are factories
+over these classes (one instance per wrapped model).
 
-Life cycle, driven by :class:`~bagua_lightning.strategy.ddp.BaguaDistributedDataParallel`
-(the module wrapper the strategy installs) and by the strategy's hooks::
+Life cycle, driven by :class:`~bagua_lightning.strategy.ddp.AlgorithmDriver` (behind
+``BaguaDistributedDataParallel`` and ``with_bagua``) and by the strategy's hooks::
 
     algo = AlgorithmClass.from_kwargs(**bagua_kwargs)   # validates kwargs (ValueError names them)
     algo.flatten = flatten                              # set by the wrapper (BaguaStrategy(flatten=...))
@@ -48,10 +46,10 @@ from __future__ import annotations
 
 import abc
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from bagua_lightning.errors import ConfigurationError
+from ...errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -83,6 +81,8 @@ class Algorithm(abc.ABC):
     #: True when setup's plan is the default cut (re-cut in gradient-ready order after the
     #: first backward); False when the caller chose it (kept as given). Set before setup.
     plan_is_default: bool = True
+    #: True while an AlgorithmDriver drives this instance (one model per instance).
+    _driven: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Algorithm:
@@ -115,6 +115,10 @@ class Algorithm(abc.ABC):
 
     def on_optimizer_step_end(self, step: int) -> None:  # noqa: B027
         """After ``optimizer.step()`` of step ``step``."""
+
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """After ``optimizer.step()`` of step ``step``, with the optimizer (default: :meth:`on_optimizer_step_end`)."""
+        self.on_optimizer_step_end(step)
 
     def apply_plan(self, plan: BucketPlan) -> None:  # noqa: B027
         """Re-bucket with ``plan``; all ranks call this at the same step boundary."""
@@ -161,24 +165,17 @@ def get_algorithm_class(name: str) -> type[Algorithm]:
 
 
 _BUILTIN_MODULES: tuple[str, ...] = (
-    "bagua_lightning.strategy.algorithms.gradient_allreduce",
-    "bagua_lightning.strategy.algorithms.bytegrad",
-    "bagua_lightning.strategy.algorithms.decentralized",
-    "bagua_lightning.strategy.algorithms.low_precision_decentralized",
-    "bagua_lightning.strategy.algorithms.q_adam",
-    "bagua_lightning.strategy.algorithms.async_model_average",
+    "gradient_allreduce",
+    "bytegrad",
+    "decentralized",
+    "low_precision_decentralized",
+    "q_adam",
+    "async_model_average",
 )
 
 
-def _import_builtin_algorithms(importer: Callable[[str], Any] | None = None) -> None:
+def _import_builtin_algorithms() -> None:
     import importlib
 
-    load = importer or importlib.import_module
     for module in _BUILTIN_MODULES:
-        try:
-            load(module)
-        except ModuleNotFoundError as exc:
-            # Tolerate a builtin module that does not exist (yet); a module that
-            # exists but fails to import on a missing dependency still raises.
-            if exc.name != module:
-                raise
+        importlib.import_module(f"{__package__}.{module}")

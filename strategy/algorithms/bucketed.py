@@ -7,15 +7,28 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch.distributed as dist
 
-from bagua_lightning.strategy.algorithms.base import Algorithm
-from bagua_lightning.strategy.buckets import Bucket, BucketEngine, trainable_parameters
+from ..buckets import Bucket, BucketEngine, trainable_parameters
+from .base import Algorithm
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
-    from bagua_lightning.proto.plan import BucketPlan, StepTimings
-    from bagua_lightning.strategy.comm import CommContext
+    from ...proto.plan import BucketPlan, StepTimings
+    from ..comm import CommContext
+
+
+def thread_comm(comm: CommContext, module: nn.Module) -> CommContext:
+    """The context a bucket engine of ``module`` communicates on.
+
+    On CPU the engine's communication thread issues Gloo collectives while the main
+    thread may issue its own during backward (SyncBatchNorm): the thread works on
+    process groups of its own (:meth:`CommContext.side_context`) so the two never
+    interleave on one group. Every rank calls this at the same point of setup.
+    """
+    params = trainable_parameters(module)
+    on_cpu = not params or params[0][1].device.type != "cuda"
+    return comm.side_context("thread") if on_cpu and comm.world_size > 1 else comm
 
 
 class GradientBucketAlgorithm(Algorithm):
@@ -60,7 +73,7 @@ class GradientBucketAlgorithm(Algorithm):
         return False
 
     def setup(self, module: nn.Module, comm: CommContext, plan: BucketPlan) -> None:
-        self._comm = comm
+        comm = self._comm = thread_comm(comm, module)
         self._engine = BucketEngine(
             trainable_parameters(module),
             plan,
@@ -118,3 +131,4 @@ class GradientBucketAlgorithm(Algorithm):
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        self._comm = None

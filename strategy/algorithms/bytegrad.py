@@ -50,15 +50,16 @@ class ByteGradAlgorithm(GradientBucketAlgorithm):
         self._pending: Iterator[None] | None = None
 
     def pad_multiple(self, comm: CommContext, plan: BucketPlan) -> int:
-        # Flat and hierarchical chunkings both fit a multiple of the world size.
-        return comm.world_size
+        # Flat and hierarchical chunkings both fit a multiple of the world size; hierarchical on one
+        # node compresses nothing, so its buckets are laid out exactly as gradient_allreduce's.
+        return 1 if plan.is_hierarchical_reduce and comm.num_nodes == 1 else comm.world_size
 
     def reduce_bucket(
         self, bucket: Bucket, comm: CommContext, hierarchical: bool, defer: bool
     ) -> dist.Work | None:
         buffers = self._buffers.setdefault(bucket.index, ExchangeBuffers())
         flat = bucket.flat
-        if flat.device.type != "cpu" or (hierarchical and comm.is_hierarchical_possible) or comm.world_size == 1:
+        if flat.device.type != "cpu" or (hierarchical and comm.local_size > 1) or comm.world_size == 1:
             self._drain()
             compressed_all_reduce_(flat, comm, average=self.average, hierarchical=hierarchical, buffers=buffers)
             return None

@@ -104,6 +104,9 @@ class DecentralizedAlgorithm(Algorithm):
         self._buckets: WeightBuckets | None = None
         self._scope: ExchangeScope | None = None
         self._pending: _PendingAverage | None = None
+        #: The averaged weights of the latest communicating step, one flat tensor per weight bucket
+        #: (Bagua's ``peer_weight``), in bucket order.
+        self.peer_weights: list[torch.Tensor] = []
 
     def setup(self, module: nn.Module, comm: CommContext, plan: BucketPlan) -> None:
         self._module = module
@@ -145,6 +148,7 @@ class DecentralizedAlgorithm(Algorithm):
             self._pending = self._launch(step)
         pending, self._pending = self._pending, None
         averaged = self._finish(pending)
+        self.peer_weights = averaged
         self._require_buckets().copy_in(averaged)
 
     def apply_plan(self, plan: BucketPlan) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.strategy.algorithms.base import Algorithm, register_algorithm
+from bagua_lightning.strategy.algorithms.bucketed import thread_comm
 from bagua_lightning.strategy.buckets import Bucket, BucketEngine, trainable_parameters
 from bagua_lightning.strategy.comm import (
     CommContext,
@@ -41,6 +42,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from bagua_lightning.proto.plan import BucketPlan, StepTimings
 
 QADAM_OPTIMIZER_ERROR = "Bagua QAdam can only accept one QAdamOptimizer"
+
+
+class QAdamOptimizerError(ConfigurationError):
+    """qadam was given something other than exactly one :class:`QAdamOptimizer`."""
 
 
 class QAdamOptimizer(torch.optim.Optimizer):
@@ -168,7 +173,7 @@ class QAdamAlgorithm(Algorithm):
         self._plan: BucketPlan | None = None
 
     def setup(self, module: nn.Module, comm: CommContext, plan: BucketPlan) -> None:
-        self._comm, self._module, self._plan = comm, module, plan
+        self._comm, self._module, self._plan = thread_comm(comm, module), module, plan
         self._grad_engine = BucketEngine(
             trainable_parameters(module), plan, communicate=self._allreduce, flatten=self.flatten,
             can_defer=lambda: not self._grad_engine_plan_hierarchical(), plan_is_default=self.plan_is_default,
@@ -179,10 +184,10 @@ class QAdamAlgorithm(Algorithm):
 
     @staticmethod
     def check_optimizers(optimizers: Sequence[Any]) -> QAdamOptimizer:
-        """The single QAdamOptimizer, or a ConfigurationError starting with Bagua's message."""
+        """The single QAdamOptimizer, or a :class:`QAdamOptimizerError` starting with Bagua's message."""
         if len(optimizers) != 1 or not isinstance(optimizers[0], QAdamOptimizer):
             kinds = [type(o).__name__ for o in optimizers]
-            raise ConfigurationError(
+            raise QAdamOptimizerError(
                 f"{QADAM_OPTIMIZER_ERROR}, but got {len(optimizers)} optimizer(s): {kinds}. "
                 "Return exactly one QAdamOptimizer from configure_optimizers "
                 "(from bagua_lightning.strategy import QAdamOptimizer)."
@@ -266,7 +271,7 @@ class QAdamAlgorithm(Algorithm):
 
     def on_backward_start(self, step: int) -> None:
         if self._optimizer is None:
-            raise ConfigurationError(f"{QADAM_OPTIMIZER_ERROR}, but none was bound to the algorithm")
+            raise QAdamOptimizerError(f"{QADAM_OPTIMIZER_ERROR}, but none was bound to the algorithm")
         # Decided once per backward from the optimizer's step count, which every rank shares.
         self._compressed_phase = not self._optimizer.in_warmup
         self._engine().begin()
@@ -312,6 +317,7 @@ class QAdamAlgorithm(Algorithm):
             if engine is not None:
                 engine.close()
         self._grad_engine = self._momentum_engine = None
+        self._comm = None
         if self._optimizer is not None:
             self._optimizer.momentum_is_external = False
         self._optimizer = None

@@ -91,9 +91,11 @@ class ExchangeScope:
 
     Attributes:
         comm: the job's process groups.
-        hierarchical: the algorithm's ``hierarchical`` flag; it only takes effect
-            when :attr:`CommContext.is_hierarchical_possible` (several nodes with
-            several ranks each); otherwise the flat path runs.
+        hierarchical: the algorithm's ``hierarchical`` flag (Bagua's meaning): with
+            several ranks per node, weights are averaged within the node on its leader,
+            the leaders run the exchange, and the leader broadcasts within the node.
+            With one node there is a single leader and no exchange: every rank of the
+            node ends with the node average.
     """
 
     comm: CommContext
@@ -101,14 +103,14 @@ class ExchangeScope:
 
     @property
     def uses_hierarchy(self) -> bool:
-        return self.hierarchical and self.comm.is_hierarchical_possible
+        return self.hierarchical and self.comm.local_size > 1
 
     @property
     def participants(self) -> list[int]:
         """Global ranks taking part in the peer exchange: every rank, or the node leaders."""
         if self.uses_hierarchy:
-            return [self.comm.node_leader(node) for node in range(self.comm.num_nodes)]
-        return list(range(self.comm.world_size))
+            return [self.comm.global_rank(self.comm.node_leader(node)) for node in range(self.comm.num_nodes)]
+        return self.comm.global_ranks
 
     @property
     def num_participants(self) -> int:
@@ -119,7 +121,7 @@ class ExchangeScope:
         """This rank's position among :attr:`participants`, or None for a non-leader."""
         if not self.uses_hierarchy:
             return self.comm.rank
-        return self.comm.node_rank if self.comm.local_rank == 0 else None
+        return self.comm.node_rank if self.comm.is_leader else None
 
     @property
     def is_participant(self) -> bool:
@@ -128,23 +130,22 @@ class ExchangeScope:
     @property
     def group(self) -> dist.ProcessGroup | None:
         """Process group of the exchange (for a participant): the world, or the leaders' group."""
-        return self.comm.inter_group if self.uses_hierarchy else self.comm.group
+        return self.comm.leaders_group if self.uses_hierarchy else self.comm.group
 
     def reduce_to_leader(self, flats: Sequence[torch.Tensor], *, async_op: bool = False) -> list[dist.Work]:
         """Sum ``flats`` of this node on its leader (hierarchical path only); divide with :meth:`leader_mean`."""
-        works = [
-            dist.reduce(f, dst=self.comm.node_leader(), group=self.comm.intra_group, async_op=async_op)
-            for f in flats
-        ]
+        leader = self.comm.global_rank(self.comm.node_leader())
+        works = [dist.reduce(f, dst=leader, group=self.comm.node_group, async_op=async_op) for f in flats]
         return [w for w in works if w is not None]
 
     def leader_mean(self, flats: Sequence[torch.Tensor]) -> None:
         """Turn the sums :meth:`reduce_to_leader` left on the leader into the node average."""
-        if self.comm.local_rank == 0:
+        if self.comm.is_leader:
             for f in flats:
                 f.div_(self.comm.local_size)
 
     def broadcast_from_leader(self, flats: Sequence[torch.Tensor]) -> None:
         """Give every rank of the node its leader's ``flats`` (hierarchical path only)."""
+        leader = self.comm.global_rank(self.comm.node_leader())
         for f in flats:
-            dist.broadcast(f, src=self.comm.node_leader(), group=self.comm.intra_group)
+            dist.broadcast(f, src=leader, group=self.comm.node_group)

@@ -1,0 +1,154 @@
+"""``with_bagua`` on every ``torch.nn.Module`` (Bagua's ``BaguaModule``), driven by the engine.
+
+``model.with_bagua(optimizers, algorithm)`` reifies ``algorithm`` for this model,
+broadcasts parameters, buffers and optimizer state from the group's first rank, and
+hooks the model itself (forward pre/post hooks, per-parameter gradient hooks,
+optimizer step hooks) through the engine's
+:class:`~bagua_lightning.strategy.ddp.AlgorithmDriver`, the same driver
+``BaguaStrategy`` uses. It returns the same module. Calling it again switches the
+algorithm (the previous one is torn down first).
+
+A rank outside ``process_group`` trains locally: nothing is broadcast or communicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigurationError
+from ..strategy.buckets import IGNORE_ATTRIBUTE, trainable_parameters
+from ..strategy.ddp import AlgorithmDriver
+from . import env
+from .algorithms.base import Algorithm, AlgorithmImpl, EngineAlgorithmImpl, HookedAlgorithm
+from .bucket import BaguaBucket
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .process_group import BaguaProcessGroup
+
+__all__ = ["BaguaModule"]
+
+
+class BaguaModule:
+    """The attributes and methods ``with_bagua`` gives every ``torch.nn.Module`` (patched on import).
+
+    Attributes (after ``with_bagua``):
+        bagua_optimizers: the optimizers passed to ``with_bagua``.
+        bagua_algorithm: the :class:`~bagua_lightning.torch_api.algorithms.AlgorithmImpl` reified for this module.
+        process_group: the process group the module communicates on.
+        bagua_module_name: the module's unique name.
+        parameters_to_ignore: names in ``_bagua_params_and_buffers_to_ignore``.
+        bagua_train_step_counter: training forwards run since wrapping.
+        bagua_buckets: the module's buckets.
+    """
+
+    bagua_module_name: str | None = None
+
+    def bagua_build_params(self: Any) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of every communicated parameter that requires a gradient.
+
+        Left out: names in ``_bagua_params_and_buffers_to_ignore`` and parameters marked ``expert``.
+        """
+        return trainable_parameters(self)
+
+    def with_bagua(
+        self: Any,
+        optimizers: Sequence[torch.optim.Optimizer],
+        algorithm: Algorithm,
+        process_group: BaguaProcessGroup | None = None,
+        do_flatten: bool = True,
+    ) -> Any:
+        """Enable distributed data-parallel training of this module with ``algorithm``.
+
+        Args:
+            optimizers: the optimizer(s) training the module.
+            algorithm: the distributed algorithm (an :class:`~bagua_lightning.torch_api.algorithms.Algorithm`;
+                one object may serve several modules).
+            process_group: the group to communicate in; None: the default group of ``init_process_group``.
+            do_flatten: gradients become views of flat communication buffers.
+
+        Returns:
+            This module, with Bagua's attributes set.
+        """
+        if not isinstance(algorithm, Algorithm):
+            raise TypeError(
+                f"algorithm must be a bagua_lightning.torch_api.algorithms.Algorithm, got {type(algorithm).__name__}; "
+                "e.g. GradientAllReduceAlgorithm() from bagua_lightning.torch_api.algorithms.gradient_allreduce"
+            )
+        optimizers = list(optimizers)
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"optimizers must be torch optimizers, got {type(opt).__name__}")
+        if process_group is None:
+            from .communication import _get_default_group
+
+            process_group = _get_default_group()
+        BaguaModule._bagua_teardown(self)
+        self.bagua_optimizers = optimizers
+        self.process_group = process_group
+        if self.bagua_module_name is None:
+            self.bagua_module_name = f"{type(self).__name__}_{id(self)}"
+        self.parameters_to_ignore = list(getattr(self, IGNORE_ATTRIBUTE, None) or [])
+        self.bagua_train_step_counter = 0
+        impl = algorithm.reify(process_group)
+        if not isinstance(impl, AlgorithmImpl):
+            raise TypeError(f"{type(algorithm).__name__}.reify must return an AlgorithmImpl, got {type(impl).__name__}")
+        self.bagua_algorithm = impl
+        self.bagua_buckets: list[BaguaBucket] = []
+        driver: AlgorithmDriver | None = None
+        hooked: HookedAlgorithm | None = None
+        if process_group.is_member:
+            engine = impl.engine if isinstance(impl, EngineAlgorithmImpl) else \
+                (hooked := HookedAlgorithm(impl, self, do_flatten))
+            driver = AlgorithmDriver(self, engine, process_group.comm, flatten=do_flatten,
+                                     bucket_size=env.get_default_bucket_size(), optimizers=optimizers)
+            if isinstance(impl, EngineAlgorithmImpl):
+                self.bagua_buckets = impl.describe_buckets(self, getattr(impl.engine, "plan", None)
+                                                           or driver.initial_plan)
+
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            if module.training:
+                self.bagua_train_step_counter += 1
+            if driver is not None:
+                if hooked is not None:
+                    hooked.forward_input = args
+                driver.before_forward()
+
+        def post_forward(module: nn.Module, args: Any, out: Any) -> None:
+            if driver is not None:
+                driver.after_forward(out)
+
+        self._bagua_driver = driver
+        self._bagua_forward_hooks = [self.register_forward_pre_hook(pre_forward),
+                                     self.register_forward_hook(post_forward)]
+        return self
+
+    def _bagua_teardown(self: Any) -> None:
+        """Remove what a previous ``with_bagua`` installed (hooks, the algorithm's threads and buffers)."""
+        for handle in getattr(self, "_bagua_forward_hooks", []):
+            handle.remove()
+        self._bagua_forward_hooks = []
+        driver = getattr(self, "_bagua_driver", None)
+        if driver is not None:
+            driver.teardown()
+        self._bagua_driver = None
+
+    def no_sync(self: Any) -> Any:
+        """Backward passes of forwards run inside accumulate gradients locally, without communicating."""
+        driver = getattr(self, "_bagua_driver", None)
+        if driver is None:
+            raise ConfigurationError("no_sync() needs a module wrapped with with_bagua(...) on a member rank")
+        return driver.no_sync()
+
+
+def _patch_module() -> None:
+    nn.Module.bagua_module_name = None  # type: ignore[attr-defined]
+    nn.Module.bagua_build_params = BaguaModule.bagua_build_params  # type: ignore[attr-defined]
+    nn.Module.with_bagua = BaguaModule.with_bagua  # type: ignore[attr-defined]
+    nn.Module._bagua_teardown = BaguaModule._bagua_teardown  # type: ignore[attr-defined]
+
+
+_patch_module()
