@@ -7,7 +7,7 @@ imports. Importing this package patches ``torch.nn.Module`` with ``with_bagua`` 
 
 from __future__ import annotations
 
-from . import algorithms, communication, data_parallel, distributed, env
+from . import algorithms, communication, contrib, data_parallel, distributed, env, model_parallel
 from .bucket import BaguaBucket
 from .communication import (
     BaguaProcessGroup,
@@ -73,6 +73,7 @@ __all__ = [
     "broadcast_coalesced",
     "broadcast_object",
     "communication",
+    "contrib",
     "data_parallel",
     "distributed",
     "env",
@@ -88,6 +89,7 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "is_initialized",
+    "model_parallel",
     "new_group",
     "recv",
     "reduce",

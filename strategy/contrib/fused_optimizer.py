@@ -205,7 +205,7 @@ def _gather_grads(run: _Run) -> bool:
     accumulates there, no copy); a gradient that is a view of someone else's buffer is only copied.
     """
     dst, src = [], []
-    for p, v in zip(run.members, run.grad_views):
+    for p, v in zip(run.members, run.grad_views, strict=True):
         g = p.grad
         if g is v:
             continue
@@ -323,13 +323,9 @@ def _valid_plans(optimizer: torch.optim.Optimizer, st: _FusedState) -> list[_Gro
     plans = st.plans
     if plans is not None and len(plans) == len(optimizer.param_groups):
         ok = True
-        for plan, group in zip(plans, optimizer.param_groups):
+        for plan, group in zip(plans, optimizer.param_groups, strict=True):
             params = group["params"]
-            if len(params) != len(plan.params) or any(a is not b for a, b in zip(params, plan.params)):
-                ok = False
-            elif [p.data_ptr() for p in params] != plan.data_ptrs:
-                ok = False
-            elif any((p.grad is None) != (g is None) for p, g in zip(params, plan.grads)):
+            if len(params) != len(plan.params) or any(a is not b for a, b in zip(params, plan.params, strict=True)) or [p.data_ptr() for p in params] != plan.data_ptrs or any((p.grad is None) != (g is None) for p, g in zip(params, plan.grads, strict=True)):
                 ok = False
             else:
                 # Gradients that are not (yet) in a run's buffer are copied there: fresh ones from
@@ -370,7 +366,7 @@ def _flatten_params_and_state(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for params in _groups_by_type(group):
             with torch.no_grad():
-                for p, v in zip(params, _flatten([p.detach() for p in params])):
+                for p, v in zip(params, _flatten([p.detach() for p in params]), strict=True):
                     p.data = v
             _flatten_state(state, params)
 
@@ -379,8 +375,8 @@ def _flatten_state(state: Any, params: Sequence[torch.Tensor]) -> None:
     keys = set.intersection(*(set(state.get(p, {})) for p in params)) if params else set()
     for k in sorted(keys):
         values = [state[p][k] for p in params]
-        if all(_is_elementwise_state(v, p) for v, p in zip(values, params)) and len({v.dtype for v in values}) == 1:
-            for p, v in zip(params, _flatten(values)):
+        if all(_is_elementwise_state(v, p) for v, p in zip(values, params, strict=True)) and len({v.dtype for v in values}) == 1:
+            for p, v in zip(params, _flatten(values), strict=True):
                 state[p][k] = v
 
 
@@ -474,7 +470,7 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | Non
     saved_state = optimizer.state
     st.in_fused_step = True
     try:
-        for group, plan in zip(optimizer.param_groups, plans):
+        for group, plan in zip(optimizer.param_groups, plans, strict=True):
             group["params"] = plan.step_params
         step_state: defaultdict[Any, dict[str, Any]] = st.fused_state
         for plan in plans:
@@ -484,7 +480,7 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | Non
         optimizer.state = step_state
         optimizer.step()
     finally:
-        for group, params in zip(optimizer.param_groups, saved_params):
+        for group, params in zip(optimizer.param_groups, saved_params, strict=True):
             group["params"] = params
         optimizer.state = saved_state
         st.in_fused_step = False

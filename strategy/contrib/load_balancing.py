@@ -79,7 +79,7 @@ class LoadBalancingDistributedSampler(DistributedSampler):  # type: ignore[type-
             g.manual_seed(self.seed + self.epoch)
             noise = torch.randint(self.random_number, (n,), generator=g).tolist()
             tie = torch.randperm(n, generator=g).tolist()
-            keys = [(c + z, t) for c, z, t in zip(self.complexities, noise, tie)]
+            keys = [(c + z, t) for c, z, t in zip(self.complexities, noise, tie, strict=True)]
             order = sorted(range(n), key=keys.__getitem__)
             if self.drop_last and self.total_size < n:
                 keep = set(torch.randperm(n, generator=g)[: self.total_size].tolist())

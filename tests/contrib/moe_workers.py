@@ -63,13 +63,13 @@ def moe(backend: str, k: int) -> None:
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer.deepspeed_moe.gate.wg.weight.grad, wg_ref.weight.grad, rtol=1e-5, atol=1e-5)
     # An expert's gradient gathers every rank's tokens routed to it: the sum of the per-rank references.
-    for e, ex in enumerate(experts):
+    for ex in experts:
         for p in ex.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad)
     for i in range(LOCAL):
-        for p, q in zip(local[i].parameters(), experts[rank * LOCAL + i].parameters()):
+        for p, q in zip(local[i].parameters(), experts[rank * LOCAL + i].parameters(), strict=True):
             torch.testing.assert_close(p.grad if p.grad is not None else torch.zeros_like(p), q.grad,
                                        rtol=1e-4, atol=1e-5)
     print(f"rank {rank}: moe ok ({backend}, world {world}, k={k}, tokens per expert {counts.tolist()})", flush=True)

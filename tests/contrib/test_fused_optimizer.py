@@ -72,7 +72,7 @@ def _train(model: torch.nn.Module, opt: optim.Optimizer, steps: int, fused: bool
 
 
 def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), CASES, ids=[f"{c.__name__}-{i}" for i, (c, _) in enumerate(CASES)])
@@ -171,7 +171,7 @@ def test_errors_name_the_fix() -> None:
         fuse_optimizer(opt)
     with pytest.raises(TypeError, match="element"):
         fuse_optimizer(optim.LBFGS(_model().parameters()))
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         fuse_optimizer(object())  # type: ignore[arg-type]
 
 
@@ -186,9 +186,9 @@ def test_gradients_in_someone_elses_buffer_stay_there() -> None:
         views.append(bucket[offset : offset + p.numel()].view(p.shape))
         offset += p.numel()
     views.reverse()
-    for p, v in zip(params, views):
+    for p, v in zip(params, views, strict=True):
         p.grad = v
     _train(m1, o1, 3, fused=False)
     _train(m2, o2, 3, fused=True, set_to_none=False)
     assert _equal(m1, m2)
-    assert all(p.grad is v for p, v in zip(params, views))
+    assert all(p.grad is v for p, v in zip(params, views, strict=True))

@@ -12,7 +12,7 @@ from tests.strategy.launch import run_commands
 WORKER = str(Path(__file__).with_name("lightning_contrib_workers.py"))
 
 
-def test_sync_batchnorm_fused_optimizer_and_balanced_loader(tmp_path: Path) -> None:
+def test_sync_batchnorm_fused_optimizer_balanced_loader_and_moe(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), WORKER, str(tmp_path)]
     run_commands([cmd], log_dir=tmp_path, timeout_s=300)
@@ -26,5 +26,9 @@ def test_sync_batchnorm_fused_optimizer_and_balanced_loader(tmp_path: Path) -> N
             assert res[name]["seen_first"] == list(range(r, 16, 2))
         # The loader kept our batch sampler: each rank saw exactly its load-balanced batches.
         assert res["balanced"]["seen"] == res["balanced"]["expected"]
+        # MoE under BaguaStrategy: shared weights averaged, experts (one set per rank) left alone and trained.
+        moe = res["moe"]
+        assert moe["shared_spread"] == 0.0 and moe["expert_spread"] > 0.0 and moe["experts_trained"], moe
+        assert moe["loss_best_late"] < 0.8 * moe["loss_first"], moe
     first = [set(i for b in res["balanced"]["seen"] for i in b) for res in ranks]
     assert not first[0] & first[1] and len(first[0] | first[1]) == 64

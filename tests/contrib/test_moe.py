@@ -34,7 +34,7 @@ def test_single_process_layer_marks_experts_and_balances() -> None:
 def test_top1_capacity_and_mask() -> None:
     logits = torch.zeros(8, 2)
     logits[:, 0] = 5.0  # every token wants expert 0
-    _, combine, dispatch, counts = top1gating(logits, capacity_factor=0.5, min_capacity=3)
+    _, _, dispatch, counts = top1gating(logits, capacity_factor=0.5, min_capacity=3)
     assert counts.tolist() == [8, 0]
     assert int(dispatch.sum()) == 3  # capacity max(ceil(8 / 2 * 0.5), 3) = 3
     used = torch.tensor([1, 1, 0, 0, 0, 0, 0, 0])
