@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.optim as optim
 
+from bagua_lightning.strategy.contrib import fused_optimizer
 from bagua_lightning.strategy.contrib.fused_optimizer import (
     calculate_mutual_groups,
     fuse_optimizer,
@@ -192,3 +193,21 @@ def test_gradients_in_someone_elses_buffer_stay_there() -> None:
     _train(m2, o2, 3, fused=True, set_to_none=False)
     assert _equal(m1, m2)
     assert all(p.grad is v for p, v in zip(params, views, strict=True))
+
+
+@pytest.mark.parametrize("warm", [0, 2])
+def test_pieces_across_tensor_boundaries_stay_exact(monkeypatch: pytest.MonkeyPatch, warm: int) -> None:
+    monkeypatch.setattr(fused_optimizer, "CPU_PIECE_NUMEL", 7)  # pieces cut through parameters
+    for cls, kwargs in ((optim.Adam, dict(amsgrad=True)), (optim.RMSprop, dict(momentum=0.5, centered=True))):
+        m1, m2 = _model(), _model()
+        o1, o2 = cls(m1.parameters(), **kwargs), cls(m2.parameters(), **kwargs)  # type: ignore[operator]
+        _train(m1, o1, warm + 4, fused=False)
+        _train(m2, o2, warm, fused=False)
+        fuse_optimizer(o2)
+        _train(m2, o2, 4, fused=True)
+        assert _equal(m1, m2)
+    model = _model()
+    opt = fuse_optimizer(CountingSGD(model.parameters()))
+    _train(model, opt, 2, fused=True)
+    total = sum(p.numel() for p in model.parameters())
+    assert opt.tensors_per_step == [-(-total // 7)] * 2
