@@ -50,20 +50,18 @@ def build_model(width: int, layers: int, device: torch.device) -> nn.Module:
     return model
 
 
-def make_variant(kind: str, name: str, width: int, layers: int, device: torch.device) -> Callable[[], None]:
+def make_variant(kind: str, name: str, width: int, layers: int,
+                 device: torch.device) -> tuple[Callable[[], Any], nn.Module]:
     cls, kwargs = OPTIMIZERS[name]
     model = build_model(width, layers, device)
     if kind == "loop":
-        opt = cls(model.parameters(), foreach=False, **kwargs)
-        return opt.step
+        return cls(model.parameters(), foreach=False, **kwargs).step, model
     if kind == "foreach":
-        opt = cls(model.parameters(), foreach=True, **kwargs)
-        return opt.step
+        return cls(model.parameters(), foreach=True, **kwargs).step, model
     if kind == "torch-fused":
-        opt = cls(model.parameters(), fused=True, **kwargs)
-        return opt.step
+        return cls(model.parameters(), fused=True, **kwargs).step, model
     opt = fuse_optimizer(cls(model.parameters(), foreach=False, **kwargs))
-    return lambda: fuse_step(opt)
+    return (lambda: fuse_step(opt)), model
 
 
 def main() -> None:
@@ -88,7 +86,8 @@ def main() -> None:
           f"{n_params / 1e6:.1f}M parameters; {args.rounds} rounds x {args.steps} steps")
     kinds = ["loop", "foreach", "fused"] + (["torch-fused"] if device.type == "cuda" else [])
     for name in args.optimizers.split(","):
-        steps = {k: make_variant(k, name, args.width, args.layers, device) for k in kinds}
+        variants = {k: make_variant(k, name, args.width, args.layers, device) for k in kinds}
+        steps = {k: v[0] for k, v in variants.items()}
         for step in steps.values():  # warm-up: state allocated, gradients gathered, kernels compiled
             for _ in range(3):
                 step()
@@ -107,7 +106,11 @@ def main() -> None:
               f"foreach/fused {med['foreach'] / med['fused']:.2f}x"
               + (f"  torch-fused/fused {med['torch-fused'] / med['fused']:.2f}x" if "torch-fused" in med else ""),
               flush=True)
-        del steps
+        # Every variant took the same steps from the same start: the fused result must be the loop's.
+        diff = max(float((p - q).detach().abs().max()) for p, q in
+                   zip(variants["loop"][1].parameters(), variants["fused"][1].parameters(), strict=True))
+        print(f"       max |fused - loop| after {3 + args.rounds * args.steps} steps: {diff:.1e}", flush=True)
+        del steps, variants
 
 
 if __name__ == "__main__":

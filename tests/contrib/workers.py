@@ -31,6 +31,8 @@ def sync_bn(backend: str, uneven: bool) -> None:
     from bagua_lightning.strategy.contrib.sync_batchnorm import SyncBatchNorm
 
     rank, world, device = _init(backend)
+    if world == 1:  # one GPU: still take the collective path (a one-rank gather and all-reduce)
+        SyncBatchNorm._world_size = lambda self: 2  # type: ignore[method-assign]
     torch.manual_seed(0)
     total, c = 16 * world, 3
     x_all = (torch.randn(total, c, 4, 5) * 3 + 2).to(device)
