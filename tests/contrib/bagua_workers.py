@@ -42,20 +42,31 @@ def _batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def case_fused(rank: int) -> None:
     """Per algorithm: fused Adam under with_bagua(do_flatten=False) = plain Adam under with_bagua."""
-    for name, make in ALGORITHMS.items():
+    orders = [(name, "fuse-then-wrap") for name in ALGORITHMS]
+    orders += [("gradient_allreduce", "wrap-then-fuse"), ("decentralized", "wrap-then-fuse")]
+    for name, order in orders:
+        make = ALGORITHMS[name]
         plain, fused = _net(), _net()
         o1 = torch.optim.Adam(plain.parameters(), lr=0.01)
-        o2 = fuse_optimizer(torch.optim.Adam(fused.parameters(), lr=0.01))
+        o2 = torch.optim.Adam(fused.parameters(), lr=0.01)
         plain.with_bagua([o1], make())
-        fused.with_bagua([o2], make(), do_flatten=False)
+        if order == "fuse-then-wrap":  # as Bagua documents: do_flatten=False in with_bagua
+            fuse_optimizer(o2)
+            fused.with_bagua([o2], make(), do_flatten=False)
+        else:  # Bagua's GPU test: the engine's flat buckets first, then fuse_optimizer(do_flatten=True)
+            fused.with_bagua([o2], make())
+            fuse_optimizer(o2)
         for x, y in _batches(rank, 6):
             for model, opt, step in ((plain, o1, o1.step), (fused, o2, o2.fuse_step)):  # type: ignore[attr-defined]
                 opt.zero_grad()
                 F.mse_loss(model(x), y).backward()
                 step()
         diff = max(float((p - q).abs().max()) for p, q in zip(plain.parameters(), fused.parameters(), strict=True))
-        assert diff < 1e-6, (name, diff)
-        print(f"rank {rank}: fused {name} ok (max diff {diff:.1e})", flush=True)
+        assert diff < 1e-6, (name, order, diff)
+        plans = o2._bagua_lightning_fused.plans  # type: ignore[attr-defined]
+        fused_tensors = sum(p.fused_tensors for p in plans) if plans else 0
+        assert fused_tensors == 6, (name, order, fused_tensors)  # every tensor stepped inside one run
+        print(f"rank {rank}: fused {name} {order} ok (max diff {diff:.1e})", flush=True)
 
 
 class MoENet(nn.Module):

@@ -16,5 +16,5 @@ WORKER = str(Path(__file__).with_name("bagua_workers.py"))
 def test_contrib_under_with_bagua(tmp_path: Path, case: str, world: int, marker: str) -> None:
     out = run_ranks(WORKER, [case], world_size=world, log_dir=tmp_path, timeout_s=240,
                     env={"CUDA_VISIBLE_DEVICES": ""})
-    expected = {"fused": 4, "moe k=": 2}[marker] * world
+    expected = {"fused": 6, "moe k=": 2}[marker] * world
     assert out.count(" ok ") == expected, out
