@@ -101,7 +101,7 @@ def _flat_view(first: torch.Tensor, numel: int) -> torch.Tensor:
     """A 1-D tensor of ``numel`` elements over ``first``'s storage, starting where ``first`` starts."""
     with torch.no_grad():
         view = torch.empty(0, dtype=first.dtype, device=first.device)
-        view.set_(first.untyped_storage(), first.storage_offset(), (numel,))
+        view.set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
     return view
 
 
