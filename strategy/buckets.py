@@ -65,6 +65,8 @@ def declare(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[TensorDecl
 
 #: Attribute of a module listing parameter and buffer names that are never communicated (Bagua's name).
 IGNORE_ATTRIBUTE = "_bagua_params_and_buffers_to_ignore"
+#: Attribute of a module naming the parameters its latest forward did not use (``find_unused_parameters``).
+UNUSED_ATTRIBUTE = "_bagua_unused_parameters"
 
 
 def is_communicated(name: str, tensor: torch.Tensor, ignore: Iterable[str] = ()) -> bool:
@@ -76,9 +78,10 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of every communicated parameter that requires a gradient, in registration order.
 
     Left out: parameters marked ``param.expert = True`` (mixture-of-experts experts, each
-    rank's own) and names in ``module._bagua_params_and_buffers_to_ignore``.
+    rank's own), names in ``module._bagua_params_and_buffers_to_ignore`` and the parameters
+    ``find_unused_parameters`` found outside the forward's graph (``module._bagua_unused_parameters``).
     """
-    ignore = set(getattr(module, IGNORE_ATTRIBUTE, None) or ())
+    ignore = set(getattr(module, IGNORE_ATTRIBUTE, None) or ()) | set(getattr(module, UNUSED_ATTRIBUTE, None) or ())
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad and is_communicated(n, p, ignore)]
 
 

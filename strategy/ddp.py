@@ -86,7 +86,7 @@ def broadcast_optimizer_state(
     layout: list[Any] = []
     if me == src:
         for opt in optimizers:
-            entries = []
+            entries: list[tuple[int, int, str, str, Any, str]] = []
             for gi, g in enumerate(opt.param_groups):
                 for pi, p in enumerate(g["params"]):
                     if id(p) not in shared:
@@ -165,6 +165,7 @@ class AlgorithmDriver:
         self._in_backward = False
         self._hooks: list[Any] = []
         self._step_hooks: list[Any] = []
+        self._closed = False
         if broadcast_state:
             src = comm.global_rank(0)
             broadcast_module_state(module, comm.group, src=src)
@@ -204,7 +205,8 @@ class AlgorithmDriver:
                 t.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
-        if self._sync_this_backward:
+        # (an output of a forward that ran before teardown may still be backpropagated)
+        if self._sync_this_backward and not self._closed:
             self._begin_backward()
 
     def _begin_backward(self) -> None:
@@ -215,7 +217,7 @@ class AlgorithmDriver:
         self.algorithm.on_backward_start(self.step)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._sync_this_backward:
+        if not self._sync_this_backward or self._closed:
             return
         if not self._in_backward:
             self._begin_backward()
@@ -268,8 +270,10 @@ class AlgorithmDriver:
         for h in self._hooks + self._step_hooks:
             h.remove()
         self._hooks, self._step_hooks = [], []
-        self.algorithm.teardown()
-        self.algorithm._driven = False
+        if not self._closed:
+            self._closed = True
+            self.algorithm.teardown()
+            self.algorithm._driven = False
 
 
 class BaguaDistributedDataParallel(nn.Module):

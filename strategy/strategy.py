@@ -44,6 +44,7 @@ from bagua_lightning.strategy.autotune import (
 )
 from bagua_lightning.strategy.comm import CommContext
 from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+from bagua_lightning.strategy.registry import register_bagua_strategy
 
 log = logging.getLogger(__name__)
 
@@ -342,3 +343,6 @@ ALGORITHM_ALIASES: dict[str, str] = {
     "qadam": "BaguaStrategy with qadam: Adam whose compressed first moment is exchanged after warm-up",
     "async": "BaguaStrategy with async: weights averaged by a background thread, training never waits",
 }
+
+
+register_bagua_strategy()

@@ -7,7 +7,17 @@ imports. Importing this package patches ``torch.nn.Module`` with ``with_bagua`` 
 
 from __future__ import annotations
 
-from . import algorithms, communication, contrib, data_parallel, distributed, env, model_parallel
+from . import (
+    algorithms,
+    checkpoint,
+    communication,
+    contrib,
+    data_parallel,
+    distributed,
+    env,
+    model_parallel,
+    utils,
+)
 from .bucket import BaguaBucket
 from .communication import (
     BaguaProcessGroup,
@@ -72,6 +82,7 @@ __all__ = [
     "broadcast",
     "broadcast_coalesced",
     "broadcast_object",
+    "checkpoint",
     "communication",
     "contrib",
     "data_parallel",
@@ -99,4 +110,5 @@ __all__ = [
     "scatter",
     "scatter_inplace",
     "send",
+    "utils",
 ]

@@ -51,10 +51,9 @@ _TORCH_OPS = {
 
 def as_reduce_op(op: object) -> ReduceOp:
     """``op`` as a :class:`ReduceOp` (a ReduceOp, or its integer value); a ValueError naming it otherwise."""
-    try:
-        return ReduceOp(op)  # type: ignore[call-overload]
-    except (ValueError, TypeError):
-        raise ValueError(f"op={op!r} is not a ReduceOp; use one of {[o.name for o in ReduceOp]}") from None
+    if isinstance(op, int) and not isinstance(op, bool) and op in ReduceOp._value2member_map_:
+        return ReduceOp(op)
+    raise ValueError(f"op={op!r} is not a ReduceOp; use one of {[o.name for o in ReduceOp]}")
 
 
 def check_op_dtype(op: ReduceOp, tensor: torch.Tensor) -> None:
@@ -63,7 +62,7 @@ def check_op_dtype(op: ReduceOp, tensor: torch.Tensor) -> None:
         raise ValueError(f"ReduceOp.{op.name} needs an integer or bool tensor, got {tensor.dtype}")
 
 
-def native_op(op: ReduceOp, backend: str) -> dist.ReduceOp | None:
+def native_op(op: ReduceOp, backend: str) -> dist.ReduceOp.RedOpType | None:
     """The torch reduction that runs ``op`` on ``backend`` in one collective, or None to emulate it.
 
     AVG on Gloo maps to SUM (the caller divides after): :func:`divide_`.

@@ -73,6 +73,18 @@ class BaguaModule:
         Returns:
             This module, with Bagua's attributes set.
         """
+        return BaguaModule._bagua_wrap(self, optimizers, algorithm, process_group, do_flatten, broadcast_state=True)
+
+    def _bagua_wrap(
+        self: Any,
+        optimizers: Sequence[torch.optim.Optimizer],
+        algorithm: Algorithm,
+        process_group: BaguaProcessGroup | None,
+        do_flatten: bool,
+        *,
+        broadcast_state: bool,
+    ) -> Any:
+        """:meth:`with_bagua`; ``broadcast_state=False`` re-wraps without broadcasting (weights are in use)."""
         if not isinstance(algorithm, Algorithm):
             raise TypeError(
                 f"algorithm must be a bagua_lightning.torch_api.algorithms.Algorithm, got {type(algorithm).__name__}; "
@@ -104,7 +116,8 @@ class BaguaModule:
             engine = impl.engine if isinstance(impl, EngineAlgorithmImpl) else \
                 (hooked := HookedAlgorithm(impl, self, do_flatten))
             driver = AlgorithmDriver(self, engine, process_group.comm, flatten=do_flatten,
-                                     bucket_size=env.get_default_bucket_size(), optimizers=optimizers)
+                                     bucket_size=env.get_default_bucket_size(), optimizers=optimizers,
+                                     broadcast_state=broadcast_state)
             if isinstance(impl, EngineAlgorithmImpl):
                 self.bagua_buckets = impl.describe_buckets(self, getattr(impl.engine, "plan", None)
                                                            or driver.initial_plan)
@@ -149,6 +162,7 @@ def _patch_module() -> None:
     nn.Module.bagua_build_params = BaguaModule.bagua_build_params  # type: ignore[attr-defined]
     nn.Module.with_bagua = BaguaModule.with_bagua  # type: ignore[attr-defined]
     nn.Module._bagua_teardown = BaguaModule._bagua_teardown  # type: ignore[attr-defined]
+    nn.Module._bagua_wrap = BaguaModule._bagua_wrap  # type: ignore[attr-defined]
 
 
 _patch_module()

@@ -19,7 +19,9 @@ node rank                 ``NODE_RANK`` (Lightning, Bagua), ``GROUP_RANK`` (torc
 ========================  =================================================================
 
 After it, the values the process group was initialised with (arguments of ``init_process_group``
-override the environment), so both agree for the rest of the job. A variable that is set but not an
+override the environment), so both agree for the rest of the job. Rank and world size of a
+torch.distributed group initialised by someone else (a Lightning strategy, a user's own call) count
+before any variable. A variable that is set but not an
 integer raises a :class:`~bagua_lightning.errors.ConfigurationError` naming it.
 """
 
@@ -29,6 +31,8 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 from ..errors import ConfigurationError
 
@@ -104,6 +108,16 @@ def _first(names: tuple[str, ...]) -> int | None:
     return None
 
 
+def _launcher_local_size() -> int | None:
+    """Processes per node as a launcher variable gives it, None when none does."""
+    return _first(_LOCAL_SIZE_VARS)
+
+
+def _launcher_local_rank() -> int | None:
+    """Rank on the node as a launcher variable gives it, None when none does."""
+    return _first(_LOCAL_RANK_VARS)
+
+
 def get_world_size() -> int:
     """Number of processes in the job.
 
@@ -112,6 +126,8 @@ def get_world_size() -> int:
     """
     if _topology is not None:
         return _topology.world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
     value = _first(_WORLD_SIZE_VARS)
     return 1 if value is None else value
 
@@ -148,6 +164,8 @@ def get_rank() -> int:
     """
     if _topology is not None:
         return _topology.rank
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     value = _first(_RANK_VARS)
     if value is not None:
         return value

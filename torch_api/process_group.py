@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -331,15 +332,43 @@ def from_torch_group(group: Any, stream: torch.cuda.Stream | None = None) -> Bag
                              torch_group=group)
 
 
+_HOST_KEY = "bagua_lightning/torch_api/host/{}"
+
+
+def _layout_from_hosts(store: dist.Store, rank: int, world_size: int) -> tuple[int, int] | None:
+    """``(local_rank, local_size)`` from the hostname every rank writes to ``store``.
+
+    None when the ranks are not laid out node by node with the same number on every host (then the
+    caller keeps one rank per node: a flat layout, never a wrong hierarchy).
+    """
+    store.set(_HOST_KEY.format(rank), socket.gethostname())
+    hosts = [store.get(_HOST_KEY.format(r)).decode() for r in range(world_size)]
+    runs = [h for i, h in enumerate(hosts) if i == 0 or hosts[i - 1] != h]
+    if len(runs) != len(set(hosts)) or len({hosts.count(h) for h in runs}) != 1:
+        log.warning("ranks are not laid out node by node (hosts %s); treating every rank as its own node", hosts)
+        return None
+    mine = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return mine.index(rank), len(mine)
+
+
+def _default_store() -> dist.Store | None:
+    """The store of a torch.distributed initialised by someone else (None if torch does not say)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def init_process_group(store: dist.Store | None = None, rank: int = -1, world_size: int = -1,
                        local_world_size: int = -1) -> None:
     """Initialise torch.distributed and Bagua's default process group; call it before any other API.
 
     NCCL when CUDA is available (the CUDA device is then set to the local rank), else Gloo. Without a
     ``store``, the rendezvous uses ``MASTER_ADDR``/``MASTER_PORT``; the timeout is
-    :func:`~bagua_lightning.torch_api.env.get_process_group_timeout_s`. When torch.distributed is
-    already initialised (a Lightning strategy, a user's own call), that group is used. A second call
-    does nothing.
+    :func:`~bagua_lightning.torch_api.env.get_process_group_timeout_s`. When no launcher variable gives
+    the number of processes per node (Lightning's launcher sets none), the ranks compare hostnames
+    through the store. When torch.distributed is already initialised (a Lightning strategy, a user's
+    own call), that group is used. A second call does nothing.
 
     Args:
         store: key/value store for the rendezvous (e.g. ``dist.FileStore``); None: a TCP store.
@@ -349,38 +378,50 @@ def init_process_group(store: dist.Store | None = None, rank: int = -1, world_si
     """
     if _Registry.default is not None:
         return
-    if dist.is_initialized():
+    adopted = dist.is_initialized()
+    if adopted:
         rank, world_size = dist.get_rank(), dist.get_world_size()
     rank = env.get_rank() if rank < 0 else rank
     world_size = env.get_world_size() if world_size < 0 else world_size
-    explicit_local = local_world_size > 0
-    local_size = local_world_size if explicit_local else env.get_local_size()
-    if local_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
+    if world_size <= 0 or not 0 <= rank < world_size:
         raise ConfigurationError(
-            f"rank {rank}, world size {world_size} and local size {local_size} do not describe a job; "
-            "set RANK, WORLD_SIZE and LOCAL_WORLD_SIZE (torchrun does) or pass them to init_process_group"
+            f"rank {rank} and world size {world_size} do not describe a job; set RANK and WORLD_SIZE "
+            "(torchrun does) or pass them to init_process_group"
         )
-    local_rank = rank % local_size if explicit_local else env.get_local_rank()
-    node_rank = rank // local_size
+    timeout = timedelta(seconds=env.get_process_group_timeout_s())
+    if store is None and not adopted:
+        store = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))[0]
+        store.set_timeout(timeout)
+    layout = None
+    if local_world_size > 0:
+        layout = (rank % local_world_size, local_world_size)
+    elif env._launcher_local_size() is not None or world_size == 1:
+        layout = (env.get_local_rank(), env.get_local_size())
+    else:
+        host_store = _default_store() if adopted else store
+        layout = _layout_from_hosts(host_store, rank, world_size) if host_store is not None else None
+    local_rank, local_size = layout or (0, 1)
+    if local_size <= 0 or world_size % local_size or not 0 <= local_rank < local_size:
+        raise ConfigurationError(
+            f"local rank {local_rank} of {local_size} processes per node does not fit world size {world_size}; "
+            "every node must run the same number of processes (set LOCAL_WORLD_SIZE or local_world_size)"
+        )
     use_cuda = torch.cuda.is_available()
     if use_cuda:
-        if local_rank >= torch.cuda.device_count():
+        # The launcher's LOCAL_RANK names the GPU (also when the layout fell back to flat).
+        launcher_local_rank = env._launcher_local_rank()
+        device = launcher_local_rank if local_world_size <= 0 and launcher_local_rank is not None else local_rank
+        if device >= torch.cuda.device_count():
             raise ConfigurationError(
-                f"local rank {local_rank} has no CUDA device ({torch.cuda.device_count()} visible); "
+                f"local rank {device} has no CUDA device ({torch.cuda.device_count()} visible); "
                 "start at most one process per GPU on each node"
             )
-        torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
-            init_method=None if store is not None else "env://",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=env.get_process_group_timeout_s()),
-        )
+        torch.cuda.set_device(device)
+    if not adopted:
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=store, rank=rank,
+                                world_size=world_size, timeout=timeout)
     env._set_topology(env.Topology(rank=rank, world_size=world_size, local_rank=local_rank,
-                                   local_size=local_size, node_rank=node_rank))
+                                   local_size=local_size, node_rank=rank // local_size))
     stream = torch.cuda.Stream(priority=-1) if use_cuda else None
     try:
         _Registry.default = BaguaProcessGroup(list(range(world_size)), stream, "0", torch_group=dist.group.WORLD)

@@ -106,7 +106,7 @@ class BaguaTensor:
         """Point the effective tensor at ``storage`` (from ``storage_offset``), keeping its values' shape."""
         effective = BaguaTensor.bagua_getter_closure(self)
         with torch.no_grad():
-            effective.set_(storage, storage_offset, effective.shape)
+            effective.set_(storage, storage_offset, effective.shape, effective.stride())
 
     def bagua_backend_tensor(self: Any) -> torch.Tensor:
         """The effective tensor (the engine has no separate backend tensor)."""

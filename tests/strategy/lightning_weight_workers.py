@@ -116,14 +116,17 @@ def summary(model: Model, probe: Probe, start_eval: float) -> dict[str, Any]:
 def torchrun_mode(out: Path) -> dict[str, Any]:
     res: dict[str, Any] = {}
     start_eval = eval_mse(Model())
-    # 1. decentralized "all" every step; "shift_one" every second step (2 ranks: the one peer).
-    for name, kwargs in (("all", {"peer_selection_mode": "all"}),
-                         ("shift_one", {"peer_selection_mode": "shift_one", "communication_interval": 2})):
+    # 1. decentralized "all" every step; "shift_one" every second step (2 ranks: the one peer). Flat: with
+    #    hierarchical=True on one node every rank would hold the node average.
+    for name, kwargs in (("all", {"peer_selection_mode": "all", "hierarchical": False}),
+                         ("shift_one", {"peer_selection_mode": "shift_one", "communication_interval": 2,
+                                        "hierarchical": False})):
         probe = Probe()
         res[name] = summary(fit("decentralized", out, probe, **kwargs), probe, start_eval)
     # 2. low precision decentralized.
     probe = Probe()
-    res["low_precision"] = summary(fit("low_precision_decentralized", out, probe), probe, start_eval)
+    res["low_precision"] = summary(fit("low_precision_decentralized", out, probe, hierarchical=False), probe,
+                                   start_eval)
     # 3. async: warm-up, background averaging, abort after step 6 and resume after step 10, clean stop.
     probe = Probe(pause_s=0.01, abort_at=6, resume_at=10)
     m = fit("async", out, probe, sync_interval_ms=10, warmup_steps=2, max_steps=24)
@@ -133,14 +136,15 @@ def torchrun_mode(out: Path) -> dict[str, Any]:
     for name, algorithm in (("resume_decentralized", "decentralized"),
                             ("resume_low_precision", "low_precision_decentralized")):
         first = Model()
-        t1 = trainer(BaguaStrategy(algorithm, bucket_size=SMALL_BUCKET), out, max_steps=-1, max_epochs=1)
+        t1 = trainer(BaguaStrategy(algorithm, bucket_size=SMALL_BUCKET, hierarchical=False), out, max_steps=-1,
+                     max_epochs=1)
         t1.fit(first)
         ckpt = out / f"{name}.ckpt"
         t1.save_checkpoint(ckpt)
         saved = torch.load(ckpt, map_location="cpu", weights_only=True)
         saved_flat = torch.cat([saved["state_dict"][k].reshape(-1) for k in first.state_dict()])
         probe = Probe()
-        resumed = fit(algorithm, out, probe, ckpt_path=ckpt, max_steps=-1, max_epochs=2)
+        resumed = fit(algorithm, out, probe, ckpt_path=ckpt, max_steps=-1, max_epochs=2, hierarchical=False)
         res[name] = {
             "start_spread": probe.start["spread"],
             "start_is_checkpoint": bool(torch.equal(probe.start["weights"], saved_flat)),

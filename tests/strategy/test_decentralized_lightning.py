@@ -40,7 +40,7 @@ def test_weight_averaging_algorithms_under_torchrun(tmp_path: Path, backend: str
     for rank, res in enumerate(results):
         # "all": identical weights right after every averaging (before each rank's own optimizer step)
         _converged(res["all"])
-        assert not res["all"]["hierarchical"]  # one node: hierarchical=True falls back to the flat path
+        assert not res["all"]["hierarchical"]  # one node: no inter-node step
         assert res["all"]["spreads"] == [0.0] * 16
         assert res["all"]["final_spread"] > 0  # the last local step moved the ranks apart again
         # "shift_one" every 2nd step: with 2 ranks the one peer; identical on communicating steps only

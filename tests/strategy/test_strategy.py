@@ -44,6 +44,20 @@ def test_bagua_is_registered_and_kwargs_are_checked_at_construction() -> None:
     assert s.process_group_backend == "gloo"
 
 
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad", "decentralized",
+                                       "low_precision_decentralized", "qadam", "async"])
+def test_one_registered_alias_per_algorithm(algorithm: str) -> None:
+    import lightning as L
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from bagua_lightning.strategy import BaguaStrategy
+
+    name = f"bagua_{algorithm}"
+    assert algorithm in StrategyRegistry[name]["description"]
+    t = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
+    assert isinstance(t.strategy, BaguaStrategy) and t.strategy.algorithm_name == algorithm
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params(2))
 def test_lightning_features_under_torchrun(tmp_path: Path, backend: str) -> None:

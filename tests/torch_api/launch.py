@@ -14,12 +14,13 @@ WORKERS = Path(__file__).with_name("workers.py")
 
 def run_case(case: str, *, world_size: int, log_dir: Path, local_size: int | None = None,
              args: tuple[str, ...] = (), env: dict[str, str] | None = None, timeout_s: float = 180,
-             launcher_env: bool = True) -> str:
+             launcher_env: bool = True, cuda: bool = False,
+             drop: tuple[str, ...] = ()) -> str:
     """Run ``workers.py CASE ARGS`` as ``world_size`` ranks laid out ``local_size`` per node.
 
     Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` as
     torchrun sets them (``launcher_env=False``: only ``BAGUA_TEST_RANK``, for cases that pass ranks
-    explicitly). CUDA is hidden, so the ranks use Gloo. Returns the logs; raises AssertionError with them
+    explicitly; ``drop`` removes some). CUDA is hidden, so the ranks use Gloo, unless ``cuda`` (NCCL: one GPU per rank). Returns the logs; raises AssertionError with them
     when a rank fails.
     """
     local = world_size if local_size is None else local_size
@@ -28,13 +29,18 @@ def run_case(case: str, *, world_size: int, log_dir: Path, local_size: int | Non
     for rank in range(world_size):
         log = log_dir / f"{case}-rank{rank}.log"
         logs.append(log)
-        extra = {"MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": "", "BAGUA_TEST_RANK": str(rank),
+        extra = {"MASTER_PORT": str(port), "BAGUA_TEST_RANK": str(rank),
+                 "BAGUA_TEST_BACKEND": "nccl" if cuda else "gloo",
                  "BAGUA_TEST_WORLD_SIZE": str(world_size), "BAGUA_TEST_LOCAL_SIZE": str(local)}
+        if not cuda:
+            extra["CUDA_VISIBLE_DEVICES"] = ""
         if launcher_env:
             extra.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % local),
                          LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local))
         extra.update(env or {})
         full = _env(extra)
+        for name in drop:  # variables this launcher does not set
+            full.pop(name, None)
         if not launcher_env:
             for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"):
                 full.pop(name, None)

@@ -207,7 +207,178 @@ def case_partial(out: Path, rank: int) -> dict[str, Any]:
     return {}
 
 
+def case_bucket_state(out: Path, rank: int) -> dict[str, Any]:
+    """Bagua's bucket state names: decentralized ``_peer_weight``, low precision's ring replicas."""
+    res: dict[str, Any] = {}
+    for mode in ("all", "shift_one"):
+        torch.manual_seed(rank)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model = model.with_bagua([opt], DecentralizedAlgorithm(hierarchical=False, peer_selection_mode=mode))
+        # The torch reference of Bagua's test: average flat(reversed parameters) before each step.
+        ref = Net()
+        ref.load_state_dict(model.state_dict())
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(6):
+            data, target = torch.randn(4, 2, generator=gen), torch.randn(4, 4, generator=gen)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                loss = F.mse_loss(m(data), target)
+                if m is ref:
+                    params = list(ref.parameters())[::-1]
+                    weight = torch.cat([p.detach().reshape(-1) for p in params])
+                    if mode == "all":
+                        dist.all_reduce(weight)
+                        weight /= dist.get_world_size()
+                    else:
+                        n = dist.get_world_size()
+                        peer = (n // 2 + (rank + step) % (n // 2)) if rank < n // 2 else (rank - n // 2 - step) % (n // 2)
+                        got, mine = torch.empty_like(weight), weight.clone()
+                        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer),
+                                                            dist.P2POp(dist.irecv, got, peer)]):
+                            work.wait()
+                        weight = (got + weight) / 2
+                loss.backward()
+                if m is ref:
+                    with torch.no_grad():
+                        offset = 0
+                        for p in params:
+                            p.copy_(weight[offset:offset + p.numel()].view_as(p))
+                            offset += p.numel()
+                o.step()
+        peer_weight = model.bagua_buckets[0]._peer_weight
+        assert torch.allclose(peer_weight, weight, atol=1e-6), (peer_weight - weight).abs().max()
+        assert torch.allclose(flat(model), flat(ref), atol=1e-6)
+        res[mode] = peer_weight.tolist()
+        model._bagua_teardown()
+    torch.manual_seed(rank)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = model.with_bagua([opt], LowPrecisionDecentralizedAlgorithm(hierarchical=False))
+    bucket = model.bagua_buckets[0]
+    train(model, opt, 6, seed=rank)
+    res["low_precision"] = {k: float(getattr(bucket, k).norm()) for k in ("_weight", "_left_peer_weight",
+                                                                           "_right_peer_weight")}
+    model._bagua_teardown()
+    return res
+
+
+def case_unused(out: Path, rank: int) -> dict[str, Any]:
+    """Bagua's data_parallel find_unused_parameters check: only the graph's parameters are communicated."""
+    from bagua_lightning.torch_api.data_parallel.distributed import DistributedDataParallel_V1_9_0
+
+    class Partial(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(2, 10, bias=False)
+            self.fc2 = nn.Linear(10, 4, bias=False)
+            self.fc3 = nn.Linear(4, 4, bias=False)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, nn.Module]:
+            return F.softmax(F.relu(self.fc2(F.relu(self.fc1(x)))), dim=1), self.fc3
+
+    res: dict[str, Any] = {}
+    torch.manual_seed(rank)
+    for find in (True, False):
+        ddp = DistributedDataParallel_V1_9_0(Partial(), process_group=dist.group.WORLD, find_unused_parameters=find)
+        out_, _ = ddp(torch.rand(4, 2))
+        F.cross_entropy(out_, torch.tensor([0, 1, 2, 3])).backward()
+        res[str(find)] = sorted(n for n, _ in ddp.inner.bagua_build_params())
+        res[f"grad{find}"] = ddp.module.fc1.weight.grad.reshape(-1).tolist()
+        ddp.module._bagua_teardown()
+    return res
+
+
+def case_acceptance(out: Path, rank: int) -> dict[str, Any]:
+    """A Bagua-style script: an MLP on an in-code dataset with each algorithm, and torch's DDP on the same seed."""
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(512, 8, generator=gen)
+    y = (x @ torch.randn(8, 1, generator=gen)).tanh() + 0.05 * torch.randn(512, 1, generator=gen)
+    shard = slice(rank * 256 // dist.get_world_size() * 2, (rank + 1) * 256 // dist.get_world_size() * 2)
+    xs, ys = x[shard], y[shard]
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def run(wrap: Callable[[nn.Module, torch.optim.Optimizer], nn.Module], adam: bool = False) -> float:
+        model = mlp()
+        opt: torch.optim.Optimizer = (QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=20) if adam
+                                      else torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9))
+        wrapped = wrap(model, opt)
+        for _ in range(4):
+            for i in range(0, xs.shape[0], 16):
+                opt.zero_grad()
+                F.mse_loss(wrapped(xs[i:i + 16]), ys[i:i + 16]).backward()
+                opt.step()
+        with torch.no_grad():
+            loss = F.mse_loss(model(x), y)
+        dist.all_reduce(loss)
+        if hasattr(model, "_bagua_teardown"):
+            model._bagua_teardown()
+        return float(loss) / dist.get_world_size()
+
+    res = {"ddp": run(lambda m, o: nn.parallel.DistributedDataParallel(m))}
+    algorithms: dict[str, Callable[[torch.optim.Optimizer], Algorithm]] = {
+        "gradient_allreduce": lambda o: GradientAllReduceAlgorithm(),
+        "bytegrad": lambda o: ByteGradAlgorithm(),
+        "decentralized": lambda o: DecentralizedAlgorithm(),
+        "low_precision_decentralized": lambda o: LowPrecisionDecentralizedAlgorithm(),
+        "async": lambda o: AsyncModelAverageAlgorithm(sync_interval_ms=5),
+        "bytegrad_flat": lambda o: ByteGradAlgorithm(hierarchical=False),
+        "decentralized_flat": lambda o: DecentralizedAlgorithm(hierarchical=False),
+        "low_precision_decentralized_flat": lambda o: LowPrecisionDecentralizedAlgorithm(hierarchical=False),
+    }
+    for name, make in algorithms.items():
+        res[name] = run(lambda m, o, make=make: m.with_bagua([o], make(o)))  # type: ignore[misc]
+    res["ddp_adam"] = run(lambda m, o: nn.parallel.DistributedDataParallel(m), adam=True)
+    res["qadam"] = run(lambda m, o: m.with_bagua([o], QAdamAlgorithm(o)), adam=True)  # type: ignore[arg-type]
+    res["qadam_flat"] = run(lambda m, o: m.with_bagua([o], QAdamAlgorithm(o, hierarchical=False)),  # type: ignore[arg-type]
+                            adam=True)
+    return res
+
+
+def case_nccl_one_gpu(out: Path, rank: int) -> dict[str, Any]:
+    """Every algorithm (flat and hierarchical) and a user's AlgorithmImpl through with_bagua on CUDA tensors."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    res: dict[str, Any] = {"backend": dist.get_backend()}
+    names = ["gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async"]
+    for name in names:
+        for hierarchical in (False, True):
+            torch.manual_seed(0)
+            model = Net().to(device)
+            algo, opt = make_algorithm(name, model, hierarchical=hierarchical)
+            model = model.with_bagua([opt], algo)
+            gen = torch.Generator(device=device).manual_seed(1)
+            for _ in range(12):
+                data = torch.randn(4, 2, generator=gen, device=device)
+                target = torch.randn(4, 4, generator=gen, device=device)
+                opt.zero_grad()
+                F.mse_loss(model(data), target).backward()
+                opt.step()
+            if name == "async":
+                model.bagua_algorithm.abort(model)
+            weights = flat(model)
+            assert weights.is_cuda and torch.isfinite(weights).all(), name
+            res[f"{name}/{hierarchical}"] = weights.cpu().tolist()
+            model._bagua_teardown()
+    torch.manual_seed(0)
+    model = Net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = model.with_bagua([opt], Mean(hierarchical=True))
+    F.mse_loss(model(torch.randn(4, 2, device=device)), torch.randn(4, 4, device=device)).backward()
+    assert model.bagua_algorithm.seen == [b.name for b in model.bagua_buckets]
+    model._bagua_teardown()
+    torch.cuda.synchronize()
+    return res
+
+
 CASES: dict[str, Callable[[Path, int], dict[str, Any]]] = {
+    "nccl_one_gpu": case_nccl_one_gpu,
+    "bucket_state": case_bucket_state,
+    "unused": case_unused,
+    "acceptance": case_acceptance,
     "switch": case_switch,
     "broadcast": case_broadcast,
     "shared": case_shared,

@@ -87,3 +87,8 @@ def test_service_settings(clean: pytest.MonkeyPatch) -> None:
 def test_same_answers_before_and_after_init(world_size: int, local_size: int, tmp_path: Path) -> None:
     out = run_case("env", world_size=world_size, local_size=local_size, log_dir=tmp_path)
     assert out.count("env ok") == world_size
+
+
+def test_local_size_from_hostnames_when_no_variable_gives_it(tmp_path: Path) -> None:
+    out = run_case("hosts", world_size=2, log_dir=tmp_path, drop=("LOCAL_WORLD_SIZE",))
+    assert out.count("hosts ok") == 2

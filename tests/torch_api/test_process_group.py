@@ -16,3 +16,9 @@ def test_init_with_file_store_and_explicit_ranks(tmp_path: Path) -> None:
     store = tmp_path / "store"
     out = run_case("init_store", world_size=2, log_dir=tmp_path, args=(str(store),), launcher_env=False)
     assert out.count("init store ok") == 2
+
+
+def test_init_adopts_an_initialised_torch_distributed(tmp_path: Path) -> None:
+    out = run_case("adopt_torch", world_size=2, log_dir=tmp_path, args=(str(tmp_path / "store"),),
+                   launcher_env=False)
+    assert out.count("adopt ok") == 2

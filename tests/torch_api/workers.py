@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import bagua_lightning.torch_api.communication as C
+import bagua_lightning.torch_api.process_group as PG
 from bagua_lightning.torch_api import env
 from bagua_lightning.torch_api.communication import ReduceOp
 
@@ -215,12 +216,18 @@ def case_primitives() -> None:
     C.init_process_group()
     C.init_process_group()  # a second call changes nothing
     r, n = env.get_rank(), env.get_world_size()
-    assert dist.get_backend() == "gloo" and C.is_initialized()
+    backend = os.environ.get("BAGUA_TEST_BACKEND", "gloo")
+    assert dist.get_backend() == backend and C.is_initialized()
+    if backend == "nccl":
+        torch.set_default_device("cuda")  # every tensor below lives on this rank's GPU
     check_reductions(r, n)
     check_reduce_scatter(r, n)
     check_gathers(r, n)
     check_alltoall(r, n)
     check_p2p_and_misc(r, n)
+    if n == 1:
+        print("primitives ok", r, flush=True)
+        return
     # Everything again on a sub-group (odd ranks), through its communicator; the others are not members.
     g = C.new_group(ranks=[i for i in range(n) if i % 2 == 1])
     comm = g.get_global_communicator()
@@ -302,6 +309,17 @@ def case_process_group() -> None:
         assert v.item() == 3.0
     else:
         assert bg.get_global_communicator() is C.CommMember.NON_COMM_MEMBER
+    # Bagua's own test: ranks r % 3 == 1 (a one-rank torch group here) and the even ranks.
+    g1, g2 = dist.new_group([1]), dist.new_group([0, 2])
+    b1, b2 = C.from_torch_group(g1), C.from_torch_group(g2)
+    for tg_, bg_, members in ((g1, b1, [1]), (g2, b2, [0, 2])):
+        assert bg_.ranks == members
+        if r in members:
+            comm_ = bg_.get_global_communicator()
+            assert (dist.get_rank(tg_), dist.get_world_size(tg_)) == (comm_.rank(), comm_.nranks())
+            v = torch.tensor([float(r + 1)])
+            C.allreduce(v, v, comm=comm_)
+            assert v.item() == sum(m + 1 for m in members), v
     C.barrier()
     print("process group ok", r, flush=True)
 
@@ -319,6 +337,33 @@ def case_init_store(path: str) -> None:
     print("init store ok", r, flush=True)
 
 
+def case_adopt_torch(path: str) -> None:
+    """torch.distributed initialised first (as a Lightning strategy does): Bagua's init adopts it."""
+    r, n = int(os.environ["BAGUA_TEST_RANK"]), int(os.environ["BAGUA_TEST_WORLD_SIZE"])
+    dist.init_process_group("gloo", store=dist.FileStore(path, n), rank=r, world_size=n)
+    assert (env.get_rank(), env.get_world_size()) == (r, n)  # from torch.distributed, no variables set
+    C.init_process_group()  # node mates found by hostname through torch's own store
+    assert (env.get_rank(), env.get_world_size(), env.get_local_rank(), env.get_local_size()) == (r, n, r, n)
+    assert PG._get_default_group().torch_group is dist.group.WORLD
+    x = torch.tensor([float(r)])
+    C.allreduce_inplace(x, ReduceOp.MAX)
+    assert x.item() == n - 1
+    print("adopt ok", r, flush=True)
+
+
+def case_hosts() -> None:
+    """No LOCAL_WORLD_SIZE (Lightning's launcher): the ranks find their node mates by hostname."""
+    from bagua_lightning.torch_api.process_group import _get_default_group
+
+    r, n = int(os.environ["BAGUA_TEST_RANK"]), int(os.environ["BAGUA_TEST_WORLD_SIZE"])
+    assert "LOCAL_WORLD_SIZE" not in os.environ and env.get_local_size() == 1
+    C.init_process_group()
+    assert (env.get_rank(), env.get_local_rank(), env.get_local_size(), env.get_node_rank()) == (r, r, n, 0)
+    cc = _get_default_group().comm
+    assert (cc.local_size, cc.num_nodes) == (n, 1)
+    print("hosts ok", r, flush=True)
+
+
 def case_env() -> None:
     """The launcher's variables before init_process_group, the same answers after."""
     r, n, local = (int(os.environ[k]) for k in ("BAGUA_TEST_RANK", "BAGUA_TEST_WORLD_SIZE", "BAGUA_TEST_LOCAL_SIZE"))
@@ -334,14 +379,65 @@ def case_env() -> None:
     print("env ok", r, flush=True)
 
 
+def case_checkpoint(path: str) -> None:
+    """Save on every rank (rank 0 writes), load into fresh models: every rank gets rank 0's states."""
+    from bagua_lightning.torch_api.checkpoint import load_checkpoint, save_checkpoint
+    from bagua_lightning.torch_api.utils import flatten
+
+    C.init_process_group()
+    r = env.get_rank()
+    torch.manual_seed(r)  # replicas differ, as with decentralized algorithms
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    model, opt, sched = make()
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 3)).pow(2).sum().backward()
+        opt.step()
+        sched.step()
+    assert load_checkpoint(path, model) == 0  # nothing saved yet
+    save_checkpoint(7, path, model, opt, sched)
+    save_checkpoint(12, path, model, opt, sched)
+    weights = flatten([p.detach() for p in model.parameters()])
+    momenta = flatten([opt.state[p]["momentum_buffer"] for p in model.parameters()])
+    C.broadcast(weights, src=0)  # rank 0's states are the checkpoint's
+    C.broadcast(momenta, src=0)
+    from pathlib import Path
+    assert (Path(path) / "latest_checkpointed_iteration.txt").read_text() == "12"
+    assert sorted(x.name for x in Path(path).iterdir() if x.is_dir()) == ["iter_0000007", "iter_0000012"]
+
+    torch.manual_seed(100 + r)
+    fresh, fresh_opt, fresh_sched = make()
+    # Loaded through a real DDP wrapper: keys saved without "module." load into it and into plain models.
+    wrapped = torch.nn.parallel.DistributedDataParallel(fresh)
+    assert load_checkpoint(path, wrapped, fresh_opt, fresh_sched) == 12
+    assert torch.equal(flatten([p.detach() for p in fresh.parameters()]), weights)
+    assert torch.equal(flatten([fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]), momenta)
+    assert fresh_sched.last_epoch == 2 and fresh_opt.param_groups[0]["lr"] == 0.025, fresh_opt.param_groups
+    # Saved from the wrapper, loaded into a plain model.
+    save_checkpoint(13, path, wrapped)
+    plain, _, _ = make()
+    assert load_checkpoint(path, plain) == 13
+    assert torch.equal(flatten([p.detach() for p in plain.parameters()]), weights)
+    print("checkpoint ok", r, flush=True)
+
+
 CASES: dict[str, Callable[..., None]] = {
     "primitives": case_primitives,
     "process_group": case_process_group,
     "init_store": case_init_store,
     "env": case_env,
+    "hosts": case_hosts,
+    "adopt_torch": case_adopt_torch,
+    "checkpoint": case_checkpoint,
 }
 
 if __name__ == "__main__":
     CASES[sys.argv[1]](*sys.argv[2:])
     if dist.is_initialized():
+        dist.barrier()  # leave together: a rank tearing down while a peer still talks aborts the process
         dist.destroy_process_group()

@@ -98,6 +98,12 @@ class AlgorithmImpl:
         return lambda optimizer: None
 
 
+def _steps(bagua_module: nn.Module) -> int:
+    """Optimizer steps the module's driver counted (the engine hooks' ``step``)."""
+    driver = getattr(bagua_module, "_bagua_driver", None)
+    return int(driver.step) if driver is not None else 0
+
+
 class Algorithm(abc.ABC):
     """Base class of Bagua's algorithms: a factory of one :class:`AlgorithmImpl` per model."""
 
@@ -123,16 +129,16 @@ class EngineAlgorithmImpl(AlgorithmImpl):
         self._step = 0
 
     def init_forward_pre_hook(self, bagua_module: nn.Module) -> Callable[[Any], None]:
-        return lambda input: self.engine.on_forward_start(bagua_module.bagua_train_step_counter)
+        return lambda input: self.engine.on_forward_start(_steps(bagua_module))
 
     def init_backward_hook(self, bagua_module: nn.Module) -> Callable[[str, torch.nn.Parameter], None]:
         return lambda name, param: self.engine.on_grad_ready(param)
 
     def init_post_backward_hook(self, bagua_module: nn.Module) -> Callable[[], None]:
-        return lambda: self.engine.on_backward_end(bagua_module.bagua_train_step_counter)
+        return lambda: self.engine.on_backward_end(_steps(bagua_module))
 
     def init_post_optimizer_step_hook(self, bagua_module: nn.Module) -> Callable[[torch.optim.Optimizer], None]:
-        return lambda optimizer: self.engine.on_optimizer_step_end(bagua_module.bagua_train_step_counter)
+        return lambda optimizer: self.engine.on_optimizer_step_end(_steps(bagua_module))
 
     def describe_buckets(self, bagua_module: nn.Module, plan: BucketPlan | None) -> list[BaguaBucket]:
         """``model.bagua_buckets``: one unflattened bucket per engine bucket, with the engine's state."""
@@ -206,7 +212,7 @@ class HookedAlgorithm(EngineAlgorithm):
         self._backward = impl.init_backward_hook(module)
         self._post_backward = impl.init_post_backward_hook(module)
         self._post_step = impl.init_post_optimizer_step_hook(module)
-        module.bagua_buckets = self.buckets
+        setattr(module, "bagua_buckets", self.buckets)  # noqa: B010  (nn.Module's __setattr__ typing)
 
     def on_forward_start(self, step: int) -> None:
         if self.impl.need_reset():

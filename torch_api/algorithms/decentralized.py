@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from ...strategy.algorithms.decentralized import DecentralizedAlgorithm as _Decentralized
-from ...strategy.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm as _LowPrecision
+from ...strategy.algorithms.low_precision_decentralized import (
+    LowPrecisionDecentralizedAlgorithm as _LowPrecision,
+)
 from .base import Algorithm, EngineAlgorithmImpl
 
 if TYPE_CHECKING:  # pragma: no cover

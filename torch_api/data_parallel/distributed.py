@@ -2,8 +2,9 @@
 
 The wrapper holds the module (``.module``) and runs ``module.with_bagua(...)``, so
 ``bagua_algorithm``, ``bagua_optimizers`` and ``bagua_buckets`` are the module's.
-``find_unused_parameters=True`` needs no fallback to PyTorch's DDP: the engine
-treats a parameter that received no gradient in a backward as a zero gradient.
+``find_unused_parameters=True`` needs no fallback to PyTorch's DDP: after a forward,
+parameters outside the output's autograd graph leave the buckets (as Bagua rebuilt
+its buckets), and ``inner.bagua_build_params()`` lists the ones communicated.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
+from ...strategy.buckets import UNUSED_ATTRIBUTE
+from ...strategy.ddp import AlgorithmDriver
 from .. import distributed as _distributed  # noqa: F401  (patches torch.nn.Module)
 from ..algorithms.base import Algorithm
 from ..algorithms.gradient_allreduce import GradientAllReduceAlgorithm
@@ -41,20 +45,51 @@ def to_bagua_process_group(process_group: Any = None) -> BaguaProcessGroup:
     )
 
 
-class DistributedDataParallel_V1_9_0(nn.Module):  # noqa: N801  (Bagua's name)
-    """The wrapper :func:`DistributedDataParallel` returns (PyTorch 1.9 DDP's interface)."""
+def _reached_parameters(out: Any) -> set[int]:
+    """ids of the tensors whose gradient the autograd graph of ``out`` accumulates."""
+    stack = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    reached: set[int] = set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
+    return reached
+
+
+class DistributedDataParallel_V1_9_0(nn.Module):
+    """PyTorch 1.9 DDP's interface over ``with_bagua`` (what :func:`DistributedDataParallel` returns).
+
+    Args: as :func:`DistributedDataParallel`.
+    """
 
     def __init__(
         self,
         module: nn.Module,
-        *,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
         process_group: Any = None,
+        bucket_cap_mb: int = 25,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = True,
         optimizers: Sequence[torch.optim.Optimizer] = (),
         algorithm: Algorithm | None = None,
     ) -> None:
         super().__init__()
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError(f"device_ids can only be None or contain a single element, got {device_ids}")
+        if dim != 0:
+            raise ValueError(f"dim={dim} is not supported; inputs are not scattered, pass dim=0")
+        if not broadcast_buffers:
+            raise ValueError("broadcast_buffers=False is not supported: buffers are broadcast from the first rank")
         if not any(p.requires_grad for p in module.parameters()):
             raise ValueError("DistributedDataParallel is not needed for a module without trainable parameters")
         kinds = {p.device.type for p in module.parameters()}
@@ -62,16 +97,42 @@ class DistributedDataParallel_V1_9_0(nn.Module):  # noqa: N801  (Bagua's name)
             raise ValueError(f"the module's parameters must be on one type of device, found {sorted(kinds)}")
         self.module = module
         self.find_unused_parameters = find_unused_parameters
-        self.broadcast_buffers = True
+        self.broadcast_buffers = broadcast_buffers
+        self._optimizers = list(optimizers)
+        self._algorithm = algorithm if algorithm is not None else GradientAllReduceAlgorithm()
+        self._process_group = to_bagua_process_group(process_group)
+        self._flatten = gradient_as_bucket_view
         if module.bagua_module_name is None:  # type: ignore[attr-defined]
             module.bagua_module_name = f"{type(self).__name__}_{id(module)}"  # type: ignore[attr-defined]
-        module.with_bagua(  # type: ignore[attr-defined, operator]
-            list(optimizers), algorithm if algorithm is not None else GradientAllReduceAlgorithm(),
-            process_group=to_bagua_process_group(process_group), do_flatten=gradient_as_bucket_view,
-        )
+        setattr(module, UNUSED_ATTRIBUTE, set())
+        self._wrap(broadcast_state=True)
+
+    def _wrap(self, *, broadcast_state: bool) -> None:
+        self.module._bagua_wrap(self._optimizers, self._algorithm, self._process_group,  # type: ignore[operator]
+                                self._flatten, broadcast_state=broadcast_state)
+
+    @property
+    def inner(self) -> nn.Module:
+        """The wrapped module (Bagua's inner data-parallel object: ``bagua_build_params()`` and the rest)."""
+        return self.module
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.module(*inputs, **kwargs)
+        out = self.module(*inputs, **kwargs)
+        if self.find_unused_parameters and torch.is_grad_enabled() and self.module.training:
+            reached = _reached_parameters(out)
+            unused = {n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in reached}
+            if unused != getattr(self.module, UNUSED_ATTRIBUTE):
+                # Bagua rebuilds its buckets from the parameters the graph uses; so does the engine
+                # (every rank runs the same graph, so every rank rebuilds at the same step).
+                setattr(self.module, UNUSED_ATTRIBUTE, unused)
+                steps = self.module.bagua_train_step_counter
+                self._wrap(broadcast_state=False)  # the forward's weights are in use; they are equal already
+                self.module.bagua_train_step_counter = steps
+                driver: AlgorithmDriver | None = getattr(self.module, "_bagua_driver", None)
+                if driver is not None:
+                    driver.before_forward()
+                    driver.after_forward(out)
+        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -105,7 +166,7 @@ class DistributedDataParallel_V1_9_0(nn.Module):  # noqa: N801  (Bagua's name)
         return super().state_dict(*args, **kwargs)
 
 
-def DistributedDataParallel(  # noqa: N802  (Bagua's name: a function that returns the wrapper)
+def DistributedDataParallel(
     module: nn.Module,
     device_ids: list[int | torch.device] | None = None,
     output_device: int | torch.device | None = None,
@@ -135,13 +196,7 @@ def DistributedDataParallel(  # noqa: N802  (Bagua's name: a function that retur
         optimizers: the optimizer(s) training the module.
         algorithm: the Bagua algorithm (default ``GradientAllReduceAlgorithm()``).
     """
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError(f"device_ids can only be None or contain a single element, got {device_ids}")
-    if dim != 0:
-        raise ValueError(f"dim={dim} is not supported; inputs are not scattered, pass dim=0")
-    if not broadcast_buffers:
-        raise ValueError("broadcast_buffers=False is not supported: buffers are broadcast from the first rank")
     return DistributedDataParallel_V1_9_0(
-        module, process_group=process_group, find_unused_parameters=find_unused_parameters,
-        gradient_as_bucket_view=gradient_as_bucket_view, optimizers=optimizers, algorithm=algorithm,
+        module, device_ids, output_device, dim, broadcast_buffers, process_group, bucket_cap_mb,
+        find_unused_parameters, check_reduction, gradient_as_bucket_view, optimizers, algorithm,
     )
