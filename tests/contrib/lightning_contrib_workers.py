@@ -152,6 +152,13 @@ def main(out: Path) -> None:
             _trainer(sync_batchnorm=True).fit(model)
             res[name] = {"diff_vs_reference": _diff(model.net, ref), "bn": sorted(model.bn_classes),
                          "seen_first": model.seen[0]}
+        # Asynchronous averaging: a background thread communicates while SyncBatchNorm's collectives run in
+        # forward and backward; they use different process groups, so the job neither hangs nor garbles.
+        model = Model()
+        strategy = BaguaStrategy(algorithm="async", sync_interval_ms=5, warmup_steps=2)
+        _trainer(sync_batchnorm=True, strategy=strategy, max_steps=12).fit(model)
+        res["async_sync_bn"] = {"bn": sorted(model.bn_classes),
+                                "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
         model = Model(balanced=True)
         _trainer(max_epochs=1, max_steps=-1).fit(model)
         res["balanced"] = {"seen": model.seen, "expected": model.batch_sampler.padded_batches}

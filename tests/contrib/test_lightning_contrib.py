@@ -24,6 +24,7 @@ def test_sync_batchnorm_fused_optimizer_balanced_loader_and_moe(tmp_path: Path) 
             assert res[name]["bn"] == ["SyncBatchNorm"], res[name]
             assert res[name]["diff_vs_reference"] < 1e-5, res[name]
             assert res[name]["seen_first"] == list(range(r, 16, 2))
+        assert res["async_sync_bn"] == {"bn": ["SyncBatchNorm"], "finite": True}, res["async_sync_bn"]
         # The loader kept our batch sampler: each rank saw exactly its load-balanced batches.
         assert res["balanced"]["seen"] == res["balanced"]["expected"]
         # MoE under BaguaStrategy: shared weights averaged, experts (one set per rank) left alone and trained.
