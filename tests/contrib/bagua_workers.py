@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bagua_lightning.torch_api as bagua
+from bagua_lightning.torch_api.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from bagua_lightning.torch_api.algorithms.base import Algorithm
 from bagua_lightning.torch_api.algorithms.bytegrad import ByteGradAlgorithm
 from bagua_lightning.torch_api.algorithms.decentralized import (
@@ -19,6 +20,7 @@ from bagua_lightning.torch_api.algorithms.decentralized import (
     LowPrecisionDecentralizedAlgorithm,
 )
 from bagua_lightning.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+from bagua_lightning.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 from bagua_lightning.torch_api.contrib import fuse_optimizer
 from bagua_lightning.torch_api.model_parallel.moe import MoE, is_moe_param
 
@@ -67,6 +69,37 @@ def case_fused(rank: int) -> None:
         fused_tensors = sum(p.fused_tensors for p in plans) if plans else 0
         assert fused_tensors == 6, (name, order, fused_tensors)  # every tensor stepped inside one run
         print(f"rank {rank}: fused {name} {order} ok (max diff {diff:.1e})", flush=True)
+
+
+def case_fused_qadam_async(rank: int) -> None:
+    """QAdam: fused = plain; async averaging: fuse_step beside the background thread runs and stays finite."""
+    plain, fused = _net(), _net()
+    o1 = QAdamOptimizer(plain.parameters(), lr=0.01, warmup_steps=3)
+    o2 = QAdamOptimizer(fused.parameters(), lr=0.01, warmup_steps=3)
+    plain.with_bagua([o1], QAdamAlgorithm(o1))
+    fuse_optimizer(o2)
+    fused.with_bagua([o2], QAdamAlgorithm(o2), do_flatten=False)
+    for x, y in _batches(rank, 8):  # warm-up (allreduce) then compressed momentum
+        for model, opt, step in ((plain, o1, o1.step), (fused, o2, o2.fuse_step)):  # type: ignore[attr-defined]
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            step()
+    diff = max(float((p - q).detach().abs().max()) for p, q in zip(plain.parameters(), fused.parameters(), strict=True))
+    assert diff < 1e-6, ("qadam", diff)
+    plans = o2._bagua_lightning_fused.plans  # type: ignore[attr-defined]
+    print(f"rank {rank}: fused qadam ok (max diff {diff:.1e}, {sum(p.fused_tensors for p in plans or ())} "
+          "tensors in runs)", flush=True)
+    model = _net()
+    opt = fuse_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    model.with_bagua([opt], AsyncModelAverageAlgorithm(sync_interval_ms=5, warmup_steps=2), do_flatten=False)
+    for x, y in _batches(rank, 10):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.fuse_step()  # type: ignore[attr-defined]
+    model.bagua_algorithm.abort(model)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    plans = opt._bagua_lightning_fused.plans  # type: ignore[attr-defined]
+    print(f"rank {rank}: fused async ok ({sum(p.fused_tensors for p in plans or ())} tensors in runs)", flush=True)
 
 
 class MoENet(nn.Module):
@@ -128,7 +161,7 @@ def case_moe(rank: int) -> None:
 
 if __name__ == "__main__":
     bagua.init_process_group()
-    {"fused": case_fused, "moe": case_moe}[sys.argv[1]](bagua.get_rank())
+    {"fused": case_fused, "fused_qadam_async": case_fused_qadam_async, "moe": case_moe}[sys.argv[1]](bagua.get_rank())
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
