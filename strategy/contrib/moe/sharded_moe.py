@@ -286,12 +286,19 @@ class MOELayer(Base):
         d_model = hidden.shape[-1]
         tokens = hidden.reshape(-1, d_model)
         self.l_aux, combine_weights, dispatch_mask, self.exp_counts = self.gate(tokens, used_token)
-        dispatched = torch.einsum("sec,sm->ecm", dispatch_mask.type_as(hidden), tokens)
-        capacity = dispatched.shape[1]
+        num_experts, capacity = combine_weights.shape[1], combine_weights.shape[2]
+        # Index-based dispatch and combine: each kept (token, expert, slot) moves one row, instead of GShard's
+        # dense einsums over the (tokens, experts, capacity) one-hot (tokens x experts x capacity x width
+        # multiply-adds). The gating already synchronised with the host (exp_counts), so nonzero costs no
+        # new stall.
+        s_idx, e_idx, c_idx = dispatch_mask.nonzero(as_tuple=True)
+        slot = e_idx * capacity + c_idx
+        dispatched = tokens.new_zeros(num_experts * capacity, d_model).index_copy(0, slot, tokens[s_idx])
         dispatched = dispatched.reshape(self.world_size, self.num_local_experts, capacity, d_model)
         received = all_to_all(dispatched, self.group)
         expert_output = self.experts(received)
         returned = all_to_all(expert_output.contiguous(), self.group)
-        returned = returned.reshape(self.world_size * self.num_local_experts, capacity, d_model)
-        combined = torch.einsum("sec,ecm->sm", combine_weights.type_as(hidden), returned)
+        returned = returned.reshape(num_experts * capacity, d_model)
+        weights = combine_weights[s_idx, e_idx, c_idx].type_as(hidden).unsqueeze(1)
+        combined = tokens.new_zeros(tokens.shape[0], d_model).index_add(0, s_idx, returned[slot] * weights)
         return combined.reshape(hidden.shape)
