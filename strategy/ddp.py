@@ -343,9 +343,9 @@ class BaguaDistributedDataParallel(nn.Module):
         """Remove every hook and tear the algorithm down; idempotent."""
         self.driver.teardown()
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         # Checkpoints hold the bare module's keys (as DDP's ``module.`` prefix would break them).
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.load_state_dict(*args, **kwargs)

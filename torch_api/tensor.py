@@ -63,7 +63,7 @@ class BaguaTensor:
         self._bagua_getter = getter_closure if getter_closure is not None else _identity
         self._bagua_setter = setter_closure if setter_closure is not None else _no_setter
         self._bagua_bucket = None
-        return self  # type: ignore[no-any-return]
+        return self
 
     def to_bagua_tensor(
         self: Any,
@@ -88,7 +88,7 @@ class BaguaTensor:
     def bagua_getter_closure(self: Any) -> torch.Tensor:
         """The effective tensor (what communication works on)."""
         BaguaTensor._require_bagua(self)
-        return self._bagua_getter(self)  # type: ignore[no-any-return]
+        return self._bagua_getter(self)
 
     def bagua_setter_closure(self: Any, tensor: torch.Tensor) -> None:
         """Replace the effective tensor with ``tensor``."""
@@ -100,7 +100,7 @@ class BaguaTensor:
         if self.grad is None:
             with torch.no_grad():
                 self.grad = torch.zeros_like(self)
-        return self  # type: ignore[no-any-return]
+        return self
 
     def bagua_set_storage(self: Any, storage: Any, storage_offset: int = 0) -> None:
         """Point the effective tensor at ``storage`` (from ``storage_offset``), keeping its values' shape."""

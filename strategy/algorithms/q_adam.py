@@ -87,6 +87,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         #: Set by the qadam algorithm: after warm-up it updates and averages ``exp_avg`` itself.
         self.momentum_is_external = False
+        #: ids of parameters whose first moment stays local even then (not communicated: MoE experts).
+        self.local_momentum: set[int] = set()
         self._steps = 0
         for group in self.param_groups:
             for p in group["params"]:
@@ -115,7 +117,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         raise KeyError("parameter is not optimised by this QAdamOptimizer")
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -126,7 +128,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 t = int(state["step"]) + 1
                 state["step"] = t
-                external = self.momentum_is_external and t > self.warmup_steps
+                external = self.momentum_is_external and t > self.warmup_steps and id(p) not in self.local_momentum
                 if p.grad is None and not external:
                     continue  # (after warm-up the averaged m moves every parameter, as on every rank)
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
@@ -199,12 +201,14 @@ class QAdamAlgorithm(Algorithm):
         if self._module is None or self._comm is None or self._plan is None:
             raise RuntimeError("qadam: bind_optimizers called before setup")
         optimised = {id(p) for g in opt.param_groups for p in g["params"]}
-        named = [(n, p) for n, p in trainable_parameters(self._module) if id(p) in optimised]
-        if len(named) != len(optimised):
+        if optimised - {id(p) for p in self._module.parameters()}:
             raise ConfigurationError(
-                "qadam: the QAdamOptimizer optimises parameters that are not trainable parameters of the "
+                "qadam: the QAdamOptimizer optimises parameters that are not parameters of the "
                 "model; build it from model.parameters()"
             )
+        named = [(n, p) for n, p in trainable_parameters(self._module) if id(p) in optimised]
+        # Parameters that are not communicated (experts, ignored names) keep an ordinary local Adam.
+        opt.local_momentum = optimised - {id(p) for _, p in named}
         keep = {n for n, _ in named}
         from bagua_lightning.proto.plan import BucketPlan as _Plan
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
 from bagua_lightning.proto.plan import BucketPlan
+from bagua_lightning.strategy.buckets import trainable_parameters
 from bagua_lightning.strategy.comm import CommContext
 
 
@@ -35,7 +36,7 @@ class WeightBuckets:
     """
 
     def __init__(self, module: nn.Module, plan: BucketPlan | None = None) -> None:
-        named = {name: p for name, p in module.named_parameters() if p.requires_grad}
+        named = dict(trainable_parameters(module))  # experts and ignored names stay local
         groups: list[list[torch.Tensor]] = []
         used: set[str] = set()
         for names in plan.tensor_names if plan is not None else []:

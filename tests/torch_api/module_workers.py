@@ -105,7 +105,22 @@ def case_broadcast(out: Path, rank: int) -> dict[str, Any]:
     model = model.with_bagua([opt], DecentralizedAlgorithm())
     momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
     model._bagua_teardown()
-    return {"params": flat(model).tolist(), "momentum": momentum.tolist()}
+    res: dict[str, Any] = {"params": flat(model).tolist(), "momentum": momentum.tolist()}
+    # Bagua's test_broadcast_state: Adam and Rprop state through data_parallel's wrapper.
+    for cls in (torch.optim.Adam, torch.optim.Rprop):
+        torch.manual_seed(rank)
+        model = Net()
+        opt = cls(model.parameters(), lr=0.2)
+        train(model, opt, 3 + rank, seed=rank)  # different step counts too
+        ddp = DDP(model, optimizers=[opt], algorithm=DecentralizedAlgorithm())
+        state = opt.state_dict()["state"]
+        res[cls.__name__] = {
+            "model": [v.reshape(-1).tolist() for _, v in sorted(ddp.state_dict().items())],
+            "state": [[k, v.reshape(-1).tolist() if torch.is_tensor(v) else v] for i in sorted(state)
+                      for k, v in sorted(state[i].items())],
+        }
+        model._bagua_teardown()
+    return res
 
 
 def case_shared(out: Path, rank: int) -> dict[str, Any]:
@@ -134,23 +149,38 @@ def case_shared(out: Path, rank: int) -> dict[str, Any]:
 class MeanImpl(AlgorithmImpl):
     """A user's algorithm: a python op that records the bucket and the engine's centralized average."""
 
-    def __init__(self, process_group: Any, hierarchical: bool) -> None:
+    def __init__(self, process_group: Any, hierarchical: bool, compression: str | None) -> None:
         super().__init__(process_group)
         self.hierarchical = hierarchical
+        self.compression = compression
         self.seen: list[str] = []
+        self.inputs: list[int] = []
+        self.steps = 0
 
     def init_operations(self, bagua_module: nn.Module, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         bucket.append_python_op(self.seen.append)
-        bucket.append_centralized_synchronous_op(hierarchical=self.hierarchical, average=True)
+        bucket.append_centralized_synchronous_op(hierarchical=self.hierarchical, average=True,
+                                                 scattergather=self.compression is not None,
+                                                 compression=self.compression)
+
+    def init_forward_pre_hook(self, bagua_module: nn.Module) -> Callable[[Any], None]:
+        return lambda input: self.inputs.append(len(input))
+
+    def init_post_optimizer_step_hook(self, bagua_module: nn.Module) -> Callable[[torch.optim.Optimizer], None]:
+        def hook(optimizer: torch.optim.Optimizer) -> None:
+            self.steps += 1
+
+        return hook
 
 
 class Mean(Algorithm):
-    def __init__(self, hierarchical: bool = False) -> None:
+    def __init__(self, hierarchical: bool = False, compression: str | None = None) -> None:
         self.hierarchical = hierarchical
+        self.compression = compression
 
     def reify(self, process_group: Any) -> MeanImpl:
-        return MeanImpl(process_group, self.hierarchical)
+        return MeanImpl(process_group, self.hierarchical, self.compression)
 
 
 def case_custom(out: Path, rank: int) -> dict[str, Any]:
@@ -171,8 +201,23 @@ def case_custom(out: Path, rank: int) -> dict[str, Any]:
     mean /= dist.get_world_size()
     assert torch.allclose(grads, mean, atol=1e-7), (grads - mean).abs().max()
     assert model.bagua_algorithm.seen == [b.name for b in model.bagua_buckets], model.bagua_algorithm.seen
+    opt.step()
+    assert model.bagua_algorithm.inputs == [1] and model.bagua_algorithm.steps == 1
     model._bagua_teardown()
-    return {"grads": grads.tolist()}
+    # The same with ByteGrad's compressed exchange as the bucket's operation: the mean within quantisation.
+    model = model.with_bagua([opt], Mean(compression="MinMaxUInt8"))
+    opt.zero_grad()
+    F.mse_loss(model(data), target).backward()
+    compressed = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    local = Net()
+    local.load_state_dict(model.state_dict())
+    F.mse_loss(local(data), target).backward()
+    mean = torch.cat([p.grad.reshape(-1) for p in local.parameters()])
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    assert (compressed - mean).abs().max() < 0.02 * mean.abs().max(), (compressed - mean).abs().max()
+    model._bagua_teardown()
+    return {"grads": grads.tolist(), "compressed": compressed.tolist()}
 
 
 def case_hierarchical(out: Path, rank: int) -> dict[str, Any]:
@@ -374,7 +419,98 @@ def case_nccl_one_gpu(out: Path, rank: int) -> dict[str, Any]:
     return res
 
 
+class WithExpert(nn.Module):
+    """A shared layer and an "expert" layer whose weight is this rank's own (``weight.expert = True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(2, 8)
+        self.expert = nn.Linear(8, 4, bias=False)
+        self.expert.weight.expert = True  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.expert(F.relu(self.shared(x)))
+
+
+def case_experts(out: Path, rank: int) -> dict[str, Any]:
+    """Expert parameters are neither broadcast nor communicated, in every algorithm."""
+    res: dict[str, Any] = {}
+    for name in ["gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async"]:
+        torch.manual_seed(rank)  # different shared and expert weights per rank before wrapping
+        model = WithExpert()
+        before = model.expert.weight.detach().clone()
+        algo, opt = make_algorithm(name, model)
+        model = model.with_bagua([opt], algo)
+        assert torch.equal(model.expert.weight, before), name  # not broadcast
+        train(model, opt, 8, seed=rank)
+        if name == "async":
+            model.bagua_algorithm.abort(model)
+        res[name] = {"expert": model.expert.weight.reshape(-1).tolist(),
+                     "shared": torch.cat([p.detach().reshape(-1) for p in model.shared.parameters()]).tolist()}
+        model._bagua_teardown()
+    return res
+
+
+class _MeanGradient(torch.autograd.Function):
+    """Identity forward; backward averages the gradient over the default group (as SyncBatchNorm's backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad / dist.get_world_size()
+
+
+class Synced(nn.Module):
+    """Linear layers with a main-thread collective in each layer's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = _MeanGradient.apply(torch.tanh(layer(x)))
+        return x
+
+
+def case_backward_collectives(out: Path, rank: int) -> dict[str, Any]:
+    """Collectives of the main thread during backward next to the engine's communication thread (Gloo)."""
+    os.environ["BAGUA_DEFAULT_BUCKET_SIZE"] = str(16 * 17 * 4)  # one bucket per layer: the thread is busy
+    res: dict[str, Any] = {}
+    for name in ("gradient_allreduce", "bytegrad"):
+        torch.manual_seed(0)
+        model, ref = Synced(), Synced()
+        ref.load_state_dict(model.state_dict())
+        algo = GradientAllReduceAlgorithm() if name == "gradient_allreduce" else ByteGradAlgorithm(hierarchical=False)
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        model = model.with_bagua([opt], algo)
+        assert len(model.bagua_buckets) == 6
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(12):
+            data, target = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                F.mse_loss(m(data), target).backward()
+                if m is ref:
+                    for p in ref.parameters():
+                        dist.all_reduce(p.grad)  # type: ignore[arg-type]
+                        p.grad /= dist.get_world_size()  # type: ignore[operator]
+                o.step()
+        diff = float((flat(model) - flat(ref)).abs().max())
+        assert diff < (1e-5 if name == "gradient_allreduce" else 0.05), (name, diff)
+        res[name] = diff
+        model._bagua_teardown()
+    return res
+
+
 CASES: dict[str, Callable[[Path, int], dict[str, Any]]] = {
+    "backward_collectives": case_backward_collectives,
+    "experts": case_experts,
     "nccl_one_gpu": case_nccl_one_gpu,
     "bucket_state": case_bucket_state,
     "unused": case_unused,

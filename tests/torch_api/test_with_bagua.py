@@ -41,11 +41,12 @@ def run(case: str, tmp_path: Path, world_size: int, local_size: int | None = Non
     return [json.loads((tmp_path / f"{case}-rank{r}.json").read_text()) for r in range(world_size)]
 
 
-def test_switching_algorithms_on_one_model(tmp_path: Path) -> None:
-    results = run("switch", tmp_path, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_switching_algorithms_on_one_model(tmp_path: Path, world_size: int) -> None:
+    results = run("switch", tmp_path, world_size)
     # gradient_allreduce (third in the sequence) starts from decentralized's "all" average and keeps
     # replicas identical; every algorithm trained without error.
-    assert results[0]["gradient_allreduce"] == results[1]["gradient_allreduce"]
+    assert all(r["gradient_allreduce"] == results[0]["gradient_allreduce"] for r in results)
     assert results[0]["decentralized"] != results[1]["decentralized"]  # each rank applies its own gradient
     assert results[0]["buckets"] == [4]
 
@@ -55,17 +56,20 @@ def test_wrapping_broadcasts_parameters_and_optimizer_state(tmp_path: Path) -> N
     assert results[0]["params"] == results[1]["params"]
     assert results[0]["momentum"] == results[1]["momentum"]
     assert any(abs(x) > 0 for x in results[0]["momentum"])
+    for name in ("Adam", "Rprop"):
+        assert results[0][name] == results[1][name], name
 
 
 def test_one_algorithm_object_serves_two_models(tmp_path: Path) -> None:
     for res in run("shared", tmp_path, 2):
         for ours, torch_ddp in zip(res["bagua"], res["torch"], strict=True):
-            assert torch.allclose(torch.tensor(ours), torch.tensor(torch_ddp), atol=1e-6)
+            assert ours == torch_ddp  # exactly PyTorch DDP's weights
 
 
 def test_a_users_algorithm_impl_runs(tmp_path: Path) -> None:
     results = run("custom", tmp_path, 2)
     assert results[0]["grads"] == results[1]["grads"]
+    assert results[0]["compressed"] == results[1]["compressed"]
 
 
 @pytest.mark.parametrize("local_size", [4, 2])
@@ -90,13 +94,17 @@ def test_async_on_a_group_without_the_last_rank(tmp_path: Path) -> None:
     run("partial", tmp_path, 3)
 
 
-def test_bucket_state_under_baguas_names(tmp_path: Path) -> None:
-    results = run("bucket_state", tmp_path, 2)  # each rank also checks _peer_weight against a torch reference
-    assert results[0]["all"] == results[1]["all"]  # "all": every rank holds the same average
-    assert results[0]["shift_one"] == results[1]["shift_one"]  # two ranks: each other's peer
-    lp = [r["low_precision"] for r in results]
-    assert lp[0]["_weight"] == lp[1]["_left_peer_weight"] == lp[1]["_right_peer_weight"]
-    assert lp[1]["_weight"] == lp[0]["_left_peer_weight"]
+@pytest.mark.parametrize("n", [2, 4])
+def test_bucket_state_under_baguas_names(tmp_path: Path, n: int) -> None:
+    results = run("bucket_state", tmp_path, n)  # each rank also checks _peer_weight against a torch reference
+    half = n // 2
+    for r in range(n):
+        assert results[r]["all"] == results[0]["all"]  # "all": every rank holds the same average
+        last_peer = half + (r + 5) % half if r < half else (r - half - 5) % half  # "shift_one" at step 5
+        assert results[r]["shift_one"] == results[last_peer]["shift_one"]
+        # Low precision: a rank's public weights are exactly what its ring neighbours hold for it.
+        lp, left, right = (results[x]["low_precision"] for x in (r, (r - 1) % n, (r + 1) % n))
+        assert lp["_weight"] == left["_right_peer_weight"] == right["_left_peer_weight"]
 
 
 def test_find_unused_parameters(tmp_path: Path) -> None:
@@ -118,6 +126,20 @@ def test_bagua_style_script_reaches_ddps_loss(tmp_path: Path) -> None:
     # async never waits: how many averaging rounds land in a run depends on the machine's load, so its
     # loss is only held to training well (DDP's loss starts near 0.6 on this data).
     assert res["async"] < 2 * res["ddp"], res
+
+
+def test_expert_parameters_stay_each_ranks_own(tmp_path: Path) -> None:
+    results = run("experts", tmp_path, 2)
+    for name, res in results[0].items():
+        assert res["expert"] != results[1][name]["expert"], name
+    for name in ("gradient_allreduce", "bytegrad", "qadam"):  # replicas of the shared layer stay identical
+        assert results[0][name]["shared"] == results[1][name]["shared"], name
+
+
+def test_main_thread_collectives_during_backward(tmp_path: Path) -> None:
+    # Each rank checks its weights against a reference with plain allreduce (see the worker).
+    results = run("backward_collectives", tmp_path, 2)
+    assert results[0]["gradient_allreduce"] < 1e-5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")

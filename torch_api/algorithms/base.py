@@ -59,8 +59,8 @@ class AlgorithmImpl:
         """Bagua tensors to communicate: every communicated parameter, with its gradient as effective tensor."""
         tensors = []
         for name, param in bagua_module.bagua_build_params():  # type: ignore[operator]
-            param.bagua_ensure_grad()  # type: ignore[attr-defined]
-            tensors.append(param.ensure_bagua_tensor(  # type: ignore[attr-defined]
+            param.bagua_ensure_grad()
+            tensors.append(param.ensure_bagua_tensor(
                 name, bagua_module.bagua_module_name,
                 getter_closure=lambda p: p.grad,
                 setter_closure=lambda p, t: setattr(p, "grad", t),

@@ -102,8 +102,8 @@ class DistributedDataParallel_V1_9_0(nn.Module):
         self._algorithm = algorithm if algorithm is not None else GradientAllReduceAlgorithm()
         self._process_group = to_bagua_process_group(process_group)
         self._flatten = gradient_as_bucket_view
-        if module.bagua_module_name is None:  # type: ignore[attr-defined]
-            module.bagua_module_name = f"{type(self).__name__}_{id(module)}"  # type: ignore[attr-defined]
+        if module.bagua_module_name is None:
+            module.bagua_module_name = f"{type(self).__name__}_{id(module)}"
         setattr(module, UNUSED_ATTRIBUTE, set())
         self._wrap(broadcast_state=True)
 
@@ -160,10 +160,6 @@ class DistributedDataParallel_V1_9_0(nn.Module):
     @property
     def bagua_buckets(self) -> Any:
         return self.module.bagua_buckets
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        # Bagua's wrapper keeps the module's keys under "module." as PyTorch's DDP does.
-        return super().state_dict(*args, **kwargs)
 
 
 def DistributedDataParallel(
