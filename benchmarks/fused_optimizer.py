@@ -32,7 +32,7 @@ from torch import nn
 
 from bagua_lightning.strategy.contrib.fused_optimizer import fuse_optimizer, fuse_step
 
-OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]] = {
     "SGD": (torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
     "Adam": (torch.optim.Adam, dict(lr=1e-4)),
     "AdamW": (torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01)),

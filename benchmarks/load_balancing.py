@@ -43,7 +43,8 @@ def lengths(args: argparse.Namespace) -> list[int]:
 def batches(kind: str, rank: int, args: argparse.Namespace, lens: list[int]) -> list[list[int]]:
     """Rank ``rank``'s batches for epoch ``args.epoch``."""
     if kind == "distributed":
-        s = DistributedSampler(range(len(lens)), num_replicas=args.world, rank=rank, seed=args.seed)  # type: ignore[arg-type]
+        s: DistributedSampler[int] = DistributedSampler(range(len(lens)), num_replicas=args.world,  # type: ignore[arg-type]
+                                                        rank=rank, seed=args.seed)
         s.set_epoch(args.epoch)
         idx = list(s)
         return [idx[i : i + args.batch] for i in range(0, len(idx) - args.batch + 1, args.batch)]
