@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -173,9 +174,13 @@ def main(out: Path) -> None:
         }
     except Exception:
         res["error"] = traceback.format_exc()
-    rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ.get("RANK", "0"))
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     (out / f"rank{rank}.json").write_text(json.dumps(res))
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    # Results are written. Leave without interpreter teardown: a normal exit after the async algorithm's
+    # side process groups sometimes aborts in C++ ("terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
