@@ -161,6 +161,16 @@ class BaguaStrategy(DDPStrategy):
             self._comm = CommContext.build(local_size=max(1, self.num_processes))
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Contrib inside a Trainer: our SyncBatchNorm for sync_batchnorm=True (torch's refuses CPU), and
+        # loaders on a LoadBalancingDistributedBatchSampler kept (Lightning would swap in a DistributedSampler).
+        from bagua_lightning.strategy.contrib.lightning import adapt_trainer
+
+        module = self._lightning_module
+        adapt_trainer(self, module._trainer if module is not None else None)
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if (
             trainer.state.fn == TrainerFn.FITTING

@@ -7,7 +7,17 @@ imports. Importing this package patches ``torch.nn.Module`` with ``with_bagua`` 
 
 from __future__ import annotations
 
-from . import algorithms, checkpoint, communication, data_parallel, distributed, env, utils
+from . import (
+    algorithms,
+    checkpoint,
+    communication,
+    contrib,
+    data_parallel,
+    distributed,
+    env,
+    model_parallel,
+    utils,
+)
 from .bucket import BaguaBucket
 from .communication import (
     BaguaProcessGroup,
@@ -74,6 +84,7 @@ __all__ = [
     "broadcast_object",
     "checkpoint",
     "communication",
+    "contrib",
     "data_parallel",
     "distributed",
     "env",
@@ -89,6 +100,7 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "is_initialized",
+    "model_parallel",
     "new_group",
     "recv",
     "reduce",

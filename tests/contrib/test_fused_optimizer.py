@@ -1,0 +1,213 @@
+"""fuse_optimizer / fuse_step: bitwise the unfused step, one update per contiguous run, state_dict round trips."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.optim as optim
+
+from bagua_lightning.strategy.contrib import fused_optimizer
+from bagua_lightning.strategy.contrib.fused_optimizer import (
+    calculate_mutual_groups,
+    fuse_optimizer,
+    fuse_step,
+    is_fused_optimizer,
+)
+
+CASES: list[tuple[type[optim.Optimizer], dict[str, Any]]] = [
+    (optim.Adam, dict(weight_decay=1.0, amsgrad=True)),
+    (optim.Adam, dict(weight_decay=0.0, amsgrad=False)),
+    (optim.AdamW, dict(weight_decay=1.0, amsgrad=True)),
+    (optim.AdamW, dict(weight_decay=0.0)),
+    (optim.SGD, dict(lr=0.2, momentum=1, dampening=0, weight_decay=1, nesterov=True)),
+    (optim.SGD, dict(lr=0.2, momentum=1, dampening=0.5, weight_decay=1, nesterov=False)),
+    (optim.SGD, dict(lr=0.1)),
+    (optim.RMSprop, dict(weight_decay=1, momentum=1, centered=True)),
+    (optim.RMSprop, dict(weight_decay=0, momentum=1, centered=False)),
+    (optim.Rprop, dict(lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50))),
+    (optim.ASGD, dict(weight_decay=1)),
+    (optim.Adamax, dict(weight_decay=1)),
+    (optim.Adadelta, dict(weight_decay=1)),
+    (optim.Adagrad, dict(lr=0.1)),
+    (optim.NAdam, {}),
+    (optim.RAdam, {}),
+]
+
+
+class CountingSGD(optim.Optimizer):
+    """A user's own optimizer: plain SGD that records how many tensors each step updates."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, dict(lr=lr))
+        self.tensors_per_step: list[int] = []
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        n = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+                    n += 1
+        self.tensors_per_step.append(n)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                               torch.nn.Linear(4, 1), torch.nn.Sigmoid())
+
+
+def _train(model: torch.nn.Module, opt: optim.Optimizer, steps: int, fused: bool, set_to_none: bool = True) -> None:
+    x = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]).reshape(3, 2)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        model(x).sum().backward()
+        if fused:
+            fuse_step(opt)
+        else:
+            opt.step()
+
+
+def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CASES, ids=[f"{c.__name__}-{i}" for i, (c, _) in enumerate(CASES)])
+@pytest.mark.parametrize("warm", [0, 2], ids=["fresh", "with-state"])
+def test_fused_step_is_bitwise_the_unfused_step(cls: type[optim.Optimizer], kwargs: dict[str, Any],
+                                                warm: int) -> None:
+    m1, m2 = _model(), _model()
+    o1, o2 = cls(m1.parameters(), **kwargs), cls(m2.parameters(), **kwargs)
+    _train(m1, o1, warm + 4, fused=False)
+    _train(m2, o2, warm, fused=False)
+    fuse_optimizer(o2)
+    assert is_fused_optimizer(o2) and not is_fused_optimizer(o1)
+    _train(m2, o2, 2, fused=True, set_to_none=False)
+    _train(m2, o2, 2, fused=True, set_to_none=True)
+    assert _equal(m1, m2)
+    # state_dict has the unfused layout and values: load it into a fresh unfused optimizer, continue both.
+    m3 = _model()
+    m3.load_state_dict(m2.state_dict())
+    o3 = cls(m3.parameters(), **kwargs)
+    o3.load_state_dict(copy.deepcopy(o2.state_dict()))  # a checkpoint: no tensors shared with o2
+    _train(m2, o2, 2, fused=True)
+    _train(m3, o3, 2, fused=False)
+    assert _equal(m2, m3)
+
+
+def test_one_update_per_group_and_views_of_one_buffer() -> None:
+    model = _model()
+    opt = fuse_optimizer(CountingSGD(model.parameters()))
+    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(ptrs) == 1
+    _train(model, opt, 2, fused=True)
+    # Gradients autograd allocated were moved into one buffer: the next backward accumulates there.
+    grad_ptrs = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}  # type: ignore[union-attr]
+    assert len(grad_ptrs) == 1
+    opt.fuse_step()  # type: ignore[attr-defined]
+    opt.step()
+    assert opt.tensors_per_step == [1, 1, 1, 6]
+
+
+def test_frozen_and_gradless_parameters_stay_exact() -> None:
+    m1, m2 = _model(), _model()
+    for m in (m1, m2):
+        m[2].weight.requires_grad_(False)  # type: ignore[index]
+    o1 = optim.Adam(m1.parameters(), lr=0.1)
+    o2 = fuse_optimizer(optim.Adam(m2.parameters(), lr=0.1))
+    _train(m1, o1, 3, fused=False)
+    _train(m2, o2, 3, fused=True)
+    assert _equal(m1, m2)
+
+
+def test_plain_step_and_fused_step_interleave() -> None:
+    m1, m2 = _model(), _model()
+    o1 = optim.Adam(m1.parameters(), lr=0.05)
+    o2 = fuse_optimizer(optim.Adam(m2.parameters(), lr=0.05))
+    _train(m1, o1, 6, fused=False)
+    for fused in (True, False, True, True, False, True):
+        _train(m2, o2, 1, fused=fused)
+    assert _equal(m1, m2)
+    assert o1.state_dict()["state"][0]["step"] == o2.state_dict()["state"][0]["step"] == 6
+
+
+def test_unfused_state_dict_loads_into_fused_optimizer() -> None:
+    m1, m2 = _model(), _model()
+    o1 = optim.AdamW(m1.parameters(), lr=0.05)
+    _train(m1, o1, 3, fused=False)
+    m2.load_state_dict(m1.state_dict())
+    o2 = fuse_optimizer(optim.AdamW(m2.parameters(), lr=0.05))
+    o2.load_state_dict(copy.deepcopy(o1.state_dict()))
+    _train(m1, o1, 3, fused=False)
+    _train(m2, o2, 3, fused=True)
+    assert _equal(m1, m2)
+
+
+def test_calculate_mutual_groups() -> None:
+    tensor = torch.rand(100)
+    pieces = [tensor[i * 10 : (i + 1) * 10] for i in range(10)]
+    g1 = [pieces[3], pieces[1], pieces[2], pieces[0], pieces[8], pieces[9], torch.rand(10)]
+    g2 = [torch.rand(10) for _ in g1]
+    g3 = [pieces[3], pieces[1], pieces[2], pieces[0], torch.rand(10), torch.rand(10), torch.rand(10)]
+    g4 = [torch.rand(10), pieces[1], pieces[2], pieces[0], pieces[8], pieces[9], torch.rand(10)]
+    assert calculate_mutual_groups([g1, g2]) == []
+    assert calculate_mutual_groups([g1, g3]) == [[3, 1, 2, 0]]
+    assert calculate_mutual_groups([g1, g4]) == [[4, 5]]
+    assert calculate_mutual_groups([g1, g1]) == [[3, 1, 2, 0], [4, 5]]
+    with pytest.raises(ValueError, match="same length"):
+        calculate_mutual_groups([g1, g1[:3]])
+
+
+def test_errors_name_the_fix() -> None:
+    model = _model()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="fuse_optimizer"):
+        fuse_step(opt)
+    fuse_optimizer(opt)
+    with pytest.raises(RuntimeError, match="already fused"):
+        fuse_optimizer(opt)
+    with pytest.raises(TypeError, match="element"):
+        fuse_optimizer(optim.LBFGS(_model().parameters()))
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
+        fuse_optimizer(object())  # type: ignore[arg-type]
+
+
+def test_gradients_in_someone_elses_buffer_stay_there() -> None:
+    m1, m2 = _model(), _model()
+    o1 = optim.Adam(m1.parameters(), lr=0.05)
+    o2 = fuse_optimizer(optim.Adam(m2.parameters(), lr=0.05))
+    params = list(m2.parameters())
+    bucket = torch.zeros(sum(p.numel() for p in params))  # a communication bucket, reversed order
+    views, offset = [], 0
+    for p in reversed(params):
+        views.append(bucket[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    views.reverse()
+    for p, v in zip(params, views, strict=True):
+        p.grad = v
+    _train(m1, o1, 3, fused=False)
+    _train(m2, o2, 3, fused=True, set_to_none=False)
+    assert _equal(m1, m2)
+    assert all(p.grad is v for p, v in zip(params, views, strict=True))
+
+
+@pytest.mark.parametrize("warm", [0, 2])
+def test_pieces_across_tensor_boundaries_stay_exact(monkeypatch: pytest.MonkeyPatch, warm: int) -> None:
+    monkeypatch.setattr(fused_optimizer, "CPU_PIECE_NUMEL", 7)  # pieces cut through parameters
+    for cls, kwargs in ((optim.Adam, dict(amsgrad=True)), (optim.RMSprop, dict(momentum=0.5, centered=True))):
+        m1, m2 = _model(), _model()
+        o1, o2 = cls(m1.parameters(), **kwargs), cls(m2.parameters(), **kwargs)  # type: ignore[operator]
+        _train(m1, o1, warm + 4, fused=False)
+        _train(m2, o2, warm, fused=False)
+        fuse_optimizer(o2)
+        _train(m2, o2, 4, fused=True)
+        assert _equal(m1, m2)
+    model = _model()
+    opt = fuse_optimizer(CountingSGD(model.parameters()))
+    _train(model, opt, 2, fused=True)
+    total = sum(p.numel() for p in model.parameters())
+    assert opt.tensors_per_step == [-(-total // 7)] * 2

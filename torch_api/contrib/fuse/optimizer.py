@@ -1,0 +1,10 @@
+"""Bagua's ``bagua.torch_api.contrib.fuse.optimizer`` (implementation: ``strategy/contrib/fused_optimizer.py``)."""
+
+from ....strategy.contrib.fused_optimizer import (
+    calculate_mutual_groups,
+    fuse_optimizer,
+    fuse_step,
+    is_fused_optimizer,
+)
+
+__all__ = ["calculate_mutual_groups", "fuse_optimizer", "fuse_step", "is_fused_optimizer"]

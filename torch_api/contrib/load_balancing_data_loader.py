@@ -1,0 +1,8 @@
+"""Bagua's ``bagua.torch_api.contrib.load_balancing_data_loader`` (implementation: ``strategy/contrib/load_balancing.py``)."""
+
+from ...strategy.contrib.load_balancing import (
+    LoadBalancingDistributedBatchSampler,
+    LoadBalancingDistributedSampler,
+)
+
+__all__ = ["LoadBalancingDistributedBatchSampler", "LoadBalancingDistributedSampler"]

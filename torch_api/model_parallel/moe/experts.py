@@ -1,0 +1,5 @@
+"""Bagua's ``moe.experts``."""
+
+from ....strategy.contrib.moe.experts import Experts
+
+__all__ = ["Experts"]
