@@ -127,12 +127,12 @@ def handler_cost_us(world: int, calls: int = 3000) -> dict[str, float]:
                                         speed=1.0, bucket_timings=timings, backward_ms=1.0) for i in range(calls)]
     t0 = time.perf_counter()
     for request in requests:
-        servicer.ReportMetrics(request, None)  # type: ignore[arg-type]
+        servicer.ReportMetrics(request, None)
     out["ReportMetrics"] = (time.perf_counter() - t0) / calls * 1e6
     t0 = time.perf_counter()
     for i in range(calls):
         servicer.AskHyperparameters(pb.AskHyperparametersRequest(model_name="m", rank=0, train_iter=calls + i),
-                                    None)  # type: ignore[arg-type]
+                                    None)
     out["AskHyperparameters"] = (time.perf_counter() - t0) / calls * 1e6
     return out
 

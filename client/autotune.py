@@ -62,7 +62,7 @@ _HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})?")
 
 
 def _retryable(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE_CODES  # type: ignore[attr-defined]
+    return isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE_CODES
 
 
 def default_retry() -> Retry:
@@ -215,8 +215,8 @@ def span_to_proto(value: Mapping[str, Any]) -> Any:
 
 
 def _error(method: str, target: str, exc: grpc.RpcError) -> AutotuneError:
-    code = exc.code()  # type: ignore[attr-defined]
-    detail = f"autotune {method} at {target}: {code.name}: {exc.details()}"  # type: ignore[attr-defined]
+    code = exc.code()
+    detail = f"autotune {method} at {target}: {code.name}: {exc.details()}"
     if code == grpc.StatusCode.NOT_FOUND:
         return ModelNotRegisteredError(detail, code.name)
     if code in _REJECTED:
@@ -297,7 +297,7 @@ class AutotuneClient:
             if _retryable(exc):
                 raise ServiceUnavailableError(
                     f"the autotune service at {self.target} did not answer {method} "
-                    f"({exc.code().name}: {exc.details()}) after {self.retry.retries} retries; "  # type: ignore[attr-defined]
+                    f"({exc.code().name}: {exc.details()}) after {self.retry.retries} retries; "
                     "start it with `bagua-lightning autotune serve` or point BAGUA_LIGHTNING_AUTOTUNE_SERVICE at it"
                 ) from exc
             raise _error(method, self.target, exc) from exc

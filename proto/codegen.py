@@ -26,7 +26,7 @@ GENERATED = ("autotune_pb2.py", "autotune_pb2.pyi", "autotune_pb2_grpc.py")
 def generate(out_dir: Path) -> None:
     """Run protoc on the proto and write the generated files into ``out_dir``."""
     try:
-        from grpc_tools import protoc  # type: ignore[import-untyped]
+        from grpc_tools import protoc
     except ImportError as exc:  # pragma: no cover
         raise SystemExit(
             "grpcio-tools is needed to generate stubs: pip install -e '.[dev]'"

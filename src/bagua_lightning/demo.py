@@ -254,7 +254,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``demo`` to the ``bagua-lightning`` command line."""
     from bagua_lightning.cli import port_arg
     from bagua_lightning.services.deploy import DEFAULT_AUTOTUNE_PORT, DEFAULT_REDIS_PORT

@@ -184,7 +184,7 @@ def _state_of(optimizer: torch.optim.Optimizer) -> _FusedState:
         raise TypeError(
             f"{type(optimizer).__name__} is not a fused optimizer; call fuse_optimizer(optimizer) before fuse_step."
         )
-    return st  # type: ignore[no-any-return]
+    return st
 
 
 def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -267,7 +267,7 @@ def _build_group_plan(optimizer: torch.optim.Optimizer, group: dict[str, Any], f
         members = [params[i] for i in idx]
         lists = [[p.detach() for p in members]]
         lists += [[state[p][k] for p in members] for k in ew_keys]
-        for group_idx in calculate_mutual_groups(lists):  # type: ignore[arg-type]
+        for group_idx in calculate_mutual_groups(lists):
             run_members = [members[j] for j in group_idx]
             numel = sum(p.numel() for p in run_members)
             first = run_members[0]

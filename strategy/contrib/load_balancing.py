@@ -26,7 +26,7 @@ from torch.utils.data.sampler import Sampler
 __all__ = ["LoadBalancingDistributedBatchSampler", "LoadBalancingDistributedSampler"]
 
 
-class LoadBalancingDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
+class LoadBalancingDistributedSampler(DistributedSampler):
     """A ``DistributedSampler`` that deals samples so every rank's ``k``-th sample has similar complexity.
 
     Args:

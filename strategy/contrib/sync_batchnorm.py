@@ -39,7 +39,7 @@ def _gather(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 class _SyncBatchNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor | None,
@@ -107,7 +107,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, weight, mean, invstd = ctx.saved_tensors
         dy = dy.contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -210,7 +210,7 @@ class SyncBatchNorm(_BatchNorm):
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch_stats,
                                 factor, self.eps)
         group = self.process_group if self.process_group is not None else dist.group.WORLD
-        return _SyncBatchNormFn.apply(  # type: ignore[no-any-return]
+        return _SyncBatchNormFn.apply(
             input, self.weight, self.bias, running_mean, running_var, self.eps, factor, group
         )
 

@@ -100,19 +100,19 @@ def _exchange(x: Tensor, group: Any) -> Tensor:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, group: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, group: Any, x: Tensor) -> Tensor:
         ctx.group = group
         return _exchange(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
         # The exchange is its own inverse: slice j came from rank j, so its gradient goes back there.
         return None, _exchange(grad, ctx.group)
 
 
 def all_to_all(x: Tensor, group: Any = None) -> Tensor:
     """Differentiable all-to-all over dimension 0 (size = ranks in ``group``), on NCCL and Gloo."""
-    return _AllToAll.apply(group, x)  # type: ignore[no-any-return]
+    return _AllToAll.apply(group, x)
 
 
 # ---------------------------------------------------------------------------------------------- gating
