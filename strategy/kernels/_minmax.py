@@ -55,10 +55,10 @@ def _store_header(packed_ptr, row_start, lo, hi, PACK: tl.constexpr):
 
 @triton.jit
 def _quant_scale(lo, hi):
-    """``float32(255 / (hi - lo))`` computed in float64; 0 for a constant chunk."""
+    """``float32(min(255 / (hi - lo), FLOAT32_MAX))`` computed in float64; 0 for a constant chunk."""
     width = hi.to(tl.float64) - lo.to(tl.float64)
     safe = tl.where(width > 0, width, 1.0)
-    return tl.where(width > 0, 255.0 / safe, 0.0).to(tl.float32)
+    return tl.minimum(tl.where(width > 0, 255.0 / safe, 0.0), 3.4028234663852886e38).to(tl.float32)
 
 
 @triton.jit
@@ -102,7 +102,9 @@ def _store_levels(packed_ptr, row_start, units, q, n, PACK: tl.constexpr):
 def _quantise(v, lo, scale):
     t = (v - lo) * scale
     t = t + 0.5
-    return t.to(tl.int32)  # truncation: t is in [0.5, 256)
+    # Truncation: t is in [0.5, 256). The cap only acts outside the format (a chunk wider than
+    # float32's range, where x - lo overflows): it keeps a level from spilling into its neighbours.
+    return tl.minimum(t, 255.0).to(tl.int32)
 
 
 @triton.jit

@@ -1,0 +1,85 @@
+"""The fused Triton kernels against the CPU torch path, on CPU through Triton's interpreter.
+
+The checks live in ``kernel_checks.py`` (also run on a GPU machine with
+``--device cuda``); here they run once, in a subprocess with ``TRITON_INTERPRET=1``
+set before Triton is imported, so no other test sees the variable. Shapes are tiny
+and blocks small (16 elements) so every kernel loops over several blocks and programs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.strategy.launch import REPO, run_ranks
+
+pytest.importorskip("triton")
+
+CHECKS = [
+    "compress_matches_cpu_bytes",
+    "decompress_matches_cpu_values",
+    "constant_and_extreme_chunks",
+    "unaligned_buffers_use_the_byte_layout",
+    "owner_step_matches_decompress_sum_recompress",
+    "weight_difference_matches_torch",
+    "add_decompressed_is_one_rounding_of_the_exact_sum",
+    "bad_arguments_are_refused",
+]
+HERE = Path(__file__).parent
+
+
+def _interpreter_env() -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return env
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, str]:
+    done = subprocess.run(
+        [sys.executable, str(HERE / "kernel_checks.py"), "--device", "cpu", "--block", "16"],
+        env=_interpreter_env(), cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines, f"kernel checks printed nothing (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def test_every_check_ran(interpreted_results: dict[str, str]) -> None:
+    assert sorted(interpreted_results) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_kernel_matches_cpu_path(interpreted_results: dict[str, str], name: str) -> None:
+    assert interpreted_results[name] == "ok", interpreted_results[name]
+
+
+def test_fused_exchange_on_two_gloo_ranks_equals_its_definition(tmp_path: Path) -> None:
+    # Two ranks: the owner's float32 sum has one addition, so the result is exact, not just close.
+    run_ranks(str(HERE / "kernel_exchange_workers.py"), [str(tmp_path)], world_size=2, log_dir=tmp_path,
+              timeout_s=300, env={"TRITON_INTERPRET": "1"})
+    for rank in range(2):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "error" not in res, res["error"]
+        assert len(res["cases"]) == 3
+        for c in res["cases"]:
+            assert c["identical_on_ranks"], c
+            assert c["equal_to_reference"], c
+
+
+def test_chunks_narrower_than_the_scale_cap_round_trip_within_the_bound() -> None:
+    # 255 / (max - min) exceeds float32 here; the capped scale keeps every level on 0..255.
+    import torch
+
+    from bagua_lightning.strategy.compression import compress_chunks, decompress_chunks, max_quantisation_error
+
+    x = torch.cat([torch.linspace(1e-37, 2e-37, 16), torch.tensor([0.0, 1e-40] * 8)])
+    y = decompress_chunks(compress_chunks(x, 2))
+    assert torch.isfinite(y).all()
+    assert (y - x).abs().max().item() <= max_quantisation_error(x, 2)
+    assert y[0].item() == x[0].item()
