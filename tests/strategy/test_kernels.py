@@ -83,3 +83,64 @@ def test_chunks_narrower_than_the_scale_cap_round_trip_within_the_bound() -> Non
     assert torch.isfinite(y).all()
     assert (y - x).abs().max().item() <= max_quantisation_error(x, 2)
     assert y[0].item() == x[0].item()
+
+
+def _old_qadam_step(opt, momentum_is_external: bool) -> None:  # type: ignore[no-untyped-def]
+    """QAdamOptimizer.step as a per-parameter loop: the reference for the multi-tensor step."""
+    import math
+
+    import torch
+
+    with torch.no_grad():
+        for group in opt.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                state = opt.state[p]
+                t = int(state["step"]) + 1
+                state["step"] = t
+                external = momentum_is_external and t > opt.warmup_steps
+                if p.grad is None and not external:
+                    continue
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                if not external:
+                    grad = p.grad if group["weight_decay"] == 0 else p.grad.add(p, alpha=group["weight_decay"])
+                    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+                    if t <= opt.warmup_steps:
+                        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                bias1 = 1 - beta1**t
+                bias2 = 1 - beta2 ** min(t, opt.warmup_steps)
+                denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(group["eps"])
+                p.addcdiv_(exp_avg, denom, value=-group["lr"] / bias1)
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_qadam_multi_tensor_step_equals_the_per_parameter_loop(external: bool) -> None:
+    import torch
+
+    from bagua_lightning.strategy.algorithms.q_adam import QAdamOptimizer
+
+    def build() -> tuple[list[torch.nn.Parameter], QAdamOptimizer]:
+        g = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in [(5, 3), (7,), (2, 2), (4,)]]
+        opt = QAdamOptimizer(
+            [{"params": params[:3], "weight_decay": 0.01}, {"params": params[3:], "lr": 0.05}],
+            lr=0.01, warmup_steps=2,
+        )
+        opt.momentum_is_external = external
+        return params, opt
+
+    new_params, new_opt = build()
+    old_params, old_opt = build()
+    for step in range(5):
+        g = torch.Generator().manual_seed(100 + step)
+        for i, (a, b) in enumerate(zip(new_params, old_params, strict=True)):
+            grad = None if (i == 1 and step % 2 == 0) else torch.randn(a.shape, generator=g)  # a missing gradient
+            a.grad = None if grad is None else grad.clone()
+            b.grad = None if grad is None else grad.clone()
+        new_opt.step()
+        _old_qadam_step(old_opt, external)
+        for a, b in zip(new_params, old_params, strict=True):
+            assert torch.equal(a, b), (step, a, b)
+            assert torch.equal(new_opt.state[a]["exp_avg"], old_opt.state[b]["exp_avg"])
+            assert torch.equal(new_opt.state[a]["exp_avg_sq"], old_opt.state[b]["exp_avg_sq"])
+    assert new_opt.completed_steps == 5
