@@ -265,6 +265,6 @@ def _reduce_quantise_kernel(
         _store_header(out_ptr, 0, lo, hi, PACK)
     q_scale = _quant_scale(lo, hi)
     for b in range(p, nblocks, P):
-        idx, units = _tile(b, BLOCK, PACK)
+        _, units = _tile(b, BLOCK, PACK)
         v = _reduced(recv_ptr, world, row_stride, units, n, scale, BLOCK, PACK)
         _store_levels(out_ptr, 0, units, _quantise(v, lo, q_scale), n, PACK)

@@ -34,7 +34,7 @@ def flat_grads(m: nn.Module) -> torch.Tensor:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     result: dict[str, Any] = {"steps": []}
     try:
         hooked = DistributedDataParallel(model())

@@ -8,17 +8,20 @@ and blocks small (16 elements) so every kernel loops over several blocks and pro
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from bagua_lightning.strategy.algorithms.q_adam import QAdamOptimizer
+from bagua_lightning.strategy.compression import compress_chunks, decompress_chunks, max_quantisation_error
 from tests.strategy.launch import REPO, run_ranks
-
-pytest.importorskip("triton")
 
 CHECKS = [
     "compress_matches_cpu_bytes",
@@ -39,6 +42,9 @@ def _interpreter_env() -> dict[str, str]:
     return env
 
 
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, str]:
     done = subprocess.run(
@@ -50,15 +56,18 @@ def interpreted_results() -> dict[str, str]:
     return json.loads(lines[-1])
 
 
+@needs_triton
 def test_every_check_ran(interpreted_results: dict[str, str]) -> None:
     assert sorted(interpreted_results) == sorted(CHECKS)
 
 
+@needs_triton
 @pytest.mark.parametrize("name", CHECKS)
 def test_kernel_matches_cpu_path(interpreted_results: dict[str, str], name: str) -> None:
     assert interpreted_results[name] == "ok", interpreted_results[name]
 
 
+@needs_triton
 def test_fused_exchange_on_two_gloo_ranks_equals_its_definition(tmp_path: Path) -> None:
     # Two ranks: the owner's float32 sum has one addition, so the result is exact, not just close.
     run_ranks(str(HERE / "kernel_exchange_workers.py"), [str(tmp_path)], world_size=2, log_dir=tmp_path,
@@ -74,10 +83,6 @@ def test_fused_exchange_on_two_gloo_ranks_equals_its_definition(tmp_path: Path) 
 
 def test_chunks_narrower_than_the_scale_cap_round_trip_within_the_bound() -> None:
     # 255 / (max - min) exceeds float32 here; the capped scale keeps every level on 0..255.
-    import torch
-
-    from bagua_lightning.strategy.compression import compress_chunks, decompress_chunks, max_quantisation_error
-
     x = torch.cat([torch.linspace(1e-37, 2e-37, 16), torch.tensor([0.0, 1e-40] * 8)])
     y = decompress_chunks(compress_chunks(x, 2))
     assert torch.isfinite(y).all()
@@ -85,12 +90,8 @@ def test_chunks_narrower_than_the_scale_cap_round_trip_within_the_bound() -> Non
     assert y[0].item() == x[0].item()
 
 
-def _old_qadam_step(opt, momentum_is_external: bool) -> None:  # type: ignore[no-untyped-def]
+def _old_qadam_step(opt: QAdamOptimizer, momentum_is_external: bool) -> None:
     """QAdamOptimizer.step as a per-parameter loop: the reference for the multi-tensor step."""
-    import math
-
-    import torch
-
     with torch.no_grad():
         for group in opt.param_groups:
             beta1, beta2 = group["betas"]
@@ -115,10 +116,6 @@ def _old_qadam_step(opt, momentum_is_external: bool) -> None:  # type: ignore[no
 
 @pytest.mark.parametrize("external", [False, True])
 def test_qadam_multi_tensor_step_equals_the_per_parameter_loop(external: bool) -> None:
-    import torch
-
-    from bagua_lightning.strategy.algorithms.q_adam import QAdamOptimizer
-
     def build() -> tuple[list[torch.nn.Parameter], QAdamOptimizer]:
         g = torch.Generator().manual_seed(3)
         params = [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in [(5, 3), (7,), (2, 2), (4,)]]

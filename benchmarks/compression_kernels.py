@@ -1,0 +1,220 @@
+"""MinMax uint8 compression on one GPU: the fused Triton kernels against the torch-op path and a copy.
+
+::
+
+    python benchmarks/compression_kernels.py                     # buckets of 1/25/100/420 MiB, 2/4/8 chunks
+    python benchmarks/compression_kernels.py --model 100m        # + per-step overhead on the 110M model
+
+For each fp32 bucket size and chunk count it times, with CUDA events (warm-up, then
+the median of ``--repeats`` runs):
+
+* ``copy``: a device-to-device copy of the bucket (the bandwidth reference);
+* ``compress``: ours (``kernels.compress``) and the torch-op path (extrema, header, scale, cast);
+* ``decompress``: ours (``kernels.decompress``) and the torch-op path;
+* ``owner``: bytegrad's owner step with as many ranks as chunks (decompress every
+  received chunk, sum, recompress): ours (``kernels.reduce_compressed``) and torch ops.
+
+"of copy" is the bandwidth a pass achieves over the copy's: a compression moves
+``4 + 4 + 1`` bytes per value (values read twice, a level written), a decompression
+``1 + 4``, the copy ``4 + 4``. ``x torch`` is the torch-op path's time over ours.
+
+``--model``: one GPU trains the Transformer of ``allreduce_vs_ddp.py`` (AdamW) with its
+gradients in flat buckets, and each step runs bytegrad's compressed exchange on every bucket
+over a 1-rank NCCL group (compress, all-to-all, owner step, all-gather, decompress: all the
+compression work of a step, no network), with the kernels and with the torch-op path; the
+overhead per step is the difference to the same step without the exchange.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bagua_lightning.strategy import comm as comm_module
+from bagua_lightning.strategy import kernels
+from bagua_lightning.strategy.compression import HEADER_BYTES, ChunkRanges, dequantise_into, read_header
+
+MIB = 1 << 20
+
+
+def timed(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` runs, each between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def torch_compress(x: torch.Tensor, chunks: int, out: torch.Tensor) -> None:
+    """The torch-op path of ``compress_chunks`` on CUDA (what ran there before the kernels)."""
+    rows = x.view(chunks, -1)
+    ranges = ChunkRanges.of(rows)
+    ranges.write_header(out[:, :HEADER_BYTES])
+    ranges.quantise_into(rows, out[:, HEADER_BYTES:])
+
+
+def torch_decompress(packed: torch.Tensor, out: torch.Tensor) -> None:
+    mins, maxs = read_header(packed)
+    dequantise_into(packed[:, HEADER_BYTES:], mins, maxs, out.view(packed.shape[0], -1))
+
+
+def torch_owner(received: torch.Tensor, scale: float, mine: torch.Tensor, scratch: torch.Tensor,
+                out: torch.Tensor) -> None:
+    mins, maxs = read_header(received)
+    comm_module._sum_levels(received[:, HEADER_BYTES:], mins, maxs, scale, mine, scratch)
+    own = ChunkRanges.of(mine.view(1, -1))
+    own.write_header(out[:, :HEADER_BYTES])
+    own.quantise_into(mine.view(1, -1), out[:, HEADER_BYTES:], overwrite_input=True)
+
+
+def micro(sizes_mib: list[float], chunk_counts: list[int], warmup: int, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for mib in sizes_mib:
+        numel = int(mib * MIB) // 4 // 64 * 64  # divisible by every chunk count
+        x = torch.randn(numel, device="cuda") * torch.linspace(0.1, 10, numel, device="cuda")
+        dst = torch.empty_like(x)
+        t_copy = timed(lambda: dst.copy_(x), warmup, repeats)  # noqa: B023
+        copy_bw = 8 * numel / t_copy
+        for chunks in chunk_counts:
+            n = numel // chunks
+            packed = torch.empty(chunks, HEADER_BYTES + n, dtype=torch.uint8, device="cuda")
+            ref = torch.empty_like(packed)
+            t_c = timed(lambda: kernels.compress(x, chunks, packed), warmup, repeats)  # noqa: B023
+            t_c_torch = timed(lambda: torch_compress(x, chunks, ref), warmup, repeats)  # noqa: B023
+            same = bool(torch.equal(packed, ref))
+            out = torch.empty_like(x)
+            t_d = timed(lambda: kernels.decompress(packed, out), warmup, repeats)  # noqa: B023
+            t_d_torch = timed(lambda: torch_decompress(packed, dst), warmup, repeats)  # noqa: B023
+            # Owner step: chunks ranks each sent one n-element chunk of the reduced range.
+            received = torch.stack([kernels.compress(x[i * n:(i + 1) * n], 1, packed[i:i + 1].clone())[0]
+                                    for i in range(chunks)])
+            own = torch.empty(1, HEADER_BYTES + n, dtype=torch.uint8, device="cuda")
+            mine, scratch = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+            t_o = timed(lambda: kernels.reduce_compressed(received, 1.0 / chunks, own), warmup, repeats)  # noqa: B023
+            t_o_torch = timed(lambda: torch_owner(received, 1.0 / chunks, mine, scratch, own),  # noqa: B023
+                              warmup, repeats)
+            row = {
+                "MiB": mib, "chunks": chunks, "copy_ms": t_copy,
+                "compress_ms": t_c, "compress_torch_ms": t_c_torch, "compress_of_copy": 9 * numel / t_c / copy_bw,
+                "compress_torch_of_copy": 9 * numel / t_c_torch / copy_bw, "same_bytes_as_torch_path": same,
+                "decompress_ms": t_d, "decompress_torch_ms": t_d_torch,
+                "decompress_of_copy": 5 * numel / t_d / copy_bw, "decompress_torch_of_copy": 5 * numel / t_d_torch / copy_bw,
+                "owner_ms": t_o, "owner_torch_ms": t_o_torch,
+            }
+            rows.append(row)
+            print(f"{mib:>6} MiB x{chunks}: copy {t_copy:.3f} ms | compress {t_c:.3f} ms "
+                  f"({row['compress_of_copy']:.2f} of copy; torch {t_c_torch:.3f} ms, {t_c_torch / t_c:.1f}x) | "
+                  f"decompress {t_d:.3f} ms ({row['decompress_of_copy']:.2f}; torch {t_d_torch:.3f} ms, "
+                  f"{t_d_torch / t_d:.1f}x) | owner {t_o:.3f} ms (torch {t_o_torch:.3f} ms, {t_o_torch / t_o:.1f}x)"
+                  f"{'' if same else ' | bytes differ from the torch-op path (its float32 scale)'}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def model_overhead(size: str, bucket_mib: int, steps: int, batch: int, seq_len: int) -> dict[str, Any]:
+    """Per-step time of the 110M model without and with the compressed exchange (kernels, torch ops)."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from allreduce_vs_ddp import SIZES, Transformer
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    vocab, width, layers, heads = SIZES[size]
+    torch.manual_seed(0)
+    model = Transformer(vocab, width, layers, heads, seq_len).cuda()
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Gradients as views of flat buckets of about bucket_mib (what the bucket engine does).
+    flats, bucket, size_b = [], [], 0
+    for p in params:
+        bucket.append(p)
+        size_b += p.numel() * 4
+        if size_b >= bucket_mib * MIB or p is params[-1]:
+            flat = torch.zeros(sum(q.numel() for q in bucket), device="cuda")
+            off = 0
+            for q in bucket:
+                q.grad = flat[off:off + q.numel()].view_as(q)
+                off += q.numel()
+            flats.append(flat)
+            bucket, size_b = [], 0
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    tokens = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+    buffers = [comm_module.ExchangeBuffers() for _ in flats]
+    exchange_ms: list[float] = []
+
+    def step(exchange: bool) -> None:
+        opt.zero_grad(set_to_none=False)
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, vocab), tokens.view(-1))
+        loss.backward()
+        if exchange:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for flat, buf in zip(flats, buffers, strict=True):
+                comm_module.compressed_exchange_(flat, None, 1, scale=1.0, buffers=buf)
+            end.record()
+            end.synchronize()
+            exchange_ms.append(start.elapsed_time(end))
+        opt.step()
+
+    real_kernels_for = comm_module._kernels_for
+    result: dict[str, Any] = {"params": sum(p.numel() for p in params), "buckets": len(flats)}
+    for name, exchange, use_kernels in [("none", False, True), ("kernels", True, True), ("torch ops", True, False),
+                                        ("none again", False, True)]:
+        comm_module._kernels_for = real_kernels_for if use_kernels else (lambda device: False)
+        exchange_ms.clear()
+        result[f"{name}_step_ms"] = timed(lambda: step(exchange), 3, steps)  # noqa: B023
+        if exchange:
+            result[f"{name}_exchange_ms"] = statistics.median(exchange_ms[3:])
+    comm_module._kernels_for = real_kernels_for
+    base = min(result["none_step_ms"], result["none again_step_ms"])
+    for name in ("kernels", "torch ops"):
+        result[f"{name}_overhead_ms"] = result[f"{name}_step_ms"] - base
+    print(f"model {size}: {result['params'] / 1e6:.1f}M parameters in {len(flats)} buckets of ~{bucket_mib} MiB; "
+          f"step {base:.2f} ms without exchange; with the exchange: kernels +{result['kernels_overhead_ms']:.2f} ms "
+          f"(exchange {result['kernels_exchange_ms']:.2f} ms), torch ops +{result['torch ops_overhead_ms']:.2f} ms "
+          f"(exchange {result['torch ops_exchange_ms']:.2f} ms)", flush=True)
+    dist.destroy_process_group()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1,25,100,420", help="bucket sizes in MiB (fp32)")
+    parser.add_argument("--chunks", default="2,4,8", help="chunk counts (ranks of an exchange)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--model", choices=["100m", "tiny"], default=None, help="also time the model's steps")
+    parser.add_argument("--bucket-mib", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("compression_kernels.py needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "micro": micro(
+        [float(s) for s in args.sizes.split(",")], [int(c) for c in args.chunks.split(",")], args.warmup, args.repeats)}
+    if args.model:
+        results["model"] = model_overhead(args.model, args.bucket_mib, args.steps, batch=8, seq_len=512)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
