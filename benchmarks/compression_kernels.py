@@ -126,6 +126,28 @@ def micro(sizes_mib: list[float], chunk_counts: list[int], warmup: int, repeats:
     return rows
 
 
+def sweep(configs: list[tuple[int, int, int]], warmup: int, repeats: int) -> tuple[int, int, int]:
+    """Time compress + decompress of 100 and 420 MiB in 4 chunks per (block, warps, programs per SM); the best."""
+    best, best_t = configs[0], float("inf")
+    for block, warps, per_sm in configs:
+        kernels.BLOCK, kernels.NUM_WARPS, kernels.PROGRAMS_PER_SM = block, warps, per_sm
+        total = 0.0
+        for mib in (100, 420):
+            numel = mib * MIB // 4
+            x = torch.randn(numel, device="cuda")
+            packed = torch.empty(4, HEADER_BYTES + numel // 4, dtype=torch.uint8, device="cuda")
+            t_c = timed(lambda: kernels.compress(x, 4, packed), warmup, repeats)  # noqa: B023
+            t_d = timed(lambda: kernels.decompress(packed, x), warmup, repeats)  # noqa: B023
+            total += t_c + t_d
+            print(f"  block {block} warps {warps} programs/SM {per_sm}: {mib} MiB compress {t_c:.3f} ms "
+                  f"decompress {t_d:.3f} ms", flush=True)
+        if total < best_t:
+            best, best_t = (block, warps, per_sm), total
+    kernels.BLOCK, kernels.NUM_WARPS, kernels.PROGRAMS_PER_SM = best
+    print(f"sweep: best block {best[0]}, warps {best[1]}, programs/SM {best[2]}", flush=True)
+    return best
+
+
 def model_overhead(size: str, bucket_mib: int, steps: int, batch: int, seq_len: int) -> dict[str, Any]:
     """Per-step time of the 110M model without and with the compressed exchange (kernels, torch ops)."""
     import torch.distributed as dist
@@ -203,13 +225,21 @@ def main() -> None:
     parser.add_argument("--model", choices=["100m", "tiny"], default=None, help="also time the model's steps")
     parser.add_argument("--bucket-mib", type=int, default=25)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sweep", default=None,
+                        help="BLOCK:WARPS:PROGRAMS_PER_SM,... to try first; the best one is used for the rest")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("compression_kernels.py needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "micro": micro(
-        [float(s) for s in args.sizes.split(",")], [int(c) for c in args.chunks.split(",")], args.warmup, args.repeats)}
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    if args.sweep:
+        configs = [tuple(int(v) for v in c.split(":")) for c in args.sweep.split(",")]
+        results["config"] = sweep(configs, args.warmup, args.repeats)  # type: ignore[arg-type]
+    results["kernel_config"] = {"block": kernels.BLOCK, "warps": kernels.NUM_WARPS,
+                                "programs_per_sm": kernels.PROGRAMS_PER_SM}
+    sizes, chunks = [float(s) for s in args.sizes.split(",")], [int(c) for c in args.chunks.split(",")]
+    results["micro"] = micro(sizes, chunks, args.warmup, args.repeats)
     if args.model:
         results["model"] = model_overhead(args.model, args.bucket_mib, args.steps, batch=8, seq_len=512)
     if args.json:
