@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,19 +46,37 @@ from bagua_lightning.strategy.compression import HEADER_BYTES, ChunkRanges, dequ
 MIB = 1 << 20
 
 
-def timed(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` runs, each between two CUDA events."""
+def timed(fn: Callable[[], Any], warmup: int, repeats: int, batch: int = 1) -> float:
+    """Median milliseconds per call of ``fn``: ``repeats`` times, ``batch`` calls between two CUDA events.
+
+    ``batch=1`` is the latency of one call, the host's launch work included (the GPU
+    waits for it). A larger batch queues calls back to back, so the host's launch work
+    of a call overlaps the GPU work of the previous one: the GPU's own time per call,
+    what a pass costs when it is queued behind other work (as in a backward pass).
+    """
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(batch):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / batch)
     return statistics.median(times)
+
+
+def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
+    """Microseconds of host time per call (launch work only: a tiny input, synchronised once at the end)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def torch_compress(x: torch.Tensor, chunks: int, out: torch.Tensor) -> None:
@@ -82,47 +101,56 @@ def torch_owner(received: torch.Tensor, scale: float, mine: torch.Tensor, scratc
     own.quantise_into(mine.view(1, -1), out[:, HEADER_BYTES:], overwrite_input=True)
 
 
-def micro(sizes_mib: list[float], chunk_counts: list[int], warmup: int, repeats: int) -> list[dict[str, Any]]:
+def micro(sizes_mib: list[float], chunk_counts: list[int], warmup: int, repeats: int,
+          batch: int) -> list[dict[str, Any]]:
     rows = []
     for mib in sizes_mib:
         numel = int(mib * MIB) // 4 // 64 * 64  # divisible by every chunk count
         x = torch.randn(numel, device="cuda") * torch.linspace(0.1, 10, numel, device="cuda")
         dst = torch.empty_like(x)
-        t_copy = timed(lambda: dst.copy_(x), warmup, repeats)  # noqa: B023
+        t_copy = timed(lambda: dst.copy_(x), warmup, repeats, batch)  # noqa: B023
         copy_bw = 8 * numel / t_copy
         for chunks in chunk_counts:
             n = numel // chunks
             packed = torch.empty(chunks, HEADER_BYTES + n, dtype=torch.uint8, device="cuda")
             ref = torch.empty_like(packed)
-            t_c = timed(lambda: kernels.compress(x, chunks, packed), warmup, repeats)  # noqa: B023
-            t_c_torch = timed(lambda: torch_compress(x, chunks, ref), warmup, repeats)  # noqa: B023
-            same = bool(torch.equal(packed, ref))
             out = torch.empty_like(x)
-            t_d = timed(lambda: kernels.decompress(packed, out), warmup, repeats)  # noqa: B023
-            t_d_torch = timed(lambda: torch_decompress(packed, dst), warmup, repeats)  # noqa: B023
-            # Owner step: chunks ranks each sent one n-element chunk of the reduced range.
             received = torch.stack([kernels.compress(x[i * n:(i + 1) * n], 1, packed[i:i + 1].clone())[0]
                                     for i in range(chunks)])
             own = torch.empty(1, HEADER_BYTES + n, dtype=torch.uint8, device="cuda")
             mine, scratch = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
-            t_o = timed(lambda: kernels.reduce_compressed(received, 1.0 / chunks, own), warmup, repeats)  # noqa: B023
-            t_o_torch = timed(lambda: torch_owner(received, 1.0 / chunks, mine, scratch, own),  # noqa: B023
-                              warmup, repeats)
-            row = {
-                "MiB": mib, "chunks": chunks, "copy_ms": t_copy,
-                "compress_ms": t_c, "compress_torch_ms": t_c_torch, "compress_of_copy": 9 * numel / t_c / copy_bw,
-                "compress_torch_of_copy": 9 * numel / t_c_torch / copy_bw, "same_bytes_as_torch_path": same,
-                "decompress_ms": t_d, "decompress_torch_ms": t_d_torch,
-                "decompress_of_copy": 5 * numel / t_d / copy_bw, "decompress_torch_of_copy": 5 * numel / t_d_torch / copy_bw,
-                "owner_ms": t_o, "owner_torch_ms": t_o_torch,
+            passes: dict[str, Callable[[], Any]] = {
+                "compress": lambda: kernels.compress(x, chunks, packed),  # noqa: B023
+                "compress_torch": lambda: torch_compress(x, chunks, ref),  # noqa: B023
+                "decompress": lambda: kernels.decompress(packed, out),  # noqa: B023
+                "decompress_torch": lambda: torch_decompress(packed, dst),  # noqa: B023
+                # Owner step: ``chunks`` ranks each sent one n-element chunk of the range it reduces.
+                "owner": lambda: kernels.reduce_compressed(received, 1.0 / chunks, own),  # noqa: B023
+                "owner_torch": lambda: torch_owner(received, 1.0 / chunks, mine, scratch, own),  # noqa: B023
             }
+            row: dict[str, Any] = {"MiB": mib, "chunks": chunks, "copy_ms": t_copy}
+            for name, fn in passes.items():
+                row[f"{name}_ms"] = timed(fn, warmup, repeats, batch)
+                row[f"{name}_latency_ms"] = timed(fn, warmup, repeats, 1)
+            for name, nbytes in (("compress", 9), ("decompress", 5)):
+                row[f"{name}_of_copy"] = nbytes * numel / row[f"{name}_ms"] / copy_bw
+                row[f"{name}_torch_of_copy"] = nbytes * numel / row[f"{name}_torch_ms"] / copy_bw
             rows.append(row)
-            print(f"{mib:>6} MiB x{chunks}: copy {t_copy:.3f} ms | compress {t_c:.3f} ms "
-                  f"({row['compress_of_copy']:.2f} of copy; torch {t_c_torch:.3f} ms, {t_c_torch / t_c:.1f}x) | "
-                  f"decompress {t_d:.3f} ms ({row['decompress_of_copy']:.2f}; torch {t_d_torch:.3f} ms, "
-                  f"{t_d_torch / t_d:.1f}x) | owner {t_o:.3f} ms (torch {t_o_torch:.3f} ms, {t_o_torch / t_o:.1f}x)"
-                  f"{'' if same else ' | bytes differ from the torch-op path (its float32 scale)'}", flush=True)
+            print(f"{mib:>6} MiB x{chunks}: copy {t_copy:.3f} ms | " + " | ".join(
+                f"{name} {row[name + '_ms']:.3f} ms ({row.get(name + '_of_copy', 0):.2f} of copy; "
+                f"torch {row[name + '_torch_ms']:.3f} ms, {row[name + '_torch_ms'] / row[name + '_ms']:.1f}x; "
+                f"latency {row[name + '_latency_ms']:.3f} vs {row[name + '_torch_latency_ms']:.3f} ms)"
+                for name in ("compress", "decompress", "owner")), flush=True)
         torch.cuda.empty_cache()
+    small = torch.randn(1024, device="cuda")
+    packed = torch.empty(4, HEADER_BYTES + 256, dtype=torch.uint8, device="cuda")
+    ref = torch.empty_like(packed)
+    overhead = {"compress": host_us(lambda: kernels.compress(small, 4, packed)),
+                "compress_torch": host_us(lambda: torch_compress(small, 4, ref)),
+                "decompress": host_us(lambda: kernels.decompress(packed, small)),
+                "decompress_torch": host_us(lambda: torch_decompress(packed, small))}
+    print("host time per call (us): " + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()), flush=True)
+    rows.append({"host_us_per_call": overhead})
     return rows
 
 
@@ -136,8 +164,8 @@ def sweep(configs: list[tuple[int, int, int]], warmup: int, repeats: int) -> tup
             numel = mib * MIB // 4
             x = torch.randn(numel, device="cuda")
             packed = torch.empty(4, HEADER_BYTES + numel // 4, dtype=torch.uint8, device="cuda")
-            t_c = timed(lambda: kernels.compress(x, 4, packed), warmup, repeats)  # noqa: B023
-            t_d = timed(lambda: kernels.decompress(packed, x), warmup, repeats)  # noqa: B023
+            t_c = timed(lambda: kernels.compress(x, 4, packed), warmup, repeats, 10)  # noqa: B023
+            t_d = timed(lambda: kernels.decompress(packed, x), warmup, repeats, 10)  # noqa: B023
             total += t_c + t_d
             print(f"  block {block} warps {warps} programs/SM {per_sm}: {mib} MiB compress {t_c:.3f} ms "
                   f"decompress {t_d:.3f} ms", flush=True)
@@ -178,7 +206,7 @@ def model_overhead(size: str, bucket_mib: int, steps: int, batch: int, seq_len: 
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     tokens = torch.randint(0, vocab, (batch, seq_len), device="cuda")
     buffers = [comm_module.ExchangeBuffers() for _ in flats]
-    exchange_ms: list[float] = []
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def step(exchange: bool) -> None:
         opt.zero_grad(set_to_none=False)
@@ -191,8 +219,7 @@ def model_overhead(size: str, bucket_mib: int, steps: int, batch: int, seq_len: 
             for flat, buf in zip(flats, buffers, strict=True):
                 comm_module.compressed_exchange_(flat, None, 1, scale=1.0, buffers=buf)
             end.record()
-            end.synchronize()
-            exchange_ms.append(start.elapsed_time(end))
+            events.append((start, end))  # read after the timed steps: no host sync inside a step
         opt.step()
 
     real_kernels_for = comm_module._kernels_for
@@ -200,10 +227,11 @@ def model_overhead(size: str, bucket_mib: int, steps: int, batch: int, seq_len: 
     for name, exchange, use_kernels in [("none", False, True), ("kernels", True, True), ("torch ops", True, False),
                                         ("none again", False, True)]:
         comm_module._kernels_for = real_kernels_for if use_kernels else (lambda device: False)
-        exchange_ms.clear()
-        result[f"{name}_step_ms"] = timed(lambda: step(exchange), 3, steps)  # noqa: B023
+        events.clear()
+        result[f"{name}_step_ms"] = timed(lambda: step(exchange), 3, 3, steps // 3)  # noqa: B023
         if exchange:
-            result[f"{name}_exchange_ms"] = statistics.median(exchange_ms[3:])
+            torch.cuda.synchronize()
+            result[f"{name}_exchange_ms"] = statistics.median(s.elapsed_time(e) for s, e in events[3:])
     comm_module._kernels_for = real_kernels_for
     base = min(result["none_step_ms"], result["none again_step_ms"])
     for name in ("kernels", "torch ops"):
@@ -222,6 +250,7 @@ def main() -> None:
     parser.add_argument("--chunks", default="2,4,8", help="chunk counts (ranks of an exchange)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=10, help="calls queued back to back per timing")
     parser.add_argument("--model", choices=["100m", "tiny"], default=None, help="also time the model's steps")
     parser.add_argument("--bucket-mib", type=int, default=25)
     parser.add_argument("--steps", type=int, default=20)
@@ -239,7 +268,7 @@ def main() -> None:
     results["kernel_config"] = {"block": kernels.BLOCK, "warps": kernels.NUM_WARPS,
                                 "programs_per_sm": kernels.PROGRAMS_PER_SM}
     sizes, chunks = [float(s) for s in args.sizes.split(",")], [int(c) for c in args.chunks.split(",")]
-    results["micro"] = micro(sizes, chunks, args.warmup, args.repeats)
+    results["micro"] = micro(sizes, chunks, args.warmup, args.repeats, args.batch)
     if args.model:
         results["model"] = model_overhead(args.model, args.bucket_mib, args.steps, batch=8, seq_len=512)
     if args.json:
