@@ -151,7 +151,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
         if phase != "external":
-            grads = [p.grad for p in params]
+            # Every parameter of these phases has a gradient (see _batches); foreach ops refuse unequal lists.
+            grads: list[torch.Tensor] | tuple[torch.Tensor, ...] = [p.grad for p in params if p.grad is not None]
             if group["weight_decay"] != 0:
                 grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
             torch._foreach_mul_(exp_avgs, beta1)
