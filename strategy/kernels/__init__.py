@@ -30,11 +30,12 @@ __all__ = [
     "weight_difference_compress",
 ]
 
-#: Elements per block and warps per program (memory-bound passes: 16 values per thread).
-BLOCK = 4096
-NUM_WARPS = 8
-#: Programs per chunk and SM for the looping passes (enough to keep every SM's memory pipes busy).
-PROGRAMS_PER_SM = 4
+#: Elements per block and warps per program: 16 values per thread. With PROGRAMS_PER_SM, the best of a
+#: sweep on an H100 (``benchmarks/compression_kernels.py --sweep``; 4096/8/4 was within 5 %).
+BLOCK = 2048
+NUM_WARPS = 4
+#: Programs per SM for the looping passes (compression, owner step): enough loads in flight per SM.
+PROGRAMS_PER_SM = 8
 
 
 @functools.cache

@@ -67,6 +67,23 @@ def test_kernel_matches_cpu_path(interpreted_results: dict[str, str], name: str)
     assert interpreted_results[name] == "ok", interpreted_results[name]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("block", [None, 64])
+def test_compiled_kernels_match_cpu_path_on_gpu(block: int | None) -> None:
+    # The launchers' block size, and small blocks so that every kernel loops over several blocks.
+    cmd = [sys.executable, str(HERE / "kernel_checks.py"), "--device", "cuda"] + (["--block", str(block)] if block else [])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    lines = done.stdout.strip().splitlines()
+    assert lines, f"kernel checks printed nothing (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    results = json.loads(lines[-1])
+    assert sorted(results) == sorted(CHECKS)
+    assert all(v == "ok" for v in results.values()), {k: v for k, v in results.items() if v != "ok"}
+
+
 @needs_triton
 def test_fused_exchange_on_two_gloo_ranks_equals_its_definition(tmp_path: Path) -> None:
     # Two ranks: the owner's float32 sum has one addition, so the result is exact, not just close.
