@@ -330,7 +330,7 @@ def compressed_exchange_stages(
             "pad the buffer (BucketEngine(pad_multiple=...))"
         )
     buffers = buffers if buffers is not None else ExchangeBuffers()
-    if _kernels_for(flat.device):
+    if _kernels_for(flat.device) and flat.dtype in kernels.DTYPES:
         yield from _fused_exchange_stages(flat, group, group_size, scale=scale, buffers=buffers)
         return
     n = flat.numel() // group_size

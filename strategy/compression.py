@@ -30,13 +30,13 @@ LEVELS = 255.0
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def _use_kernels(device: torch.device) -> bool:
-    """True for tensors the Triton kernels handle (CUDA with Triton); the torch code otherwise."""
+def _use_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """True for values the Triton kernels handle (CUDA with Triton, fp32/bf16/fp16); the torch code otherwise."""
     if device.type != "cuda":
         return False
     from . import kernels
 
-    return kernels.enabled(device)
+    return kernels.enabled(device) and dtype in kernels.DTYPES
 
 
 def compressed_nbytes(num_elements: int) -> int:
@@ -177,7 +177,7 @@ def compress_chunks(
             f"out must be a uint8 tensor of shape {shape} on {x.device}, "
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
-    if _use_kernels(x.device):
+    if _use_kernels(x.device, x.dtype):
         from . import kernels
 
         return kernels.compress(x.detach().contiguous(), num_chunks, out)
@@ -204,7 +204,7 @@ def decompress_chunks(
             f"out must be a contiguous {dtype} tensor of {num_chunks * n} elements on {packed.device}, "
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
-    if _use_kernels(packed.device) and packed.stride(1) == 1:
+    if _use_kernels(packed.device, dtype) and packed.stride(1) == 1:
         from . import kernels
 
         return kernels.decompress(packed, out)

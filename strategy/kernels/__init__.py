@@ -44,9 +44,19 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+#: The value dtypes the kernels read and write (others take the torch path).
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def enabled(device: torch.device) -> bool:
     """True when tensors on ``device`` go through these kernels (CUDA with Triton installed)."""
     return device.type == "cuda" and triton_available()
+
+
+def _check_dtype(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in DTYPES:
+        raise ValueError(f"{what} must be float32, bfloat16 or float16, got {t.dtype}; use the torch path "
+                         "(bagua_lightning.strategy.compression) for other dtypes")
 
 
 @functools.cache
@@ -147,6 +157,7 @@ def compress(x: torch.Tensor, num_chunks: int, out: torch.Tensor, *, block: int 
             f"compress needs a contiguous 1-D tensor whose length divides into {num_chunks} chunks, "
             f"got shape {tuple(x.shape)}"
         )
+    _check_dtype(x, "x")
     return _compress_rows(x.detach(), num_chunks, out, block)
 
 
@@ -157,6 +168,7 @@ def decompress(packed: torch.Tensor, out: torch.Tensor, *, block: int | None = N
     """
     rows, n = packed.shape[0], packed.shape[1] - HEADER_BYTES
     _check_packed(packed, None, n, out.device, "packed")
+    _check_dtype(out, "out")
     if out.dim() != 1 or not out.is_contiguous() or out.numel() != rows * n:
         raise ValueError(f"out must be a contiguous 1-D tensor of {rows * n} elements, got {tuple(out.shape)}")
     blk = _block(out.device, block)

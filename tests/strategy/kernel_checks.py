@@ -166,6 +166,7 @@ def bad_arguments_are_refused(device: torch.device, block: int | None) -> None:
         (lambda: kernels.compress(x, 2, torch.empty(2, 9, dtype=torch.uint8, device=device)), "shape"),
         (lambda: kernels.decompress(torch.zeros(2, 12, dtype=torch.uint8, device=device), x[:7]), "8 elements"),
         (lambda: kernels.compress(x, 2, torch.empty(2, 12, dtype=torch.uint8, device=device), block=6), "power"),
+        (lambda: kernels.compress(x.double(), 2, torch.empty(2, 12, dtype=torch.uint8, device=device)), "float64"),
     ]:
         try:
             call()
