@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -158,3 +159,31 @@ def test_qadam_multi_tensor_step_equals_the_per_parameter_loop(external: bool) -
             assert torch.equal(new_opt.state[a]["exp_avg"], old_opt.state[b]["exp_avg"])
             assert torch.equal(new_opt.state[a]["exp_avg_sq"], old_opt.state[b]["exp_avg_sq"])
     assert new_opt.completed_steps == 5
+
+
+def _low_precision_through_kernels(comm: Any, kwargs: dict[str, Any], steps: int) -> dict[str, Any]:
+    """low_precision_decentralized with its difference/apply on the (interpreted) kernels, CPU tensors."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before this process first imports triton (at the first launch)
+    from bagua_lightning.strategy import kernels
+    from tests.strategy.weight_averaging_workers import low_precision_trace
+
+    kernels.enabled = lambda device: True  # type: ignore[assignment]  # this child only
+    return low_precision_trace(comm, kwargs, steps)
+
+
+@needs_triton
+@pytest.mark.slow  # spawned ranks, each importing torch and interpreting the kernels
+@pytest.mark.parametrize("world_size", [2, 3])  # one peer both sides; two distinct neighbours
+def test_low_precision_ring_on_the_kernels_keeps_replicas_identical(world_size: int) -> None:
+    from tests.strategy.weight_averaging_workers import run_ranks as run_scenario
+
+    results = run_scenario(_low_precision_through_kernels, world_size, {"hierarchical": False}, 4, timeout_s=300)
+    for rank, r in enumerate(results):
+        left, right = r["neighbours"]
+        for mine, theirs in zip(r["replicas"]["left"], results[left]["replicas"]["weight"], strict=True):
+            assert torch.equal(mine, theirs)  # bit-identical: every rank applies a message the same way
+        for mine, theirs in zip(r["replicas"]["right"], results[right]["replicas"]["weight"], strict=True):
+            assert torch.equal(mine, theirs)
+        assert r["worst_excess"] <= 1e-6, (rank, r["worst_excess"])  # within the quantisation bound
+        assert r["model_equals_replica"]
+        assert r["end_loss"] < r["start_loss"]
