@@ -399,7 +399,7 @@ def _fused_exchange_stages(
 ) -> Iterator[None]:
     """:func:`compressed_exchange_stages` on the fused kernels: one collective per phase, no float temporaries.
 
-    Compress every chunk of ``flat`` (any float dtype) into the send buffer; after the
+    Compress every chunk of ``flat`` (fp32, bf16 or fp16) into the send buffer; after the
     all-to-all, the owner step decompresses, sums and recompresses its chunk from the
     received bytes straight into its own send row (:func:`kernels.reduce_compressed`);
     after the all-gather every chunk is decompressed into ``flat``. Values and bytes
