@@ -13,7 +13,7 @@ allreduce::
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(ByteGradState(), bytegrad_hook)
 
-    # or with Lightning's DDP strategy
+    # or with Lightning's DDP strategy (which registers hooks on CUDA devices only)
     Trainer(strategy=DDPStrategy(ddp_comm_state=ByteGradState(), ddp_comm_hook=bytegrad_hook))
 
 The error of a gradient value is that of ByteGrad: at most half a quantisation level of
