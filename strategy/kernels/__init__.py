@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -66,30 +67,36 @@ def _k() -> ModuleType:
     return _minmax
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+class _Plan(NamedTuple):
+    """How a pass over ``rows`` rows of ``n`` values is launched (cached: launches are host-bound when small)."""
+
+    block: int
+    nblocks: int  # blocks per row
+    programs: int  # programs per row of the looping passes
+    pb: int  # a power of two >= programs (the partial-extrema reduction's width)
+    options: dict[str, Any]  # Triton launch options; shared, never modified
 
 
-def _programs(device: torch.device, rows: int, nblocks: int) -> int:
-    """Programs per row for the looping passes: about PROGRAMS_PER_SM per SM in all, at most one per block."""
-    if device.type != "cuda":
-        return max(1, min(nblocks, 3))  # the interpreter: still more than one program and block per program
-    total = PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(nblocks, -(-total // rows)))
+@functools.lru_cache(maxsize=1024)
+def _plan(device: torch.device, n: int, rows: int, block: int | None, warps: int, per_sm: int,
+          default_block: int) -> _Plan:
+    if block is not None and (block < 4 or block & (block - 1)):
+        raise ValueError(f"block must be a power of two >= 4, got {block}")
+    blk = block if block is not None else default_block if device.type == "cuda" else 64
+    nblocks = -(-n // blk)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = per_sm * int(torch.cuda.get_device_properties(index).multi_processor_count)
+        programs = max(1, min(nblocks, -(-total // rows)))
+        # No fused multiply-add contraction: the CPU path rounds after every multiply (see _minmax).
+        options: dict[str, Any] = {"num_warps": warps, "enable_fp_fusion": False}
+    else:  # the interpreter: still more than one program, and more than one block per program
+        programs, options = max(1, min(nblocks, 3)), {}
+    return _Plan(blk, nblocks, programs, 1 << max(0, (programs - 1).bit_length()), options)
 
 
-def _launch_options(device: torch.device) -> dict[str, object]:
-    # No fused multiply-add contraction: the CPU path rounds after every multiply (see _minmax).
-    return {"num_warps": NUM_WARPS, "enable_fp_fusion": False} if device.type == "cuda" else {}
-
-
-def _block(device: torch.device, block: int | None) -> int:
-    if block is not None:
-        if block < 4 or block & (block - 1):
-            raise ValueError(f"block must be a power of two >= 4, got {block}")
-        return block
-    return BLOCK if device.type == "cuda" else 64
+def _plan_for(device: torch.device, n: int, rows: int, block: int | None) -> _Plan:
+    return _plan(device, n, rows, block, NUM_WARPS, PROGRAMS_PER_SM, BLOCK)
 
 
 def _packed_view(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, int, int]:
@@ -110,10 +117,6 @@ def _check_packed(packed: torch.Tensor, rows: int | None, n: int, device: torch.
         raise ValueError(f"{what} must have contiguous rows, got strides {packed.stride()}")
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def _compress_rows(
     src: torch.Tensor, num_chunks: int, out: torch.Tensor, block: int | None,
     combine: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, float, float, float] | None = None,
@@ -121,11 +124,9 @@ def _compress_rows(
     n = src.numel() // num_chunks
     device = src.device
     _check_packed(out, num_chunks, n, device, "out")
-    blk = _block(device, block)
-    nblocks = -(-n // blk)
-    programs = _programs(device, num_chunks, nblocks)
+    plan = _plan_for(device, n, num_chunks, block)
+    blk, nblocks, programs, opts = plan.block, plan.nblocks, plan.programs, plan.options
     partials = torch.empty(num_chunks * programs * 2, dtype=torch.float32, device=device)
-    opts = _launch_options(device)
     k = _k()
     if combine is None:
         k._extrema_kernel[(programs, num_chunks)](
@@ -141,7 +142,7 @@ def _compress_rows(
     view, row_stride, pack = _packed_view(out, n)
     k._quantise_kernel[(programs, num_chunks)](
         src, partials, view, n, nblocks, programs, row_stride,
-        BLOCK=blk, PACK=pack, PB=_next_pow2(programs), **opts,
+        BLOCK=blk, PACK=pack, PB=plan.pb, **opts,
     )
     return out
 
@@ -171,11 +172,10 @@ def decompress(packed: torch.Tensor, out: torch.Tensor, *, block: int | None = N
     _check_dtype(out, "out")
     if out.dim() != 1 or not out.is_contiguous() or out.numel() != rows * n:
         raise ValueError(f"out must be a contiguous 1-D tensor of {rows * n} elements, got {tuple(out.shape)}")
-    blk = _block(out.device, block)
+    plan = _plan_for(out.device, n, rows, block)
     view, row_stride, pack = _packed_view(packed, n)
-    _k()._decompress_kernel[(-(-n // blk), rows)](
-        view, out, n, row_stride, BLOCK=blk, PACK=pack, **_launch_options(out.device)
-    )
+    _k()._decompress_kernel[(plan.nblocks, rows)](view, out, n, row_stride, BLOCK=plan.block, PACK=pack,
+                                                 **plan.options)
     return out
 
 
@@ -193,23 +193,21 @@ def reduce_compressed(
     device = received.device
     _check_packed(received, None, n, device, "received")
     _check_packed(out, 1, n, device, "out")
-    blk = _block(device, block)
-    nblocks = -(-n // blk)
-    programs = _programs(device, 1, nblocks)
+    plan = _plan_for(device, n, 1, block)
+    blk, nblocks, programs, opts = plan.block, plan.nblocks, plan.programs, plan.options
     partials = torch.empty(programs * 2, dtype=torch.float32, device=device)
     recv_view, row_stride, pack = _packed_view(received, n)
     out_view, _, out_pack = _packed_view(out, n)
     if out_pack != pack:  # both word-aligned or neither: one layout inside the kernel
         recv_view, row_stride, pack = received, received.stride(0), 1
         out_view = out
-    opts = _launch_options(device)
     k = _k()
     k._reduce_extrema_kernel[(programs,)](
         recv_view, partials, world, n, nblocks, programs, row_stride, float(scale), BLOCK=blk, PACK=pack, **opts
     )
     k._reduce_quantise_kernel[(programs,)](
         recv_view, partials, out_view, world, n, nblocks, programs, row_stride, float(scale),
-        BLOCK=blk, PACK=pack, PB=_next_pow2(programs), **opts,
+        BLOCK=blk, PACK=pack, PB=plan.pb, **opts,
     )
     return out
 
@@ -245,7 +243,7 @@ def add_decompressed(target: torch.Tensor, packed: torch.Tensor, *, block: int |
     if target.dtype != torch.float32 or target.dim() != 1 or not target.is_contiguous() or target.numel() != n:
         raise ValueError(f"target must be a contiguous 1-D float32 tensor of {n} elements, got "
                          f"{target.dtype} {tuple(target.shape)}")
-    blk = _block(target.device, block)
+    plan = _plan_for(target.device, n, 1, block)
     view, _, pack = _packed_view(packed, n)
-    _k()._apply_kernel[(-(-n // blk),)](view, target, n, BLOCK=blk, PACK=pack, **_launch_options(target.device))
+    _k()._apply_kernel[(plan.nblocks,)](view, target, n, BLOCK=plan.block, PACK=pack, **plan.options)
     return target
