@@ -131,6 +131,18 @@ def _to_dtype(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def _min_nan(a, b):
+    # NaN wins, as in torch.aminmax: a NaN gradient gives a NaN header and decodes to NaN (so a
+    # GradScaler still sees it) instead of being quietly dropped from the extrema.
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _partials_store(part_ptr, slot, lo, hi):
     tl.store(part_ptr + slot * 2, lo)
     tl.store(part_ptr + slot * 2 + 1, hi)
@@ -141,8 +153,8 @@ def _partials_reduce(part_ptr, c, P, PB: tl.constexpr):
     """Chunk ``c``'s (lo, hi) from its ``P`` partial extrema (``PB``: a power of two >= P)."""
     i = tl.arange(0, PB)
     base = (c * P + i) * 2
-    lo = tl.min(tl.load(part_ptr + base, mask=i < P, other=float("inf")), axis=0)
-    hi = tl.max(tl.load(part_ptr + base + 1, mask=i < P, other=float("-inf")), axis=0)
+    lo = tl.reduce(tl.load(part_ptr + base, mask=i < P, other=float("inf")), 0, _min_nan)
+    hi = tl.reduce(tl.load(part_ptr + base + 1, mask=i < P, other=float("-inf")), 0, _max_nan)
     return lo, hi
 
 
@@ -173,9 +185,9 @@ def _extrema_kernel(
                 v = v + c_right * tl.load(right_ptr + base + idx, mask=m, other=0.0)
             v = v + c_weight * tl.load(weight_ptr + base + idx, mask=m, other=0.0)
             tl.store(src_ptr + base + idx, v, mask=m)
-        lo_acc = tl.minimum(lo_acc, tl.where(m, v, float("inf")))
-        hi_acc = tl.maximum(hi_acc, tl.where(m, v, float("-inf")))
-    _partials_store(part_ptr, c * P + p, tl.min(lo_acc, axis=0), tl.max(hi_acc, axis=0))
+        lo_acc = _min_nan(lo_acc, tl.where(m, v, float("inf")))
+        hi_acc = _max_nan(hi_acc, tl.where(m, v, float("-inf")))
+    _partials_store(part_ptr, c * P + p, tl.reduce(lo_acc, 0, _min_nan), tl.reduce(hi_acc, 0, _max_nan))
 
 
 @triton.jit
@@ -248,9 +260,10 @@ def _reduce_extrema_kernel(
         idx, units = _tile(b, BLOCK, PACK)
         m = idx < n
         v = _reduced(recv_ptr, world, row_stride, units, n, scale, BLOCK, PACK)
-        lo_acc = tl.minimum(lo_acc, tl.where(m, v, float("inf")))
-        hi_acc = tl.maximum(hi_acc, tl.where(m, v, float("-inf")))
-    _partials_store(part_ptr, p, tl.min(tl.min(lo_acc, axis=1), axis=0), tl.max(tl.max(hi_acc, axis=1), axis=0))
+        lo_acc = _min_nan(lo_acc, tl.where(m, v, float("inf")))
+        hi_acc = _max_nan(hi_acc, tl.where(m, v, float("-inf")))
+    _partials_store(part_ptr, p, tl.reduce(tl.reduce(lo_acc, 1, _min_nan), 0, _min_nan),
+                    tl.reduce(tl.reduce(hi_acc, 1, _max_nan), 0, _max_nan))
 
 
 @triton.jit

@@ -94,6 +94,33 @@ def constant_and_extreme_chunks(device: torch.device, block: int | None) -> None
 
 
 @check
+def non_finite_values_decode_non_finite(device: torch.device, block: int | None) -> None:
+    # A NaN or an infinity makes its whole chunk decode to non-finite values on both paths (a GradScaler
+    # sees the overflow after the exchange); the other chunk is untouched.
+    n = 40
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = _inputs(n, 2, torch.float32, 21)
+        x[n // 2] = bad
+        for packed in (compress_chunks(x, 2), _compress_with_kernels(x, 2, device, block)):
+            values = torch.empty(2 * n, device=device)
+            kernels.decompress(packed.to(device), values, block=block)
+            for decoded in (values.cpu(), decompress_chunks(packed.cpu())):
+                if torch.isfinite(decoded[:n]).any():
+                    raise AssertionError(f"a chunk holding {bad} decoded to finite values")
+                _same(decoded[n:], decompress_chunks(compress_chunks(x[n:], 1)), "the other chunk")
+        received = torch.cat([compress_chunks(x[:n], 1), compress_chunks(x[n:], 1)])
+        out = torch.empty(1, HEADER_BYTES + n, dtype=torch.uint8, device=device)
+        kernels.reduce_compressed(received.to(device), 0.5, out, block=block)
+        if torch.isfinite(decompress_chunks(out.cpu())).any():
+            raise AssertionError(f"the owner step dropped a {bad}")
+
+
+def _compress_with_kernels(x: torch.Tensor, chunks: int, device: torch.device, block: int | None) -> torch.Tensor:
+    out = torch.empty(chunks, HEADER_BYTES + x.numel() // chunks, dtype=torch.uint8, device=device)
+    return kernels.compress(x.to(device), chunks, out, block=block)
+
+
+@check
 def unaligned_buffers_use_the_byte_layout(device: torch.device, block: int | None) -> None:
     n, chunks = 64, 2
     x = _inputs(n, chunks, torch.float32, 7)

@@ -28,6 +28,7 @@ CHECKS = [
     "compress_matches_cpu_bytes",
     "decompress_matches_cpu_values",
     "constant_and_extreme_chunks",
+    "non_finite_values_decode_non_finite",
     "unaligned_buffers_use_the_byte_layout",
     "owner_step_matches_decompress_sum_recompress",
     "weight_difference_matches_torch",
