@@ -34,6 +34,8 @@ from bagua_lightning.strategy.compression import (
     read_header,
 )
 
+from . import kernels
+
 
 @dataclass(kw_only=True)
 class CommContext:
@@ -399,6 +401,9 @@ def compressed_exchange_stages(
             "pad the buffer (BucketEngine(pad_multiple=...))"
         )
     buffers = buffers if buffers is not None else ExchangeBuffers()
+    if _kernels_for(flat.device) and flat.dtype in kernels.DTYPES:
+        yield from _fused_exchange_stages(flat, group, group_size, scale=scale, buffers=buffers)
+        return
     n = flat.numel() // group_size
     bounds = _segment_bounds(n, flat.device)
     blocks = buffers.segments(group_size, bounds, flat.device)
@@ -448,6 +453,45 @@ def compressed_exchange_stages(
         else:
             dequantise_into(_levels(recv, s == 0), mins, maxs, chunks[:, a:b])
             out[:, a:b].copy_(chunks[:, a:b])
+
+
+def _kernels_for(device: torch.device) -> bool:
+    """True when the compressed exchange on ``device`` runs on the fused kernels (CUDA with Triton)."""
+    return device.type == "cuda" and kernels.enabled(device)
+
+
+def _fused_exchange_stages(
+    flat: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    group_size: int,
+    *,
+    scale: float,
+    buffers: ExchangeBuffers,
+) -> Iterator[None]:
+    """:func:`compressed_exchange_stages` on the fused kernels: one collective per phase, no float temporaries.
+
+    Compress every chunk of ``flat`` (fp32, bf16 or fp16) into the send buffer; after the
+    all-to-all, the owner step decompresses, sums and recompresses its chunk from the
+    received bytes straight into its own send row (:func:`kernels.reduce_compressed`);
+    after the all-gather every chunk is decompressed into ``flat``. Values and bytes
+    are the CPU path's up to the order of the owner's float32 sum.
+    """
+    n = flat.numel() // group_size
+    send, recv = buffers.segments(group_size, [(0, n)], flat.device)[0]
+    kernels.compress(flat.detach().contiguous().view(-1), group_size, send)
+    pending = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    yield
+    pending.wait()
+    me = dist.get_rank(group)
+    row = send[me : me + 1]  # the all-to-all is done: the row is free
+    kernels.reduce_compressed(recv, scale, row)
+    pending = _all_gather_single(recv, row, group=group, async_op=True)
+    yield
+    pending.wait()
+    if flat.is_contiguous():
+        kernels.decompress(recv, flat.view(-1))
+    else:
+        flat.copy_(kernels.decompress(recv, torch.empty(flat.numel(), dtype=flat.dtype, device=flat.device)))
 
 
 def compressed_all_reduce_(

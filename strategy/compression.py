@@ -6,6 +6,9 @@ A chunk of ``n`` floats becomes ``8 + n`` bytes: its min and max as two float32
 header and the payload in one ``uint8`` tensor lets one collective move both.
 The worst-case error of a value is half a level: ``(max - min) / 510``.
 
+On CUDA the work goes to the fused Triton kernels of :mod:`bagua_lightning.strategy.kernels`,
+which write the same bytes and values as the torch code here (see ``docs/kernels.md``).
+
 Speed matters on CPU (Gloo), where compression competes with the network for the
 step time. Measured on one core, these choices each save a factor of 2-9 on a pass:
 ``out=`` buffers (a fresh 50 MB tensor costs more in page faults than the arithmetic
@@ -22,6 +25,18 @@ import torch
 
 HEADER_BYTES = 8  # two float32: min, max
 LEVELS = 255.0
+# The largest finite float32. The scale 255 / (max - min) is capped to it: a chunk narrower than
+# 255 / FLOAT32_MAX (~7.5e-37, denormal-sized differences) would otherwise scale by infinity.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _use_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """True for values the Triton kernels handle (CUDA with Triton, fp32/bf16/fp16); the torch code otherwise."""
+    if device.type != "cuda":
+        return False
+    from . import kernels
+
+    return kernels.enabled(device) and dtype in kernels.DTYPES
 
 
 def compressed_nbytes(num_elements: int) -> int:
@@ -47,6 +62,9 @@ class ChunkRanges:
 
     A value ``x`` of a chunk becomes level ``floor((x - min) * 255 / (max - min) + 0.5)``
     (round half up onto 0..255); a constant chunk encodes to 0 and decodes to min exactly.
+    The scale ``255 / (max - min)`` is computed in float64, capped at :data:`FLOAT32_MAX` and
+    rounded to float32. ``max - min`` must be finite in float32 (a chunk spanning more
+    than ``FLOAT32_MAX``, e.g. ``-2e38`` to ``2e38``, is outside the format).
     """
 
     mins: torch.Tensor
@@ -81,7 +99,7 @@ class ChunkRanges:
         if values.device.type != "cpu":
             v = values if overwrite_input and values.dtype == torch.float32 else values.to(torch.float32, copy=True)
             width = self.maxs - self.mins
-            inv = torch.where(width > 0, LEVELS / width, torch.zeros_like(width))
+            inv = torch.where(width > 0, LEVELS / width, torch.zeros_like(width)).clamp_(max=FLOAT32_MAX)
             out.copy_(v.sub_(self.mins).mul_(inv).add_(0.5))  # the uint8 cast truncates: round half up
             return
         # CPU: row by row with Python scalars (0-dim tensor operands take a slow, unvectorised
@@ -94,7 +112,7 @@ class ChunkRanges:
                                        strict=True):
             v = row if overwrite_input and row.dtype == torch.float32 else row.to(torch.float32, copy=True)
             if hi > lo:
-                v.sub_(lo).mul_(LEVELS / (hi - lo)).add_(0.5)
+                v.sub_(lo).mul_(min(LEVELS / (hi - lo), FLOAT32_MAX)).add_(0.5)
             else:
                 v.zero_()
             ints.copy_(v)  # truncation: x + 0.5 in [0.5, 256) becomes its floor
@@ -106,8 +124,12 @@ def read_header(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] < HEADER_BYTES:
         raise ValueError(f"expected a (chunks, 8 + n) uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
     # Flatten first: a one-row slice counts as contiguous but keeps its row stride, which a
-    # float32 view cannot take when 8 + n is not a multiple of 4.
-    header = packed[:, :HEADER_BYTES].reshape(-1).view(torch.float32).view(-1, 2)  # (num_chunks, 2)
+    # float32 view cannot take when 8 + n is not a multiple of 4; a row that starts off a
+    # 4-byte boundary (a later row of such a tensor) is copied.
+    header_bytes = packed[:, :HEADER_BYTES].reshape(-1)
+    if header_bytes.storage_offset() % 4:
+        header_bytes = header_bytes.clone()
+    header = header_bytes.view(torch.float32).view(-1, 2)  # (num_chunks, 2)
     return header[:, 0:1], header[:, 1:2]
 
 
@@ -155,6 +177,10 @@ def compress_chunks(
             f"out must be a uint8 tensor of shape {shape} on {x.device}, "
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
+    if _use_kernels(x.device, x.dtype):
+        from . import kernels
+
+        return kernels.compress(x.detach().contiguous(), num_chunks, out)
     ranges = ChunkRanges.of(chunks)
     ranges.write_header(out[:, :HEADER_BYTES])
     ranges.quantise_into(chunks, out[:, HEADER_BYTES:], overwrite_input=overwrite_input)
@@ -178,6 +204,10 @@ def decompress_chunks(
             f"out must be a contiguous {dtype} tensor of {num_chunks * n} elements on {packed.device}, "
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
+    if _use_kernels(packed.device, dtype) and packed.stride(1) == 1:
+        from . import kernels
+
+        return kernels.decompress(packed, out)
     target = out.view(num_chunks, n) if dtype == torch.float32 else torch.empty(num_chunks, n, device=out.device)
     dequantise_into(packed[:, HEADER_BYTES:], mins, maxs, target)
     if dtype != torch.float32:

@@ -46,6 +46,8 @@ from bagua_lightning.strategy.compression import (
 )
 from bagua_lightning.strategy.topology import ring_neighbours
 
+from .. import kernels
+
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
@@ -61,6 +63,9 @@ def _add_decompressed(target: torch.Tensor, packed: torch.Tensor, scratch: torch
     first: a uint8 operand inside the multiply-add is several times slower on CPU. Every
     rank applies a given message with this same function, so replicas stay bit-identical.
     """
+    if kernels.enabled(target.device):
+        kernels.add_decompressed(target, packed)  # one fused pass, no scratch
+        return
     mins, maxs = read_header(packed)
     scratch.copy_(packed[0, HEADER_BYTES:])
     if target.device.type == "cpu":  # Python scalars: 0-dim tensor operands are unvectorised on CPU
@@ -68,6 +73,28 @@ def _add_decompressed(target: torch.Tensor, packed: torch.Tensor, scratch: torch
         target.add_(scratch, alpha=(hi - lo) / LEVELS).add_(lo)
     else:
         target.addcmul_(scratch, ((maxs - mins) / LEVELS).view(())).add_(mins.view(()))
+
+
+def _compress_difference(
+    d: torch.Tensor, left: torch.Tensor, right: torch.Tensor, w: torch.Tensor, one_peer: bool, out: torch.Tensor
+) -> None:
+    """``d := d + (l + r) / 3 - 5/3 w`` (``d`` holds ``x``), compressed as one chunk into ``out``.
+
+    ``d`` is scratch afterwards. On CUDA one fused kernel forms ``d`` and its extrema,
+    a second writes the levels; with one peer (``one_peer``) ``l`` is ``r``.
+    """
+    if kernels.enabled(d.device):
+        kernels.weight_difference_compress(
+            d, left, None if one_peer else right, w,
+            (2.0 / 3.0 if one_peer else 1.0 / 3.0, 1.0 / 3.0, -5.0 / 3.0), out,
+        )
+        return
+    if one_peer:
+        d.add_(left, alpha=2.0 / 3.0)
+    else:
+        d.add_(left, alpha=1.0 / 3.0).add_(right, alpha=1.0 / 3.0)
+    d.add_(w, alpha=-5.0 / 3.0)
+    compress_chunks(d, 1, out=out, overwrite_input=True)
 
 
 def _gather(params: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -205,12 +232,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
                 d.copy_(flats[i])
             else:
                 _gather(groups[i], d)
-            if one_peer:
-                d.add_(left, alpha=2.0 / 3.0)
-            else:
-                d.add_(left, alpha=1.0 / 3.0).add_(right, alpha=1.0 / 3.0)
-            d.add_(w, alpha=-5.0 / 3.0)
-            compress_chunks(d, 1, out=buf.own, overwrite_input=True)  # d is scratch from here on
+            _compress_difference(d, left, right, w, one_peer, buf.own)
             pending.append(self._start_exchange(buf.own, buf.from_left, buf.from_right))
         for i, works in enumerate(pending):
             for work in works:

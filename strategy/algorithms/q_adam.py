@@ -33,6 +33,7 @@ from bagua_lightning.strategy.algorithms.bucketed import thread_comm
 from bagua_lightning.strategy.buckets import Bucket, BucketEngine, trainable_parameters
 from bagua_lightning.strategy.comm import (
     CommContext,
+    ExchangeBuffers,
     all_reduce_,
     compressed_all_reduce_,
     hierarchical_all_reduce_,
@@ -118,34 +119,60 @@ class QAdamOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Adam step over every parameter, with multi-tensor (``torch._foreach_*``) updates.
+
+        During warm-up both moments follow the gradient; afterwards ``v`` is frozen and
+        ``m`` is either updated here from the local gradient or, when the qadam
+        algorithm exchanges it (``momentum_is_external``), taken as it is.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                state = self.state[p]
-                t = int(state["step"]) + 1
-                state["step"] = t
-                external = self.momentum_is_external and t > self.warmup_steps and id(p) not in self.local_momentum
-                if p.grad is None and not external:
-                    continue  # (after warm-up the averaged m moves every parameter, as on every rank)
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                if t <= self.warmup_steps:
-                    assert p.grad is not None
-                    grad = p.grad if group["weight_decay"] == 0 else p.grad.add(p, alpha=group["weight_decay"])
-                    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-                    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                elif not external:
-                    assert p.grad is not None
-                    grad = p.grad if group["weight_decay"] == 0 else p.grad.add(p, alpha=group["weight_decay"])
-                    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-                bias1 = 1 - beta1**t
-                bias2 = 1 - beta2 ** min(t, self.warmup_steps)  # v froze after warm-up
-                denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(group["eps"])
-                p.addcdiv_(exp_avg, denom, value=-group["lr"] / bias1)
+            for (t, phase), params in self._batches(group).items():
+                self._update(group, t, phase, params)
         return loss
+
+    def _batches(self, group: dict[str, Any]) -> dict[tuple[int, str], list[torch.Tensor]]:
+        """Advance every parameter's step count; the parameters to update by (step, phase).
+
+        Phases: "warmup" (both moments from the gradient), "local" (``m`` from the
+        gradient, ``v`` frozen), "external" (``m`` averaged by the algorithm). All
+        parameters normally share one step count, so this is one or two batches.
+        """
+        batches: dict[tuple[int, str], list[torch.Tensor]] = {}
+        for p in group["params"]:
+            state = self.state[p]
+            t = int(state["step"]) + 1
+            state["step"] = t
+            external = self.momentum_is_external and t > self.warmup_steps
+            if p.grad is None and not external:
+                continue  # (after warm-up the averaged m moves every parameter, as on every rank)
+            phase = "warmup" if t <= self.warmup_steps else "external" if external else "local"
+            batches.setdefault((t, phase), []).append(p)
+        return batches
+
+    def _update(self, group: dict[str, Any], t: int, phase: str, params: list[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        exp_avgs = [self.state[p]["exp_avg"] for p in params]
+        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        if phase != "external":
+            # Every parameter of these phases has a gradient (see _batches); foreach ops refuse unequal lists.
+            grads: list[torch.Tensor] | tuple[torch.Tensor, ...] = [p.grad for p in params if p.grad is not None]
+            if group["weight_decay"] != 0:
+                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+            torch._foreach_mul_(exp_avgs, beta1)
+            torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+            if phase == "warmup":
+                torch._foreach_mul_(exp_avg_sqs, beta2)
+                torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        bias1 = 1 - beta1**t
+        bias2 = 1 - beta2 ** min(t, self.warmup_steps)  # v froze after warm-up
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, math.sqrt(bias2))
+        torch._foreach_add_(denom, group["eps"])
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-group["lr"] / bias1)
 
 
 @register_algorithm
@@ -173,6 +200,7 @@ class QAdamAlgorithm(Algorithm):
         self._optimizer: QAdamOptimizer | None = None
         self._compressed_phase = False
         self._plan: BucketPlan | None = None
+        self._exchange_buffers: dict[int, ExchangeBuffers] = {}
 
     def setup(self, module: nn.Module, comm: CommContext, plan: BucketPlan) -> None:
         self._comm, self._module, self._plan = thread_comm(comm, module), module, plan
@@ -252,8 +280,9 @@ class QAdamAlgorithm(Algorithm):
 
     def _compressed(self, bucket: Bucket, defer: bool) -> dist.Work | None:
         assert self._comm is not None and self._momentum_engine is not None
+        buffers = self._exchange_buffers.setdefault(bucket.index, ExchangeBuffers())  # reused every step
         compressed_all_reduce_(bucket.flat, self._comm, average=True,
-                               hierarchical=self._momentum_engine.plan.is_hierarchical_reduce)
+                               hierarchical=self._momentum_engine.plan.is_hierarchical_reduce, buffers=buffers)
         return None
 
     # ------------------------------------------------------------------ hooks
@@ -322,6 +351,7 @@ class QAdamAlgorithm(Algorithm):
                 engine.close()
         self._grad_engine = self._momentum_engine = None
         self._comm = None
+        self._exchange_buffers.clear()
         if self._optimizer is not None:
             self._optimizer.momentum_is_external = False
         self._optimizer = None

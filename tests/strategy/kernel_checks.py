@@ -1,0 +1,232 @@
+"""The Triton kernels of ``strategy/kernels`` against the CPU torch path, one check per function.
+
+Run by ``test_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (CPU tensors
+through Triton's interpreter, tiny shapes), and on a GPU machine as
+``python tests/strategy/kernel_checks.py --device cuda`` (the compiled kernels, real
+block sizes). The reference is always the CPU torch path; results are compared
+byte for byte and value for value, except ``add_decompressed`` (one float32 rounding, see
+its check). Prints one JSON object: check name -> "ok" or the failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from bagua_lightning.strategy import kernels
+from bagua_lightning.strategy.compression import HEADER_BYTES, compress_chunks, decompress_chunks
+
+CHECKS: dict[str, Callable[[torch.device, int | None], None]] = {}
+
+
+def check(fn: Callable[[torch.device, int | None], None]) -> Callable[[torch.device, int | None], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _inputs(n: int, chunks: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n * chunks, generator=g) * torch.logspace(-3, 2, n * chunks)
+    return x.to(dtype)
+
+
+# (elements per chunk, chunks): odd lengths (byte layout), multiples of 4 (word layout), one element
+SHAPES = [(1, 1), (5, 3), (37, 2), (64, 4), (100, 1), (203, 2)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(torch.uint8) if a.dtype == torch.uint8
+                                                                    else a, b):
+        diff = (a.float() - b.float()).abs()
+        raise AssertionError(f"{what}: differs at {int((diff > 0).sum())} of {a.numel()} (max {diff.max().item()})")
+
+
+def _compress_both(x: torch.Tensor, chunks: int, device: torch.device, block: int | None) -> torch.Tensor:
+    ref = compress_chunks(x, chunks)
+    out = torch.empty(ref.shape, dtype=torch.uint8, device=device)
+    kernels.compress(x.to(device), chunks, out, block=block)
+    _same(out.cpu(), ref, f"compress {x.dtype} {tuple(ref.shape)}")
+    return ref
+
+
+@check
+def compress_matches_cpu_bytes(device: torch.device, block: int | None) -> None:
+    for seed, (n, chunks) in enumerate(SHAPES):
+        for dtype in DTYPES:
+            _compress_both(_inputs(n, chunks, dtype, seed), chunks, device, block)
+
+
+@check
+def decompress_matches_cpu_values(device: torch.device, block: int | None) -> None:
+    for seed, (n, chunks) in enumerate(SHAPES):
+        packed = compress_chunks(_inputs(n, chunks, torch.float32, seed), chunks)
+        for dtype in DTYPES:
+            ref = decompress_chunks(packed, dtype=dtype)
+            out = torch.empty(ref.numel(), dtype=dtype, device=device)
+            kernels.decompress(packed.to(device), out, block=block)
+            _same(out.cpu(), ref, f"decompress to {dtype} {tuple(packed.shape)}")
+
+
+@check
+def constant_and_extreme_chunks(device: torch.device, block: int | None) -> None:
+    n = 48
+    cases = [
+        torch.full((2 * n,), 3.25),                                              # constant chunks
+        torch.cat([torch.zeros(n), torch.full((n,), -7.0)]),
+        torch.cat([torch.linspace(-1e38, 1e38, n), torch.linspace(0, 3e38, n)]),  # near float32's max
+        torch.cat([torch.linspace(-1e-30, 1e-30, n), torch.linspace(1e-37, 2e-37, n)]),  # tiny widths
+        torch.cat([torch.linspace(-1e30, 1e-30, n), torch.tensor([1e20, -1e-20] * (n // 2))]),  # mixed scales
+    ]
+    for x in cases:
+        packed = _compress_both(x, 2, device, block)
+        out = torch.empty(2 * n, device=device)
+        kernels.decompress(packed.to(device), out, block=block)
+        _same(out.cpu(), decompress_chunks(packed), "decompress extreme")
+    constant = decompress_chunks(compress_chunks(cases[0], 2))
+    if not torch.equal(constant, cases[0]):
+        raise AssertionError("a constant chunk must decode exactly")
+
+
+@check
+def non_finite_values_decode_non_finite(device: torch.device, block: int | None) -> None:
+    # A NaN or an infinity makes its whole chunk decode to non-finite values on both paths (a GradScaler
+    # sees the overflow after the exchange); the other chunk is untouched.
+    n = 40
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = _inputs(n, 2, torch.float32, 21)
+        x[n // 2] = bad
+        for packed in (compress_chunks(x, 2), _compress_with_kernels(x, 2, device, block)):
+            values = torch.empty(2 * n, device=device)
+            kernels.decompress(packed.to(device), values, block=block)
+            for decoded in (values.cpu(), decompress_chunks(packed.cpu())):
+                if torch.isfinite(decoded[:n]).any():
+                    raise AssertionError(f"a chunk holding {bad} decoded to finite values")
+                _same(decoded[n:], decompress_chunks(compress_chunks(x[n:], 1)), "the other chunk")
+        received = torch.cat([compress_chunks(x[:n], 1), compress_chunks(x[n:], 1)])
+        out = torch.empty(1, HEADER_BYTES + n, dtype=torch.uint8, device=device)
+        kernels.reduce_compressed(received.to(device), 0.5, out, block=block)
+        if torch.isfinite(decompress_chunks(out.cpu())).any():
+            raise AssertionError(f"the owner step dropped a {bad}")
+
+
+def _compress_with_kernels(x: torch.Tensor, chunks: int, device: torch.device, block: int | None) -> torch.Tensor:
+    out = torch.empty(chunks, HEADER_BYTES + x.numel() // chunks, dtype=torch.uint8, device=device)
+    return kernels.compress(x.to(device), chunks, out, block=block)
+
+
+@check
+def unaligned_buffers_use_the_byte_layout(device: torch.device, block: int | None) -> None:
+    n, chunks = 64, 2
+    x = _inputs(n, chunks, torch.float32, 7)
+    ref = compress_chunks(x, chunks)
+    backing = torch.zeros(ref.numel() + 1, dtype=torch.uint8, device=device)
+    out = backing[1:].view(ref.shape)  # one byte off a word boundary
+    kernels.compress(x.to(device), chunks, out, block=block)
+    _same(out.cpu(), ref, "compress into an unaligned buffer")
+    values = torch.empty(n * chunks, device=device)
+    kernels.decompress(out, values, block=block)
+    _same(values.cpu(), decompress_chunks(ref), "decompress from an unaligned buffer")
+    if backing[0].item() != 0:
+        raise AssertionError("wrote before the buffer")
+
+
+@check
+def owner_step_matches_decompress_sum_recompress(device: torch.device, block: int | None) -> None:
+    for world, n in [(2, 64), (3, 37), (4, 1), (8, 100)]:
+        received = torch.cat([compress_chunks(_inputs(n, 1, torch.float32, 100 + i) * (i + 1), 1)
+                              for i in range(world)])
+        for scale in (1.0, 1.0 / world):
+            total = torch.zeros(n)
+            for i in range(world):
+                total += decompress_chunks(received[i : i + 1])
+            ref = compress_chunks(total * scale, 1)
+            out = torch.full((1, HEADER_BYTES + n), 77, dtype=torch.uint8, device=device)
+            kernels.reduce_compressed(received.to(device), scale, out, block=block)
+            _same(out.cpu(), ref, f"owner step world={world} n={n} scale={scale}")
+
+
+@check
+def weight_difference_matches_torch(device: torch.device, block: int | None) -> None:
+    for n in (37, 64):
+        x, left, right, w = (_inputs(n, 1, torch.float32, s) for s in (1, 2, 3, 4))
+        for one_peer in (True, False):
+            a = 2.0 / 3.0 if one_peer else 1.0 / 3.0
+            d_ref = x + left * a
+            if not one_peer:
+                d_ref = d_ref + right * (1.0 / 3.0)
+            d_ref = d_ref + w * (-5.0 / 3.0)
+            ref = compress_chunks(d_ref, 1)
+            d = x.to(device)
+            out = torch.empty(ref.shape, dtype=torch.uint8, device=device)
+            kernels.weight_difference_compress(d, left.to(device), None if one_peer else right.to(device),
+                                               w.to(device), (a, 1.0 / 3.0, -5.0 / 3.0), out, block=block)
+            _same(d.cpu(), d_ref, "weight difference")
+            _same(out.cpu(), ref, "compressed weight difference")
+
+
+@check
+def add_decompressed_is_one_rounding_of_the_exact_sum(device: torch.device, block: int | None) -> None:
+    # target + q * step in one rounding (a fused multiply-add, as the CPU path's add_(alpha=)), then + lo.
+    for n in (37, 64):
+        packed = compress_chunks(_inputs(n, 1, torch.float32, 11), 1)
+        target = _inputs(n, 1, torch.float32, 12)
+        lo, hi = (float(v) for v in packed[0, :HEADER_BYTES].view(torch.float32))
+        step = torch.tensor((hi - lo) / 255.0, dtype=torch.float32).double()
+        q = packed[0, HEADER_BYTES:].double()
+        ref = ((target.double() + q * step).float() + lo).float()
+        out = target.to(device)
+        kernels.add_decompressed(out, packed.to(device), block=block)
+        _same(out.cpu(), ref, "add_decompressed")
+
+
+@check
+def bad_arguments_are_refused(device: torch.device, block: int | None) -> None:
+    x = torch.zeros(8, device=device)
+    for call, match in [
+        (lambda: kernels.compress(x, 3, torch.empty(3, 10, dtype=torch.uint8, device=device)), "chunks"),
+        (lambda: kernels.compress(x, 2, torch.empty(2, 9, dtype=torch.uint8, device=device)), "shape"),
+        (lambda: kernels.decompress(torch.zeros(2, 12, dtype=torch.uint8, device=device), x[:7]), "8 elements"),
+        (lambda: kernels.compress(x, 2, torch.empty(2, 12, dtype=torch.uint8, device=device), block=6), "power"),
+        (lambda: kernels.compress(x.double(), 2, torch.empty(2, 12, dtype=torch.uint8, device=device)), "float64"),
+    ]:
+        try:
+            call()
+        except ValueError as e:
+            if match not in str(e):
+                raise AssertionError(f"error {e!r} does not name {match!r}") from e
+        else:
+            raise AssertionError(f"no ValueError for a call that should name {match!r}")
+
+
+def run(device: torch.device, block: int | None, names: list[str] | None = None) -> dict[str, str]:
+    results = {}
+    for name, fn in CHECKS.items():
+        if names and name not in names:
+            continue
+        try:
+            fn(device, block)
+            results[name] = "ok"
+        except Exception:  # reported per check to the test that asked
+            results[name] = traceback.format_exc()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cpu", help="cpu (needs TRITON_INTERPRET=1) or cuda")
+    parser.add_argument("--block", type=int, default=None, help="elements per block (default: the launchers')")
+    parser.add_argument("names", nargs="*", help="checks to run (default: all)")
+    args = parser.parse_args(argv)
+    results = run(torch.device(args.device), args.block, args.names)
+    print(json.dumps(results))
+    return 0 if all(v == "ok" for v in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
