@@ -31,23 +31,22 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bagua_lightning.errors import (
+from ..errors import (
     AutotuneAuthenticationError,
     AutotuneError,
     AutotuneRequestRejectedError,
     ModelNotRegisteredError,
     ServiceUnavailableError,
 )
-from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
-from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
-from bagua_lightning.proto.plan import (
+from ..proto.autotune.v1 import autotune_pb2 as pb
+from ..proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
+from ..proto.plan import (
     BucketPlan,
     BucketTimingRecord,
     TensorDeclaration,
     plan_from_proto,
     plan_to_proto,
 )
-
 from .retry import ExponentialBackoff, Retry
 
 logger = logging.getLogger(__name__)
@@ -256,7 +255,7 @@ class AutotuneClient:
         else:
             self.target = f"{check_host(host)}:{check_port(port)}"
         if token is None:
-            from bagua_lightning.services_file import resolve_autotune_token
+            from ..services_file import resolve_autotune_token
 
             token = resolve_autotune_token()
         if token is not None and (not isinstance(token, str) or not token.strip() or "\n" in token):

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bagua_lightning.errors import BaguaLightningError, ConfigurationError
-from bagua_lightning.services_file import (
+from ..errors import BaguaLightningError, ConfigurationError
+from ..services_file import (
     ENV_REDIS_HOSTS,
     ENV_REDIS_PASSWORD,
     format_address,
@@ -44,9 +44,9 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
 
 
 def _store(args: argparse.Namespace) -> Any:
-    from bagua_lightning.client.cache.store import RedisStore
-    from bagua_lightning.local_redis import is_alive, read_server
-    from bagua_lightning.procs import read_secret
+    from ..local_redis import is_alive, read_server
+    from ..procs import read_secret
+    from .cache.store import RedisStore
 
     password = read_secret(args.password_file) if args.password_file else None
     options: dict[str, Any] = {"username": args.username, "ssl": args.ssl, "socket_timeout_s": 10.0}
@@ -64,7 +64,7 @@ def _store(args: argparse.Namespace) -> Any:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from bagua_lightning.client.cache import catalog
+    from .cache import catalog
 
     try:
         store = _store(args)
@@ -91,7 +91,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    from bagua_lightning.client.cache import catalog
+    from .cache import catalog
 
     name, sep, version = args.target.partition(":")
     try:

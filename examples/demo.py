@@ -46,9 +46,10 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from bagua_lightning.client import CachedDataset, RedisStore
-from bagua_lightning.client.cache import fingerprint
-from bagua_lightning.examples.report import (
+from ..client import CachedDataset, RedisStore
+from ..client.cache import fingerprint
+from ..strategy import BaguaStrategy
+from .report import (
     DATASET_NAME,
     EpochRecord,
     JobResult,
@@ -57,7 +58,6 @@ from bagua_lightning.examples.report import (
     format_job,
     plot_trajectory,
 )
-from bagua_lightning.strategy import BaguaStrategy
 
 CLASSES = 4
 ALGORITHMS = ("gradient_allreduce", "bytegrad")  # autotune tunes gradient buckets

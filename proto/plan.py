@@ -203,7 +203,7 @@ def split_into_buckets(
 
 def plan_to_proto(plan: BucketPlan) -> Any:
     """Convert to ``bagua_lightning.autotune.v1.Hyperparameters``."""
-    from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
+    from .autotune.v1 import autotune_pb2 as pb
 
     message = pb.Hyperparameters(bucket_size=plan.bucket_size, is_hierarchical_reduce=plan.is_hierarchical_reduce,
                                  plan_version=plan.version)

@@ -37,11 +37,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bagua_lightning import procs
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.procs import parse_bytes
-from bagua_lightning.services.health import Health, check_autotune, check_redis, wait_healthy
-from bagua_lightning.services_file import (
+from .. import procs
+from ..errors import ConfigurationError
+from ..procs import parse_bytes
+from ..services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,
     ENV_AUTOTUNE_TOKEN,
     ENV_CACHE_KEY,
@@ -57,6 +56,7 @@ from bagua_lightning.services_file import (
     state_dir,
     write_services_file,
 )
+from .health import Health, check_autotune, check_redis, wait_healthy
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ def _healthy_existing() -> ServicesInfo | None:
 
 
 def _up(cfg: UpConfig) -> ServicesInfo:
-    from bagua_lightning.services import redis_cluster
+    from . import redis_cluster
 
     existing = _healthy_existing()
     if existing is not None:
@@ -390,14 +390,14 @@ def down(timeout_s: float = 10.0, local: bool = True) -> list[int]:
     with _exclusive():
         stopped = _down(timeout_s)
     if local:
-        from bagua_lightning.local_redis import stop_server
+        from ..local_redis import stop_server
 
         stopped += stop_server(timeout_s=timeout_s)
     return sorted(set(stopped))
 
 
 def _down(timeout_s: float = 10.0) -> list[int]:
-    from bagua_lightning.services import redis_cluster
+    from . import redis_cluster
 
     path = services_file_path()
     info = read_services_file()

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bagua_lightning.cli import port_arg, positive_float_arg, positive_int_arg, size_arg
-from bagua_lightning.services_file import (
+from ..cli import port_arg, positive_float_arg, positive_int_arg, size_arg
+from ..services_file import (
     ENV_AUTOTUNE,
     ENV_REDIS_HOSTS,
     ServicesInfo,
@@ -28,7 +28,6 @@ from bagua_lightning.services_file import (
     resolve_redis_password,
     services_file_path,
 )
-
 from . import deploy
 from .health import Health, check_autotune, check_redis
 
@@ -66,7 +65,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _local_health() -> Health | None:
-    from bagua_lightning.local_redis import server_status
+    from ..local_redis import server_status
 
     found = server_status()
     if found is None:

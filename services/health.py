@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bagua_lightning import procs
-from bagua_lightning.errors import ServiceUnavailableError
-from bagua_lightning.redis_server import CLUSTER_SLOTS, client_for, cluster_info
+from .. import procs
+from ..errors import ServiceUnavailableError
+from ..redis_server import CLUSTER_SLOTS, client_for, cluster_info
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,10 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from bagua_lightning import procs
-from bagua_lightning.cli import port_arg, positive_float_arg, positive_int_arg, size_arg
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, check_host, is_loopback
-
+from .. import procs
+from ..cli import port_arg, positive_float_arg, positive_int_arg, size_arg
+from ..errors import ConfigurationError
+from ..services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, check_host, is_loopback
 from . import redis_cluster
 
 
@@ -98,7 +97,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from bagua_lightning.local_redis import stop_server
+    from ..local_redis import stop_server
 
     stopped = redis_cluster.stop_cluster(args.port, args.state_dir, remove_data=not args.keep_data)
     if args.port is None and not args.keep_local:
@@ -108,7 +107,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from bagua_lightning.local_redis import server_status
+    from ..local_redis import server_status
 
     entries = redis_cluster.cluster_status(args.port, args.state_dir)
     local = server_status(args.state_dir / "redis-local" if args.state_dir else None) if args.port is None else None

@@ -24,9 +24,9 @@ from typing import Any
 
 import redis
 
-from bagua_lightning import procs
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.redis_server import (
+from .. import procs
+from ..errors import ConfigurationError
+from ..redis_server import (
     CLUSTER_SLOTS,
     DEFAULT_EVICTION_POLICY,
     MAX_CLUSTER_PORT,
@@ -38,8 +38,7 @@ from bagua_lightning.redis_server import (
     stop_pid,
     wait_ready,
 )
-from bagua_lightning.services_file import ENV_REDIS_PASSWORD
-
+from ..services_file import ENV_REDIS_PASSWORD
 from .redis_records import (
     PASSWORD_FILE,
     ClusterInfo,

@@ -16,10 +16,10 @@ from typing import Any
 
 import redis
 
-from bagua_lightning import procs
-from bagua_lightning.procs import ProcessRecord
-from bagua_lightning.redis_server import client_for, cluster_info
-from bagua_lightning.services_file import state_dir
+from .. import procs
+from ..procs import ProcessRecord
+from ..redis_server import client_for, cluster_info
+from ..services_file import state_dir
 
 DEPLOYMENT_FILE = "deployment.json"
 PASSWORD_FILE = "password"

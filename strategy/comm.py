@@ -25,16 +25,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.compression import (
+from ..errors import ConfigurationError
+from . import kernels
+from .compression import (
     HEADER_BYTES,
     LEVELS,
     ChunkRanges,
     dequantise_into,
     read_header,
 )
-
-from . import kernels
 
 
 @dataclass(kw_only=True)

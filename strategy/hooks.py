@@ -8,7 +8,7 @@ reduced chunks back (:func:`~bagua_lightning.strategy.comm.compressed_exchange_`
 plain ``DistributedDataParallel`` moves about a quarter of the bytes of a float32
 allreduce::
 
-    from bagua_lightning.hooks import ByteGradState, bytegrad_hook
+    from ..hooks import ByteGradState, bytegrad_hook
 
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(ByteGradState(), bytegrad_hook)

@@ -30,22 +30,22 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
-from bagua_lightning.services_file import resolve_autotune_address
-from bagua_lightning.strategy.algorithms.base import Algorithm, get_algorithm_class
-from bagua_lightning.strategy.algorithms.q_adam import QAdamOptimizerError
-from bagua_lightning.strategy.autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
-from bagua_lightning.strategy.autotune import (
+from ..errors import ConfigurationError
+from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
+from ..services_file import resolve_autotune_address
+from .algorithms.base import Algorithm, get_algorithm_class
+from .algorithms.q_adam import QAdamOptimizerError
+from .autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
+from .autotune import (
     AutotuneController,
     AutotuneSettings,
     AutotuneSummary,
     BoundaryReport,
     batch_size_of,
 )
-from bagua_lightning.strategy.comm import CommContext
-from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
-from bagua_lightning.strategy.registry import register_bagua_strategy
+from .comm import CommContext
+from .ddp import BaguaDistributedDataParallel
+from .registry import register_bagua_strategy
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class BaguaStrategy(DDPStrategy):
         super().setup_environment()
         # Contrib inside a Trainer: our SyncBatchNorm for sync_batchnorm=True (torch's refuses CPU), and
         # loaders on a LoadBalancingDistributedBatchSampler kept (Lightning would swap in a DistributedSampler).
-        from bagua_lightning.strategy.contrib.lightning import adapt_trainer
+        from .contrib.lightning import adapt_trainer
 
         module = self._lightning_module
         adapt_trainer(self, module._trainer if module is not None else None)

@@ -11,9 +11,8 @@ import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services_file import resolve_cache_key
-
+from ...errors import ConfigurationError
+from ...services_file import resolve_cache_key
 from . import codec
 from .faults import OutagePolicy, OutageTracker
 from .keys import entry_prefix

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from bagua_lightning.errors import ServiceUnavailableError
-from bagua_lightning.local_redis import LocalServer, ensure_server, local_dir, read_server, set_password
-from bagua_lightning.services_file import format_address
+from ...errors import ServiceUnavailableError
+from ...local_redis import LocalServer, ensure_server, local_dir, read_server, set_password
+from ...services_file import format_address
 
 _PREFIX = "bagua_lightning/redis_local/"
 LOOPBACK = "127.0.0.1"

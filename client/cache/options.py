@@ -9,8 +9,8 @@ from typing import Any
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services_file import resolve_redis_password
+from ...errors import ConfigurationError
+from ...services_file import resolve_redis_password
 
 # bytes per socket read: a batch of samples is hundreds of KB per node, read in a few large chunks
 SOCKET_READ_SIZE = 1024 * 1024

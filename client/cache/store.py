@@ -25,9 +25,8 @@ from typing import Any
 
 import redis
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services_file import resolve_redis_hosts
-
+from ...errors import ConfigurationError
+from ...services_file import resolve_redis_hosts
 from .backends import STORE_ERRORS, Backend, ClusterBackend, NodesBackend, Value, probe_is_cluster
 from .catalog import RESERVED_KEYS, Catalog, RedisCatalog
 from .hashing import RendezvousHash

@@ -19,8 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
-
+from ...proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from .metrics import RpcMetrics
 from .service import AutotuneService
 from .servicer import AutotuneServicer

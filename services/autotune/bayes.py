@@ -16,8 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration, split_into_buckets
-
+from ...proto.plan import BucketPlan, TensorDeclaration, split_into_buckets
 from .costmodel import Sample
 from .proposal import Proposal
 

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration
-from bagua_lightning.services_file import ENV_AUTOTUNE_TOKEN
-
+from ...proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration
+from ...services_file import ENV_AUTOTUNE_TOKEN
 from .config import TUNERS, ServiceConfig
 from .server import DEFAULT_PORT, SERVER_KINDS, TlsFiles, read_token_file, serve
 
@@ -231,8 +230,7 @@ def _drive(client: Any, model: _SimModel, args: argparse.Namespace, lock: thread
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from bagua_lightning.client.autotune import AutotuneClient
-
+    from ...client.autotune import AutotuneClient
     from .server import create_server
     from .service import AutotuneService
 

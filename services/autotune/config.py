@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.proto.plan import DEFAULT_BUCKET_SIZE
+from ...errors import ConfigurationError
+from ...proto.plan import DEFAULT_BUCKET_SIZE
 
 TUNERS = ("auto", "bayes", "planner")
 MAX_SAMPLES = 10_000  # measured plans per model: the tuners' work grows with it

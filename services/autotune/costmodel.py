@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord
+from ...proto.plan import BucketPlan, BucketTimingRecord
 
 MB = 1024.0**2
 

@@ -7,7 +7,7 @@ import so the logic stays testable without a server.
 
 from __future__ import annotations
 
-from bagua_lightning.errors import BaguaLightningError
+from ...errors import BaguaLightningError
 
 
 class AutotuneRequestError(BaguaLightningError):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from bagua_lightning.proto.plan import BucketPlan
+from ...proto.plan import BucketPlan
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration, split_into_buckets
-
+from ...proto.plan import BucketPlan, TensorDeclaration, split_into_buckets
 from .costmodel import CommModel, ReadyModel, Sample, fit_comm_model, simulate_overlap
 from .proposal import Proposal
 

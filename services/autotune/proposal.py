@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from bagua_lightning.proto.plan import BucketPlan
-
+from ...proto.plan import BucketPlan
 from .costmodel import Sample
 
 

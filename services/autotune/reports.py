@@ -11,8 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord
-
+from ...proto.plan import BucketPlan, BucketTimingRecord
 from .costmodel import Sample
 from .errors import InvalidArgumentError
 

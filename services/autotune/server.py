@@ -30,9 +30,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
-from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
-
+from ...proto.autotune.v1 import autotune_pb2 as pb
+from ...proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from .config import ServiceConfig
 from .metrics import RpcMetrics, make_registry
 from .persistence import open_store

@@ -15,8 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
-from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration
-
+from ...proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration
 from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError

@@ -18,10 +18,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
-from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
-from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, plan_from_proto, plan_to_proto
-
+from ...proto.autotune.v1 import autotune_pb2 as pb
+from ...proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
+from ...proto.plan import BucketPlan, BucketTimingRecord, plan_from_proto, plan_to_proto
 from .errors import (
     AutotuneRequestError,
     FailedPreconditionError,

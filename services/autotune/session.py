@@ -32,14 +32,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from bagua_lightning.proto.plan import (
+from ...proto.plan import (
     BucketPlan,
     BucketTimingRecord,
     TensorDeclaration,
     split_into_buckets,
     tensor_list_fingerprint,
 )
-
 from .bayes import BayesianTuner
 from .config import ServiceConfig
 from .costmodel import Sample

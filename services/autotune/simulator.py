@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration
-
+from ...proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration
 from .costmodel import MB, CommModel, ReadyModel, simulate_overlap
 from .planner import ModelBasedPlanner
 

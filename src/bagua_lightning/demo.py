@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bagua_lightning.errors import ConfigurationError, ServiceUnavailableError
-from bagua_lightning.services_file import (
+from .errors import ConfigurationError, ServiceUnavailableError
+from .services_file import (
     ENV_AUTOTUNE,
     ENV_AUTOTUNE_TOKEN,
     ENV_CACHE_KEY,
@@ -113,8 +113,8 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
     Raises:
         ServiceUnavailableError: services named by the environment do not answer.
     """
-    from bagua_lightning.services import deploy
-    from bagua_lightning.services.health import check_autotune, check_redis
+    from .services import deploy
+    from .services.health import check_autotune, check_redis
 
     named = bool(os.environ.get(ENV_AUTOTUNE) or os.environ.get(ENV_REDIS_HOSTS))
     recorded = read_services_file() is not None
@@ -140,8 +140,8 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
 
 def clear_demo_cache(endpoints: Endpoints, dataset_name: str) -> int:
     """Delete every cached version of the demo dataset; return the number of keys deleted."""
-    from bagua_lightning.client.cache import RedisStore
-    from bagua_lightning.client.cache.catalog import remove_dataset
+    from .client.cache import RedisStore
+    from .client.cache.catalog import remove_dataset
 
     store = RedisStore(hosts=endpoints.redis_hosts, cluster_mode=True,
                        password=endpoints.secrets.get(ENV_REDIS_PASSWORD))
@@ -187,14 +187,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from bagua_lightning.examples.report import (
+    from .examples.report import (
         DATASET_NAME,
         format_comparison,
         format_job,
         load_job,
         plot_trajectory,
     )
-    from bagua_lightning.services.deploy import UpConfig
+    from .services.deploy import UpConfig
 
     preset = QUICK if args.quick else FULL
     epochs = args.epochs if args.epochs is not None else preset.epochs
@@ -256,8 +256,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``demo`` to the ``bagua-lightning`` command line."""
-    from bagua_lightning.cli import port_arg
-    from bagua_lightning.services.deploy import DEFAULT_AUTOTUNE_PORT, DEFAULT_REDIS_PORT
+    from .cli import port_arg
+    from .services.deploy import DEFAULT_AUTOTUNE_PORT, DEFAULT_REDIS_PORT
 
     p = subparsers.add_parser(
         "demo", help="run the main job: autotuned Lightning training on a Redis-cached dataset, twice",

@@ -52,16 +52,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.algorithms.base import Algorithm, register_algorithm
-from bagua_lightning.strategy.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
-from bagua_lightning.strategy.algorithms.weights import WeightBuckets
+from ...errors import ConfigurationError
+from .base import Algorithm, register_algorithm
+from .gradient_allreduce import GradientAllReduceAlgorithm
+from .weights import WeightBuckets
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-    from bagua_lightning.proto.plan import BucketPlan
-    from bagua_lightning.strategy.comm import CommContext
+    from ...proto.plan import BucketPlan
+    from ..comm import CommContext
 
 log = logging.getLogger(__name__)
 

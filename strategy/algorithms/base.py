@@ -55,8 +55,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
-    from bagua_lightning.proto.plan import BucketPlan, StepTimings
-    from bagua_lightning.strategy.comm import CommContext
+    from ...proto.plan import BucketPlan, StepTimings
+    from ..comm import CommContext
 
 
 _T = TypeVar("_T")

@@ -6,16 +6,16 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from bagua_lightning.proto.plan import BucketPlan
-from bagua_lightning.strategy.algorithms.base import register_algorithm
-from bagua_lightning.strategy.algorithms.bucketed import GradientBucketAlgorithm
-from bagua_lightning.strategy.buckets import Bucket
-from bagua_lightning.strategy.comm import (
+from ...proto.plan import BucketPlan
+from ..buckets import Bucket
+from ..comm import (
     CommContext,
     ExchangeBuffers,
     compressed_all_reduce_,
     compressed_exchange_stages,
 )
+from .base import register_algorithm
+from .bucketed import GradientBucketAlgorithm
 
 
 @register_algorithm

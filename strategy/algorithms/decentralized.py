@@ -34,21 +34,21 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.algorithms.base import Algorithm, register_algorithm
-from bagua_lightning.strategy.algorithms.weights import ExchangeScope, WeightBuckets
-from bagua_lightning.strategy.topology import (
+from ...errors import ConfigurationError
+from ..topology import (
     PeerSelectionMode,
     check_shift_one_world_size,
     shift_one_peer,
     validate_peer_selection_mode,
 )
+from .base import Algorithm, register_algorithm
+from .weights import ExchangeScope, WeightBuckets
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-    from bagua_lightning.proto.plan import BucketPlan
-    from bagua_lightning.strategy.comm import CommContext
+    from ...proto.plan import BucketPlan
+    from ..comm import CommContext
 
 
 def check_communication_interval(value: object) -> int:

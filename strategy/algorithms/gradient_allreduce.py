@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from bagua_lightning.strategy.algorithms.base import register_algorithm
-from bagua_lightning.strategy.algorithms.bucketed import GradientBucketAlgorithm
-from bagua_lightning.strategy.buckets import Bucket
-from bagua_lightning.strategy.comm import CommContext, all_reduce_, hierarchical_all_reduce_
+from ..buckets import Bucket
+from ..comm import CommContext, all_reduce_, hierarchical_all_reduce_
+from .base import register_algorithm
+from .bucketed import GradientBucketAlgorithm
 
 
 @register_algorithm

@@ -34,25 +34,24 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from bagua_lightning.strategy.algorithms.base import Algorithm, register_algorithm
-from bagua_lightning.strategy.algorithms.decentralized import check_communication_interval, check_flag
-from bagua_lightning.strategy.algorithms.weights import ExchangeScope, WeightBuckets
-from bagua_lightning.strategy.compression import (
+from .. import kernels
+from ..compression import (
     HEADER_BYTES,
     LEVELS,
     compress_chunks,
     compressed_nbytes,
     read_header,
 )
-from bagua_lightning.strategy.topology import ring_neighbours
-
-from .. import kernels
+from ..topology import ring_neighbours
+from .base import Algorithm, register_algorithm
+from .decentralized import check_communication_interval, check_flag
+from .weights import ExchangeScope, WeightBuckets
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-    from bagua_lightning.proto.plan import BucketPlan
-    from bagua_lightning.strategy.comm import CommContext
+    from ...proto.plan import BucketPlan
+    from ..comm import CommContext
 
 
 def _add_decompressed(target: torch.Tensor, packed: torch.Tensor, scratch: torch.Tensor) -> None:

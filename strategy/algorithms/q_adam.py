@@ -27,20 +27,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.algorithms.base import Algorithm, register_algorithm
-from bagua_lightning.strategy.algorithms.bucketed import thread_comm
-from bagua_lightning.strategy.buckets import Bucket, BucketEngine, trainable_parameters
-from bagua_lightning.strategy.comm import (
+from ...errors import ConfigurationError
+from ..buckets import Bucket, BucketEngine, trainable_parameters
+from ..comm import (
     CommContext,
     ExchangeBuffers,
     all_reduce_,
     compressed_all_reduce_,
     hierarchical_all_reduce_,
 )
+from .base import Algorithm, register_algorithm
+from .bucketed import thread_comm
 
 if TYPE_CHECKING:  # pragma: no cover
-    from bagua_lightning.proto.plan import BucketPlan, StepTimings
+    from ...proto.plan import BucketPlan, StepTimings
 
 QADAM_OPTIMIZER_ERROR = "Bagua QAdam can only accept one QAdamOptimizer"
 
@@ -238,7 +238,7 @@ class QAdamAlgorithm(Algorithm):
         # Parameters that are not communicated (experts, ignored names) keep an ordinary local Adam.
         opt.local_momentum = optimised - {id(p) for _, p in named}
         keep = {n for n, _ in named}
-        from bagua_lightning.proto.plan import BucketPlan as _Plan
+        from ...proto.plan import BucketPlan as _Plan
 
         buckets = tuple(b for b in (tuple(t for t in bucket if t.name in keep) for bucket in self._plan.buckets) if b)
         momentum_plan = _Plan(buckets=buckets, bucket_size=self._plan.bucket_size,

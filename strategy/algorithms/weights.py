@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
-from bagua_lightning.proto.plan import BucketPlan
-from bagua_lightning.strategy.buckets import trainable_parameters
-from bagua_lightning.strategy.comm import CommContext
+from ...proto.plan import BucketPlan
+from ..buckets import trainable_parameters
+from ..comm import CommContext
 
 
 class WeightBuckets:
