@@ -142,6 +142,7 @@ def test_main_thread_collectives_during_backward(tmp_path: Path) -> None:
     assert results[0]["gradient_allreduce"] < 1e-5
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
 def test_every_algorithm_on_nccl_with_one_gpu(tmp_path: Path) -> None:
     res = run("nccl_one_gpu", tmp_path, 1, cuda=True)[0]
