@@ -29,9 +29,9 @@ from ..errors import ConfigurationError
 from . import kernels
 from .compression import (
     HEADER_BYTES,
-    LEVELS,
     ChunkRanges,
     dequantise_into,
+    level_parameters,
     read_header,
 )
 
@@ -331,26 +331,27 @@ def _sum_levels(
     out: torch.Tensor,
     scratch: torch.Tensor,
 ) -> None:
-    """``out = scale * sum_i (min_i + levels[i] * step_i)`` (``levels``: uint8 ``(rows, m)``), nothing allocated.
+    """``out = scale * sum_i decode(levels[i])`` (``levels``: uint8 ``(rows, m)``), nothing allocated.
 
-    The mins are added once (``sum_i min_i``), and every row is cast to float32 once
-    (into ``out`` or ``scratch``) before a multiply-add: a uint8 operand (or, on CPU, a
-    0-dim tensor scalar) inside the arithmetic would be several times slower.
+    Each row is decoded as :func:`dequantise_into` decodes it (into ``out`` or ``scratch``),
+    the rows are summed in row order and the sum scaled, every step a float32 rounding:
+    the fused owner step (``kernels.reduce_compressed``) computes the same values.
+    Every row is cast to float32 once before the arithmetic: a uint8 operand (or, on CPU,
+    a 0-dim tensor scalar) inside the arithmetic would be several times slower.
     """
+    scales, lowers = level_parameters(mins, maxs)
     if levels.device.type != "cpu":
-        steps = (maxs - mins).view(-1) * (scale / LEVELS)
-        out.copy_(levels[0])
-        torch.addcmul(mins.sum() * scale, out, steps[0], out=out)
+        s_t, low_t = scales.view(-1), lowers.view(-1)
+        out.copy_(levels[0]).add_(low_t[0]).div_(s_t[0])
         for i in range(1, levels.shape[0]):
-            scratch.copy_(levels[i])
-            out.addcmul_(scratch, steps[i])
-        return
-    lo, hi = mins.view(-1).tolist(), maxs.view(-1).tolist()
-    steps_f = [(h - m) * scale / LEVELS for m, h in zip(lo, hi, strict=True)]
-    out.copy_(levels[0]).mul_(steps_f[0]).add_(sum(lo) * scale)
-    for i in range(1, levels.shape[0]):
-        scratch.copy_(levels[i])
-        out.add_(scratch, alpha=steps_f[i])
+            out.add_(scratch.copy_(levels[i]).add_(low_t[i]).div_(s_t[i]))
+    else:
+        s_f, low_f = scales.view(-1).tolist(), lowers.view(-1).tolist()
+        out.copy_(levels[0]).add_(low_f[0]).div_(s_f[0])
+        for i in range(1, levels.shape[0]):
+            out.add_(scratch.copy_(levels[i]).add_(low_f[i]).div_(s_f[i]))
+    if scale != 1.0:
+        out.mul_(scale)
 
 
 def compressed_exchange_(

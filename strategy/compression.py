@@ -2,9 +2,11 @@
 low_precision_decentralized.
 
 A chunk of ``n`` floats becomes ``8 + n`` bytes: its min and max as two float32
-(the header), then each value quantised to 256 levels between them. Packing the
+(the header), then each value as one of 256 levels spanning them, by Bagua's rule
+(:class:`ChunkRanges`), so that results agree with Bagua's to the last bit. Packing the
 header and the payload in one ``uint8`` tensor lets one collective move both.
-The worst-case error of a value is half a level: ``(max - min) / 510``.
+The worst-case error of a value is half a level, ``(max - min + 1e-7) / 510``, plus
+float32 rounding.
 
 On CUDA the work goes to the fused Triton kernels of :mod:`bagua_lightning.strategy.kernels`,
 which write the same bytes and values as the torch code here (see ``docs/kernels.md``).
@@ -25,9 +27,8 @@ import torch
 
 HEADER_BYTES = 8  # two float32: min, max
 LEVELS = 255.0
-# The largest finite float32. The scale 255 / (max - min) is capped to it: a chunk narrower than
-# 255 / FLOAT32_MAX (~7.5e-37, denormal-sized differences) would otherwise scale by infinity.
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+#: Added to ``max - min`` before the scale is taken (Bagua's rule): a constant chunk still has a finite scale.
+EPSILON = 1e-7
 
 
 def _use_kernels(device: torch.device, dtype: torch.dtype) -> bool:
@@ -56,15 +57,27 @@ def _chunk_extrema(chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mins.float(), maxs.float()
 
 
+def level_parameters(mins: torch.Tensor, maxs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, lower)`` of chunks with these float32 extrema (Bagua's MinMax uint8 rule, in float32).
+
+    ``scale = 255 * (1 / (max - min + 1e-7))`` and ``lower = round(max * scale) - 255``,
+    every operation rounded to float32 (``round``: to nearest even). Both paths and every
+    rank derive them from the header with exactly these operations.
+    """
+    scale = (maxs - mins).add_(EPSILON).reciprocal_().mul_(LEVELS)
+    return scale, (maxs * scale).round_().sub_(LEVELS)
+
+
 @dataclass(frozen=True)
 class ChunkRanges:
     """The quantisation ranges of ``rows`` chunks: ``(rows, 1)`` float32 tensors of their min and max.
 
-    A value ``x`` of a chunk becomes level ``floor((x - min) * 255 / (max - min) + 0.5)``
-    (round half up onto 0..255); a constant chunk encodes to 0 and decodes to min exactly.
-    The scale ``255 / (max - min)`` is computed in float64, capped at :data:`FLOAT32_MAX` and
-    rounded to float32. ``max - min`` must be finite in float32 (a chunk spanning more
-    than ``FLOAT32_MAX``, e.g. ``-2e38`` to ``2e38``, is outside the format).
+    Bagua's MinMax uint8 rule: with ``scale`` and ``lower`` from :func:`level_parameters`,
+    a value ``x`` becomes level ``clamp(round(x * scale) - lower, 0, 255)`` (round to
+    nearest even; the levels sit on the integer multiples of ``1 / scale``, the top one at
+    ``round(max * scale)``) and a level ``q`` decodes to ``(q + lower) / scale``. Every
+    operation is a float32 operation; the error is at most half a level,
+    ``(max - min + 1e-7) / 510``, plus float32 rounding (``2**-23 |x|`` at most).
     """
 
     mins: torch.Tensor
@@ -96,26 +109,22 @@ class ChunkRanges:
             overwrite_input: a float32 ``values`` may hold the scaled values afterwards (no temporary).
             scratch: on CPU, an int16 tensor of at least ``m`` elements reused for the cast.
         """
+        scale, lower = level_parameters(self.mins, self.maxs)
         if values.device.type != "cpu":
             v = values if overwrite_input and values.dtype == torch.float32 else values.to(torch.float32, copy=True)
-            width = self.maxs - self.mins
-            inv = torch.where(width > 0, LEVELS / width, torch.zeros_like(width)).clamp_(max=FLOAT32_MAX)
-            out.copy_(v.sub_(self.mins).mul_(inv).add_(0.5))  # the uint8 cast truncates: round half up
+            out.copy_(v.mul_(scale).round_().sub_(lower).clamp_(0.0, LEVELS))
             return
         # CPU: row by row with Python scalars (0-dim tensor operands take a slow, unvectorised
-        # path), and the float -> uint8 cast through int16 (a direct one is not vectorised: 3x slower).
+        # path; a Python float holding a float32 value is the same float32 operand), and the
+        # float -> uint8 cast through int16 (a direct one is not vectorised: 3x slower).
         m = values.shape[1]
         if scratch is None or scratch.numel() < m:
             scratch = torch.empty(m, dtype=torch.int16)
         ints = scratch[:m]
-        for row, target, lo, hi in zip(values, out, self.mins.view(-1).tolist(), self.maxs.view(-1).tolist(),
-                                       strict=True):
+        for row, target, s, low in zip(values, out, scale.view(-1).tolist(), lower.view(-1).tolist(), strict=True):
             v = row if overwrite_input and row.dtype == torch.float32 else row.to(torch.float32, copy=True)
-            if hi > lo:
-                v.sub_(lo).mul_(min(LEVELS / (hi - lo), FLOAT32_MAX)).add_(0.5)
-            else:
-                v.zero_()
-            ints.copy_(v)  # truncation: x + 0.5 in [0.5, 256) becomes its floor
+            v.mul_(s).round_().sub_(low).clamp_(0.0, LEVELS)
+            ints.copy_(v)  # exact integers 0..255
             target.copy_(ints)
 
 
@@ -134,18 +143,35 @@ def read_header(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantise_into(levels: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` (float32, ``(rows, m)``) := ``min + level * (max - min) / 255`` for uint8 ``levels``.
+    """``out`` (float32, ``(rows, m)``) := ``(level + lower) / scale`` for uint8 ``levels`` (see :class:`ChunkRanges`).
 
     ``mins``/``maxs``: ``(rows, 1)`` float32, as :func:`read_header` returns them. The
     cast to float32 is its own pass: a uint8 operand inside the arithmetic is several
     times slower on CPU, and so are 0-dim tensor scalars (CPU uses Python floats).
     """
+    scale, lower = level_parameters(mins, maxs)
     if levels.device.type != "cpu":
-        out.copy_(levels)  # the exact integers 0..255
-        torch.addcmul(mins, out, (maxs - mins) / LEVELS, out=out)
+        out.copy_(levels).add_(lower).div_(scale)  # the exact integers 0..255, then two float32 roundings
         return
-    for row, target, lo, hi in zip(levels, out, mins.view(-1).tolist(), maxs.view(-1).tolist(), strict=True):
-        target.copy_(row).mul_((hi - lo) / LEVELS).add_(lo)
+    for row, target, s, low in zip(levels, out, scale.view(-1).tolist(), lower.view(-1).tolist(), strict=True):
+        target.copy_(row).add_(low).div_(s)
+
+
+def add_dequantised_(
+    target: torch.Tensor, levels: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, scratch: torch.Tensor
+) -> None:
+    """``target += (levels + lower) / scale`` for one chunk: 1-D float32 ``target``, uint8 ``levels``.
+
+    ``mins``/``maxs``: the chunk's ``(1, 1)`` float32 extrema; ``scratch``: float32 like
+    ``target`` (the decoded values go there first, so the sum is one float32 rounding of
+    ``target`` plus the decoded value, as on the kernels).
+    """
+    scale, lower = level_parameters(mins, maxs)
+    if target.device.type == "cpu":  # Python scalars: 0-dim tensor operands are unvectorised on CPU
+        scratch.copy_(levels).add_(float(lower)).div_(float(scale))
+    else:
+        scratch.copy_(levels).add_(lower.view(())).div_(scale.view(()))
+    target.add_(scratch)
 
 
 def compress_chunks(
@@ -216,7 +242,12 @@ def decompress_chunks(
 
 
 def max_quantisation_error(x: torch.Tensor, num_chunks: int) -> float:
-    """The bound on ``|decompress(compress(x)) - x|``: half a level of the widest chunk (plus float slack)."""
+    """The bound on ``|decompress(compress(x)) - x|``: half a level of the widest chunk plus float32 rounding.
+
+    Half a level is ``(max - min + 1e-7) / 510``; the float32 roundings of ``x * scale`` and of
+    the decoded value add at most ``2**-22 |x|`` (counted here as ``2**-21 max |x|``).
+    """
     chunks = x.detach().float().view(num_chunks, -1)
     width = (chunks.amax(dim=1) - chunks.amin(dim=1)).max().item()
-    return width / (2 * LEVELS) * (1 + 1e-4) + 1e-7
+    magnitude = chunks.abs().max().item()
+    return (width + EPSILON) / (2 * LEVELS) * (1 + 1e-4) + magnitude * 2.0**-21 + 1e-7

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .. import kernels
 from ..compression import (
     HEADER_BYTES,
-    LEVELS,
+    add_dequantised_,
     compress_chunks,
     compressed_nbytes,
     read_header,
@@ -57,43 +57,54 @@ if TYPE_CHECKING:  # pragma: no cover
 def _add_decompressed(target: torch.Tensor, packed: torch.Tensor, scratch: torch.Tensor) -> None:
     """``target += decompress(packed)`` for one single-chunk ``(1, 8 + n)`` MinMax uint8 tensor.
 
-    Same quantisation as :func:`~bagua_lightning.strategy.compression.decompress_chunks`
-    (``q * (max - min) / 255 + min``). The levels are cast into the float32 ``scratch``
-    first: a uint8 operand inside the multiply-add is several times slower on CPU. Every
-    rank applies a given message with this same function, so replicas stay bit-identical.
+    The decoded values (:func:`~bagua_lightning.strategy.compression.decompress_chunks`'s)
+    are formed in the float32 ``scratch``, then added: one float32 rounding of the sum,
+    as in Bagua. Every rank applies a given message with this same function, so
+    replicas stay bit-identical.
     """
     if kernels.enabled(target.device):
         kernels.add_decompressed(target, packed)  # one fused pass, no scratch
         return
     mins, maxs = read_header(packed)
-    scratch.copy_(packed[0, HEADER_BYTES:])
-    if target.device.type == "cpu":  # Python scalars: 0-dim tensor operands are unvectorised on CPU
-        lo, hi = float(mins), float(maxs)
-        target.add_(scratch, alpha=(hi - lo) / LEVELS).add_(lo)
-    else:
-        target.addcmul_(scratch, ((maxs - mins) / LEVELS).view(())).add_(mins.view(()))
+    add_dequantised_(target, packed[0, HEADER_BYTES:], mins, maxs, scratch)
+
+
+#: The weights of Bagua's update ``d = x + l / 3 + r / 3 - 5/3 w``.
+THIRD = 1.0 / 3.0
+FIVE_THIRDS = 5.0 / 3.0
 
 
 def _compress_difference(
-    d: torch.Tensor, left: torch.Tensor, right: torch.Tensor, w: torch.Tensor, one_peer: bool, out: torch.Tensor
+    d: torch.Tensor, left: torch.Tensor, right: torch.Tensor, w: torch.Tensor, one_peer: bool,
+    out: torch.Tensor, scratch: torch.Tensor,
 ) -> None:
-    """``d := d + (l + r) / 3 - 5/3 w`` (``d`` holds ``x``), compressed as one chunk into ``out``.
+    """``d := d + l / 3 + r / 3 - 5/3 w`` (``d`` holds ``x``), compressed as one chunk into ``out``.
 
-    ``d`` is scratch afterwards. On CUDA one fused kernel forms ``d`` and its extrema,
-    a second writes the levels; with one peer (``one_peer``) ``l`` is ``r``.
+    Bagua's operations in Bagua's order, each product and each sum rounded to float32
+    (``d += (1/3) l; d += (1/3) r; d -= (5/3) w``): no fused multiply-add, so that the
+    result is Bagua's to the last bit. With one peer (``one_peer``) ``l`` is ``r`` and
+    its term is added twice. ``d`` is scratch afterwards; ``scratch`` (float32 like ``d``)
+    holds the products on CPU. On CUDA one fused kernel forms ``d`` and its extrema, a
+    second writes the levels.
     """
     if kernels.enabled(d.device):
         kernels.weight_difference_compress(
-            d, left, None if one_peer else right, w,
-            (2.0 / 3.0 if one_peer else 1.0 / 3.0, 1.0 / 3.0, -5.0 / 3.0), out,
+            d, left, None if one_peer else right, w, (THIRD, THIRD, -FIVE_THIRDS), out,
         )
         return
-    if one_peer:
-        d.add_(left, alpha=2.0 / 3.0)
-    else:
-        d.add_(left, alpha=1.0 / 3.0).add_(right, alpha=1.0 / 3.0)
-    d.add_(w, alpha=-5.0 / 3.0)
+    weight_difference_(d, left, right, w, one_peer, scratch)
     compress_chunks(d, 1, out=out, overwrite_input=True)
+
+
+def weight_difference_(
+    d: torch.Tensor, left: torch.Tensor, right: torch.Tensor, w: torch.Tensor, one_peer: bool, scratch: torch.Tensor
+) -> None:
+    """``d += (1/3) l; d += (1/3) r; d -= (5/3) w`` with torch ops, each rounded to float32 (``scratch``: products)."""
+    d.add_(torch.mul(left, THIRD, out=scratch))
+    if not one_peer:
+        torch.mul(right, THIRD, out=scratch)
+    d.add_(scratch)
+    d.sub_(torch.mul(w, FIVE_THIRDS, out=scratch))
 
 
 def _gather(params: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -108,11 +119,12 @@ class _RingBuffers:
     """Per-bucket buffers of the compressed ring exchange, reused every communicating step.
 
     On CPU a fresh buffer the size of a bucket costs more in page faults than the
-    arithmetic on it. ``diff`` holds ``d`` and, once compressed, serves as decompression scratch.
+    arithmetic on it. ``diff`` holds ``d``; ``scratch`` the products that form it, then the decoded values.
     """
 
     def __init__(self, numel: int, device: torch.device, one_peer: bool) -> None:
         self.diff = torch.empty(numel, dtype=torch.float32, device=device)
+        self.scratch = torch.empty(numel, dtype=torch.float32, device=device)
         self.own = torch.empty(1, compressed_nbytes(numel), dtype=torch.uint8, device=device)
         self.from_left = torch.empty_like(self.own)
         self.from_right = self.from_left if one_peer else torch.empty_like(self.own)
@@ -231,16 +243,16 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
                 d.copy_(flats[i])
             else:
                 _gather(groups[i], d)
-            _compress_difference(d, left, right, w, one_peer, buf.own)
+            _compress_difference(d, left, right, w, one_peer, buf.own, buf.scratch)
             pending.append(self._start_exchange(buf.own, buf.from_left, buf.from_right))
         for i, works in enumerate(pending):
             for work in works:
                 work.wait()
             buf = buffers[i]
-            _add_decompressed(self._weight[i], buf.own, buf.diff)
-            _add_decompressed(self._left[i], buf.from_left, buf.diff)
+            _add_decompressed(self._weight[i], buf.own, buf.scratch)
+            _add_decompressed(self._left[i], buf.from_left, buf.scratch)
             if not one_peer:
-                _add_decompressed(self._right[i], buf.from_right, buf.diff)
+                _add_decompressed(self._right[i], buf.from_right, buf.scratch)
 
     def _buffers_for(self, one_peer: bool) -> list[_RingBuffers]:
         sizes = [w.numel() for w in self._weight]

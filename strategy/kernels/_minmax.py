@@ -1,18 +1,18 @@
 """Triton kernels of the MinMax uint8 format (see :mod:`bagua_lightning.strategy.compression`).
 
 Every kernel computes exactly what the CPU torch path computes, operation by
-operation, so both paths produce the same bytes and the same values:
+operation, so both paths produce the same bytes and the same values (Bagua's rule,
+every operation a float32 operation):
 
-* level of ``x`` in a chunk ``[lo, hi]``: ``t = (x - lo) * s``, then ``t + 0.5``
-  truncated, with ``s = float32(255 / (hi - lo))`` evaluated in float64 (as the CPU
-  path does with Python floats) and 0 for a constant chunk;
-* value of level ``q``: ``q * step + lo`` with ``step = float32((hi - lo) / 255)``
-  evaluated in float64, rounded after the multiply and after the add.
+* per chunk ``[lo, hi]``: ``scale = 255 * (1 / (hi - lo + 1e-7))``,
+  ``lower = rint(hi * scale) - 255`` (``rint``: round to nearest even);
+* level of ``x``: ``clamp(rint(x * scale) - lower, 0, 255)``;
+* value of level ``q``: ``(q + lower) / scale``.
 
-The launchers pass ``enable_fp_fusion=False``: a fused multiply-add rounds once where
+Divisions are ``div_rn`` (Triton's ``/`` on float32 is an approximate division), and
+the launchers pass ``enable_fp_fusion=False``: a fused multiply-add rounds once where
 the CPU path rounds twice, which would move an occasional value across a level
-boundary. The one deliberate fused multiply-add (``_apply_kernel``) mirrors the CPU
-path's ``add_(levels, alpha=step)``, which is a fused multiply-add on CPU too.
+boundary.
 
 Packed tensors are either the ``(rows, 8 + n)`` uint8 tensor itself (``PACK=1``) or,
 when ``n`` is a multiple of 4 and the buffer 4-byte aligned, its int32 view
@@ -54,17 +54,22 @@ def _store_header(packed_ptr, row_start, lo, hi, PACK: tl.constexpr):
 
 
 @triton.jit
-def _quant_scale(lo, hi):
-    """``float32(min(255 / (hi - lo), FLOAT32_MAX))`` computed in float64; 0 for a constant chunk."""
-    width = hi.to(tl.float64) - lo.to(tl.float64)
-    safe = tl.where(width > 0, width, 1.0)
-    return tl.minimum(tl.where(width > 0, 255.0 / safe, 0.0), 3.4028234663852886e38).to(tl.float32)
+def _rint(t):
+    """``t`` rounded to the nearest integer, ties to even (float32), as ``torch.round``.
+
+    Adding and subtracting 2**23 rounds a float32 below 2**23 in magnitude to an integer
+    in the current rounding mode (to nearest even); from 2**23 on every float32 is one.
+    """
+    big = tl.where(t < 0, -8388608.0, 8388608.0)
+    return tl.where(tl.abs(t) < 8388608.0, (t + big) - big, t)
 
 
 @triton.jit
-def _dequant_step(lo, hi):
-    """``float32((hi - lo) / 255)`` computed in float64."""
-    return ((hi.to(tl.float64) - lo.to(tl.float64)) / 255.0).to(tl.float32)
+def _level_parameters(lo, hi):
+    """``(scale, lower)`` of the chunk ``[lo, hi]``: see the module docstring."""
+    width = (hi - lo) + 1e-7
+    scale = tl.math.div_rn(1.0, width) * 255.0
+    return scale, _rint(hi * scale) - 255.0
 
 
 @triton.jit
@@ -99,18 +104,14 @@ def _store_levels(packed_ptr, row_start, units, q, n, PACK: tl.constexpr):
 
 
 @triton.jit
-def _quantise(v, lo, scale):
-    t = (v - lo) * scale
-    t = t + 0.5
-    # Truncation: t is in [0.5, 256). The cap only acts outside the format (a chunk wider than
-    # float32's range, where x - lo overflows): it keeps a level from spilling into its neighbours.
-    return tl.minimum(t, 255.0).to(tl.int32)
+def _quantise(v, scale, lower):
+    t = _rint(v * scale) - lower
+    return tl.minimum(tl.maximum(t, 0.0), 255.0).to(tl.int32)  # exact integers 0..255: the cast is exact
 
 
 @triton.jit
-def _decoded(q, lo, step):
-    v = q.to(tl.float32) * step
-    return v + lo
+def _decoded(q, scale, lower):
+    return tl.math.div_rn(q.to(tl.float32) + lower, scale)
 
 
 @triton.jit
@@ -166,9 +167,10 @@ def _extrema_kernel(
 ):
     """Pass 1 of a compression: partial extrema of chunk ``program_id(1)`` over blocks p, p + P, ...
 
-    ``COMBINE``: the values are ``src + c_left * left + c_right * right + c_weight * weight``
-    (low_precision_decentralized's weight difference), written back into ``src`` so
-    that pass 2 reads one tensor instead of four.
+    ``COMBINE``: the values are ``((src + c_left * left) + c_right * right) + c_weight * weight``,
+    each product and sum rounded (low_precision_decentralized's weight difference; without
+    ``HAS_RIGHT`` the left term is added twice), written back into ``src`` so that pass 2
+    reads one tensor instead of four.
     """
     p = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
@@ -180,9 +182,12 @@ def _extrema_kernel(
         m = idx < n
         v = tl.load(src_ptr + base + idx, mask=m, other=0.0).to(tl.float32)
         if COMBINE:
-            v = v + c_left * tl.load(left_ptr + base + idx, mask=m, other=0.0)
+            from_left = c_left * tl.load(left_ptr + base + idx, mask=m, other=0.0)
+            v = v + from_left
             if HAS_RIGHT:
                 v = v + c_right * tl.load(right_ptr + base + idx, mask=m, other=0.0)
+            else:  # one peer is both neighbours: its term is added twice
+                v = v + from_left
             v = v + c_weight * tl.load(weight_ptr + base + idx, mask=m, other=0.0)
             tl.store(src_ptr + base + idx, v, mask=m)
         lo_acc = _min_nan(lo_acc, tl.where(m, v, float("inf")))
@@ -202,11 +207,11 @@ def _quantise_kernel(
     row = c * row_stride
     if p == 0:
         _store_header(out_ptr, row, lo, hi, PACK)
-    scale = _quant_scale(lo, hi)
+    scale, lower = _level_parameters(lo, hi)
     for b in range(p, nblocks, P):
         idx, units = _tile(b, BLOCK, PACK)
         v = tl.load(src_ptr + c * n + idx, mask=idx < n, other=0.0).to(tl.float32)
-        _store_levels(out_ptr, row, units, _quantise(v, lo, scale), n, PACK)
+        _store_levels(out_ptr, row, units, _quantise(v, scale, lower), n, PACK)
 
 
 @triton.jit
@@ -217,24 +222,21 @@ def _decompress_kernel(packed_ptr, out_ptr, n, row_stride, BLOCK: tl.constexpr, 
     row = c * row_stride
     lo, hi = _load_header(packed_ptr, row, PACK)
     idx, units = _tile(b, BLOCK, PACK)
-    v = _decoded(_load_levels(packed_ptr, row, units, n, PACK), lo, _dequant_step(lo, hi))
+    scale, lower = _level_parameters(lo, hi)
+    v = _decoded(_load_levels(packed_ptr, row, units, n, PACK), scale, lower)
     tl.store(out_ptr + c * n + idx, _to_dtype(v, out_ptr.dtype.element_ty), mask=idx < n)
 
 
 @triton.jit
 def _apply_kernel(packed_ptr, target_ptr, n, BLOCK: tl.constexpr, PACK: tl.constexpr):
-    """``target += decompress(packed)`` for one single-chunk packed row (float32 target).
-
-    ``fma(q, step, target) + lo``: the CPU path's ``add_(q, alpha=step).add_(lo)``.
-    """
+    """``target += decompress(packed)`` for one single-chunk packed row (float32 target): one rounding of the sum."""
     b = tl.program_id(0)
     lo, hi = _load_header(packed_ptr, 0, PACK)
+    scale, lower = _level_parameters(lo, hi)
     idx, units = _tile(b, BLOCK, PACK)
     m = idx < n
-    q = _load_levels(packed_ptr, 0, units, n, PACK).to(tl.float32)
     t = tl.load(target_ptr + idx, mask=m, other=0.0)
-    t = tl.fma(q, _dequant_step(lo, hi), t)
-    tl.store(target_ptr + idx, t + lo, mask=m)
+    tl.store(target_ptr + idx, t + _decoded(_load_levels(packed_ptr, 0, units, n, PACK), scale, lower), mask=m)
 
 
 @triton.jit
@@ -244,7 +246,8 @@ def _reduced(recv_ptr, world, row_stride, units, n, scale, BLOCK: tl.constexpr, 
     for i in range(world):
         row = i * row_stride
         lo, hi = _load_header(recv_ptr, row, PACK)
-        acc = acc + _decoded(_load_levels(recv_ptr, row, units, n, PACK), lo, _dequant_step(lo, hi))
+        q_scale, lower = _level_parameters(lo, hi)
+        acc = acc + _decoded(_load_levels(recv_ptr, row, units, n, PACK), q_scale, lower)
     return acc * scale
 
 
@@ -276,8 +279,8 @@ def _reduce_quantise_kernel(
     lo, hi = _partials_reduce(part_ptr, 0, P, PB)
     if p == 0:
         _store_header(out_ptr, 0, lo, hi, PACK)
-    q_scale = _quant_scale(lo, hi)
+    q_scale, lower = _level_parameters(lo, hi)
     for b in range(p, nblocks, P):
         _, units = _tile(b, BLOCK, PACK)
         v = _reduced(recv_ptr, world, row_stride, units, n, scale, BLOCK, PACK)
-        _store_levels(out_ptr, 0, units, _quantise(v, lo, q_scale), n, PACK)
+        _store_levels(out_ptr, 0, units, _quantise(v, q_scale, lower), n, PACK)

@@ -4,8 +4,7 @@ Run by ``test_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (CPU tens
 through Triton's interpreter, tiny shapes), and on a GPU machine as
 ``python tests/strategy/kernel_checks.py --device cuda`` (the compiled kernels, real
 block sizes). The reference is always the CPU torch path; results are compared
-byte for byte and value for value, except ``add_decompressed`` (one float32 rounding, see
-its check). Prints one JSON object: check name -> "ok" or the failure.
+byte for byte and value for value. Prints one JSON object: check name -> "ok" or the failure.
 """
 
 from __future__ import annotations
@@ -19,6 +18,12 @@ from collections.abc import Callable
 import torch
 
 from bagua_lightning.strategy import kernels
+from bagua_lightning.strategy.algorithms.low_precision_decentralized import (
+    FIVE_THIRDS,
+    THIRD,
+    _add_decompressed,
+    weight_difference_,
+)
 from bagua_lightning.strategy.compression import HEADER_BYTES, compress_chunks, decompress_chunks
 
 CHECKS: dict[str, Callable[[torch.device, int | None], None]] = {}
@@ -153,33 +158,29 @@ def owner_step_matches_decompress_sum_recompress(device: torch.device, block: in
 
 @check
 def weight_difference_matches_torch(device: torch.device, block: int | None) -> None:
+    # The reference: low_precision_decentralized's torch path (Bagua's order of float32 operations).
     for n in (37, 64):
         x, left, right, w = (_inputs(n, 1, torch.float32, s) for s in (1, 2, 3, 4))
         for one_peer in (True, False):
-            a = 2.0 / 3.0 if one_peer else 1.0 / 3.0
-            d_ref = x + left * a
-            if not one_peer:
-                d_ref = d_ref + right * (1.0 / 3.0)
-            d_ref = d_ref + w * (-5.0 / 3.0)
+            d_ref = x.clone()
+            weight_difference_(d_ref, left, left if one_peer else right, w, one_peer, torch.empty(n))
             ref = compress_chunks(d_ref, 1)
             d = x.to(device)
             out = torch.empty(ref.shape, dtype=torch.uint8, device=device)
             kernels.weight_difference_compress(d, left.to(device), None if one_peer else right.to(device),
-                                               w.to(device), (a, 1.0 / 3.0, -5.0 / 3.0), out, block=block)
+                                               w.to(device), (THIRD, THIRD, -FIVE_THIRDS), out, block=block)
             _same(d.cpu(), d_ref, "weight difference")
             _same(out.cpu(), ref, "compressed weight difference")
 
 
 @check
-def add_decompressed_is_one_rounding_of_the_exact_sum(device: torch.device, block: int | None) -> None:
-    # target + q * step in one rounding (a fused multiply-add, as the CPU path's add_(alpha=)), then + lo.
+def add_decompressed_matches_torch(device: torch.device, block: int | None) -> None:
+    # target + (q + lower) / scale, the decoded value and the sum each rounded once, as the torch path.
     for n in (37, 64):
         packed = compress_chunks(_inputs(n, 1, torch.float32, 11), 1)
         target = _inputs(n, 1, torch.float32, 12)
-        lo, hi = (float(v) for v in packed[0, :HEADER_BYTES].view(torch.float32))
-        step = torch.tensor((hi - lo) / 255.0, dtype=torch.float32).double()
-        q = packed[0, HEADER_BYTES:].double()
-        ref = ((target.double() + q * step).float() + lo).float()
+        ref = target.clone()
+        _add_decompressed(ref, packed, torch.empty(n))
         out = target.to(device)
         kernels.add_decompressed(out, packed.to(device), block=block)
         _same(out.cpu(), ref, "add_decompressed")

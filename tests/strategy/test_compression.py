@@ -29,8 +29,11 @@ def test_round_trip_error_is_within_half_a_level(num_chunks: int) -> None:
 def test_each_chunk_keeps_its_own_range() -> None:
     x = torch.cat([torch.full((8,), 5.0), torch.linspace(-1, 1, 8)])
     y = decompress_chunks(compress_chunks(x, 2))
-    assert torch.equal(y[:8], x[:8])  # a constant chunk decodes exactly
-    assert y[8].item() == -1.0 and y[15].item() == pytest.approx(1.0)
+    # the constant chunk's levels are 1e-7 / 255 apart, not the other chunk's 2 / 255
+    assert (y[:8] - 5.0).abs().max().item() <= max_quantisation_error(x[:8], 1) < 1e-5
+    assert (y[8:] - x[8:]).abs().max().item() <= max_quantisation_error(x[8:], 1) < 2 / 255
+    zeros = decompress_chunks(compress_chunks(torch.zeros(6), 1))
+    assert torch.equal(zeros, torch.zeros(6))  # an all-zero chunk (an unused gradient) decodes exactly
 
 
 def test_bad_shapes_are_refused() -> None:
@@ -48,7 +51,6 @@ def test_single_chunk_of_any_length_round_trips(n: int) -> None:
     x = torch.arange(n, dtype=torch.float32) - 2.5
     y = decompress_chunks(compress_chunks(x, 1))
     assert (y - x).abs().max().item() <= max_quantisation_error(x, 1)
-    assert y[0].item() == x[0].item()  # the minimum decodes exactly
 
 
 def test_bf16_input_decompresses_to_the_requested_dtype() -> None:

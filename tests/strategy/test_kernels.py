@@ -32,7 +32,7 @@ CHECKS = [
     "unaligned_buffers_use_the_byte_layout",
     "owner_step_matches_decompress_sum_recompress",
     "weight_difference_matches_torch",
-    "add_decompressed_is_one_rounding_of_the_exact_sum",
+    "add_decompressed_matches_torch",
     "bad_arguments_are_refused",
 ]
 HERE = Path(__file__).parent
@@ -100,13 +100,12 @@ def test_fused_exchange_on_two_gloo_ranks_equals_its_definition(tmp_path: Path) 
             assert c["equal_to_reference"], c
 
 
-def test_chunks_narrower_than_the_scale_cap_round_trip_within_the_bound() -> None:
-    # 255 / (max - min) exceeds float32 here; the capped scale keeps every level on 0..255.
+def test_chunks_narrower_than_the_epsilon_round_trip_within_the_bound() -> None:
+    # 255 / (max - min) alone would exceed float32 here; the 1e-7 added to the width keeps the scale finite.
     x = torch.cat([torch.linspace(1e-37, 2e-37, 16), torch.tensor([0.0, 1e-40] * 8)])
     y = decompress_chunks(compress_chunks(x, 2))
     assert torch.isfinite(y).all()
     assert (y - x).abs().max().item() <= max_quantisation_error(x, 2)
-    assert y[0].item() == x[0].item()
 
 
 def _old_qadam_step(opt: QAdamOptimizer, momentum_is_external: bool) -> None:
