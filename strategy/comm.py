@@ -340,16 +340,13 @@ def _sum_levels(
     a 0-dim tensor scalar) inside the arithmetic would be several times slower.
     """
     scales, lowers = level_parameters(mins, maxs)
-    if levels.device.type != "cpu":
-        s_t, low_t = scales.view(-1), lowers.view(-1)
-        out.copy_(levels[0]).add_(low_t[0]).div_(s_t[0])
-        for i in range(1, levels.shape[0]):
-            out.add_(scratch.copy_(levels[i]).add_(low_t[i]).div_(s_t[i]))
-    else:
-        s_f, low_f = scales.view(-1).tolist(), lowers.view(-1).tolist()
-        out.copy_(levels[0]).add_(low_f[0]).div_(s_f[0])
-        for i in range(1, levels.shape[0]):
-            out.add_(scratch.copy_(levels[i]).add_(low_f[i]).div_(s_f[i]))
+    s_t = scales.view(-1)
+    on_cpu = levels.device.type == "cpu"  # Python floats there: most 0-dim tensor operands are unvectorised
+    low: list[float] | torch.Tensor = lowers.view(-1).tolist() if on_cpu else lowers.view(-1)
+    out.copy_(levels[0]).add_(low[0]).div_(float(s_t[0]) if on_cpu else s_t[0])
+    for i in range(1, levels.shape[0]):
+        # out + (level + lower) / scale: the quotient and the sum each rounded once, in one pass
+        out.addcdiv_(scratch.copy_(levels[i]).add_(low[i]), s_t[i])
     if scale != 1.0:
         out.mul_(scale)
 

@@ -163,15 +163,12 @@ def add_dequantised_(
     """``target += (levels + lower) / scale`` for one chunk: 1-D float32 ``target``, uint8 ``levels``.
 
     ``mins``/``maxs``: the chunk's ``(1, 1)`` float32 extrema; ``scratch``: float32 like
-    ``target`` (the decoded values go there first, so the sum is one float32 rounding of
-    ``target`` plus the decoded value, as on the kernels).
+    ``target``. The decoded value and the sum are each rounded once to float32, as on the kernels.
     """
     scale, lower = level_parameters(mins, maxs)
-    if target.device.type == "cpu":  # Python scalars: 0-dim tensor operands are unvectorised on CPU
-        scratch.copy_(levels).add_(float(lower)).div_(float(scale))
-    else:
-        scratch.copy_(levels).add_(lower.view(())).div_(scale.view(()))
-    target.add_(scratch)
+    scratch.copy_(levels).add_(float(lower) if target.device.type == "cpu" else lower.view(()))
+    # target + (level + lower) / scale: the quotient and the sum each rounded once, in one pass
+    target.addcdiv_(scratch, scale.view(()))
 
 
 def compress_chunks(

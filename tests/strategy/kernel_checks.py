@@ -24,7 +24,8 @@ from bagua_lightning.strategy.algorithms.low_precision_decentralized import (
     _add_decompressed,
     weight_difference_,
 )
-from bagua_lightning.strategy.compression import HEADER_BYTES, compress_chunks, decompress_chunks
+from bagua_lightning.strategy.comm import _sum_levels
+from bagua_lightning.strategy.compression import HEADER_BYTES, compress_chunks, decompress_chunks, read_header
 
 CHECKS: dict[str, Callable[[torch.device, int | None], None]] = {}
 
@@ -151,6 +152,10 @@ def owner_step_matches_decompress_sum_recompress(device: torch.device, block: in
             for i in range(world):
                 total += decompress_chunks(received[i : i + 1])
             ref = compress_chunks(total * scale, 1)
+            summed, scratch = torch.empty(n), torch.empty(n)  # the Gloo path's owner step: the same sum
+            mins, maxs = read_header(received)
+            _sum_levels(received[:, HEADER_BYTES:], mins, maxs, scale, summed, scratch)
+            _same(summed, total * scale, f"torch owner step world={world} n={n} scale={scale}")
             out = torch.full((1, HEADER_BYTES + n), 77, dtype=torch.uint8, device=device)
             kernels.reduce_compressed(received.to(device), scale, out, block=block)
             _same(out.cpu(), ref, f"owner step world={world} n={n} scale={scale}")
