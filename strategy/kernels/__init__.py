@@ -202,11 +202,14 @@ def reduce_compressed(
         recv_view, row_stride, pack = received, received.stride(0), 1
         out_view = out
     k = _k()
+    tables = torch.empty(world * 256, dtype=torch.float32, device=device)  # each row's 256 decoded values
+    k._decode_table_kernel[(world,)](recv_view, tables, row_stride, PACK=pack, **opts)
     k._reduce_extrema_kernel[(programs,)](
-        recv_view, partials, world, n, nblocks, programs, row_stride, float(scale), BLOCK=blk, PACK=pack, **opts
+        recv_view, tables, partials, world, n, nblocks, programs, row_stride, float(scale), BLOCK=blk, PACK=pack,
+        **opts,
     )
     k._reduce_quantise_kernel[(programs,)](
-        recv_view, partials, out_view, world, n, nblocks, programs, row_stride, float(scale),
+        recv_view, tables, partials, out_view, world, n, nblocks, programs, row_stride, float(scale),
         BLOCK=blk, PACK=pack, PB=plan.pb, **opts,
     )
     return out

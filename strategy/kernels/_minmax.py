@@ -240,20 +240,32 @@ def _apply_kernel(packed_ptr, target_ptr, n, BLOCK: tl.constexpr, PACK: tl.const
 
 
 @triton.jit
-def _reduced(recv_ptr, world, row_stride, units, n, scale, BLOCK: tl.constexpr, PACK: tl.constexpr):
+def _decode_table_kernel(recv_ptr, table_ptr, row_stride, PACK: tl.constexpr):
+    """The 256 decoded values of row ``program_id(0)``'s levels, for the owner step's lookups.
+
+    A level decodes with a correctly rounded division; the owner step decodes every received
+    value twice, so it looks the values up (the same bits) instead of dividing.
+    """
+    i = tl.program_id(0)
+    lo, hi = _load_header(recv_ptr, i * row_stride, PACK)
+    scale, lower = _level_parameters(lo, hi)
+    q = tl.arange(0, 256)
+    tl.store(table_ptr + i * 256 + q, _decoded(q, scale, lower))
+
+
+@triton.jit
+def _reduced(recv_ptr, table_ptr, world, row_stride, units, n, scale, BLOCK: tl.constexpr, PACK: tl.constexpr):
     """``scale * sum_i decompress(row i)`` at the packed units ``units``, summed in row order."""
     acc = tl.zeros([BLOCK // PACK, PACK], tl.float32)
     for i in range(world):
-        row = i * row_stride
-        lo, hi = _load_header(recv_ptr, row, PACK)
-        q_scale, lower = _level_parameters(lo, hi)
-        acc = acc + _decoded(_load_levels(recv_ptr, row, units, n, PACK), q_scale, lower)
+        q = _load_levels(recv_ptr, i * row_stride, units, n, PACK)
+        acc = acc + tl.load(table_ptr + i * 256 + q)
     return acc * scale
 
 
 @triton.jit
 def _reduce_extrema_kernel(
-    recv_ptr, part_ptr, world, n, nblocks, P, row_stride, scale, BLOCK: tl.constexpr, PACK: tl.constexpr,
+    recv_ptr, table_ptr, part_ptr, world, n, nblocks, P, row_stride, scale, BLOCK: tl.constexpr, PACK: tl.constexpr,
 ):
     """Pass 1 of bytegrad's owner step: partial extrema of the reduced chunk (never stored)."""
     p = tl.program_id(0)
@@ -262,7 +274,7 @@ def _reduce_extrema_kernel(
     for b in range(p, nblocks, P):
         idx, units = _tile(b, BLOCK, PACK)
         m = idx < n
-        v = _reduced(recv_ptr, world, row_stride, units, n, scale, BLOCK, PACK)
+        v = _reduced(recv_ptr, table_ptr, world, row_stride, units, n, scale, BLOCK, PACK)
         lo_acc = _min_nan(lo_acc, tl.where(m, v, float("inf")))
         hi_acc = _max_nan(hi_acc, tl.where(m, v, float("-inf")))
     _partials_store(part_ptr, p, tl.reduce(tl.reduce(lo_acc, 1, _min_nan), 0, _min_nan),
@@ -271,7 +283,7 @@ def _reduce_extrema_kernel(
 
 @triton.jit
 def _reduce_quantise_kernel(
-    recv_ptr, part_ptr, out_ptr, world, n, nblocks, P, row_stride, scale,
+    recv_ptr, table_ptr, part_ptr, out_ptr, world, n, nblocks, P, row_stride, scale,
     BLOCK: tl.constexpr, PACK: tl.constexpr, PB: tl.constexpr,
 ):
     """Pass 2 of bytegrad's owner step: the reduced chunk, recomputed and compressed into ``out``'s row."""
@@ -282,5 +294,5 @@ def _reduce_quantise_kernel(
     q_scale, lower = _level_parameters(lo, hi)
     for b in range(p, nblocks, P):
         _, units = _tile(b, BLOCK, PACK)
-        v = _reduced(recv_ptr, world, row_stride, units, n, scale, BLOCK, PACK)
+        v = _reduced(recv_ptr, table_ptr, world, row_stride, units, n, scale, BLOCK, PACK)
         _store_levels(out_ptr, 0, units, _quantise(v, q_scale, lower), n, PACK)
