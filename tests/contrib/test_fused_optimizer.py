@@ -236,3 +236,20 @@ def test_fused_optimizer_class_steps_fused_and_shares_state_with_the_wrapped_one
     assert fused_adam.state_dict()["state"][0]["step"] == 4
     with pytest.raises(RuntimeError, match="already fused"):
         FusedOptimizer(inner)
+
+
+def test_fused_count_counts_groups_stepped_with_a_fused_run() -> None:
+    model = _model()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opt = fuse_optimizer(optim.SGD([{"params": weights}, {"params": biases, "lr": 0.05}], lr=0.1))
+    assert opt._bagua_fused_count == 0  # type: ignore[attr-defined]
+    _train(model, opt, 3, fused=True)
+    assert opt._bagua_fused_count == 6  # two groups, each one fused run, three fused steps  # type: ignore[attr-defined]
+    _train(model, opt, 2, fused=False)  # plain steps are not counted
+    assert opt._bagua_fused_count == 6  # type: ignore[attr-defined]
+    # Nothing contiguous (no flattening, separately allocated parameters): nothing fused, nothing counted.
+    model2 = _model()
+    opt2 = fuse_optimizer(optim.SGD(model2.parameters(), lr=0.1), do_flatten=False)
+    _train(model2, opt2, 2, fused=True)
+    assert opt2._bagua_fused_count == 0  # type: ignore[attr-defined]
