@@ -43,7 +43,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one fused parameter update; see :func:`fuse_step`."""
         return fuse_step(self.optimizer, closure)
 
