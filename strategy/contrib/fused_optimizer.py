@@ -443,6 +443,9 @@ def fuse_optimizer(
         raise RuntimeError("this optimizer is already fused; call fuse_optimizer once per optimizer.")
     st = _FusedState(check_flatten=bool(do_flatten and check_flatten), flattened=bool(do_flatten))
     setattr(optimizer, _ATTR, st)
+    # Bagua's counter, read by scripts and tests: parameter groups stepped with at least one fused run,
+    # summed over fuse_step calls (0 when nothing was ever contiguous, e.g. the layout was broken up).
+    optimizer._bagua_fused_count = 0  # type: ignore[attr-defined]
     if do_flatten:
         _flatten_params_and_state(optimizer)
 
@@ -523,6 +526,7 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | Non
                 saved_state[p] = st.fused_state[p]
     st.scalars_dirty = True
     st.fused_steps += 1
+    optimizer._bagua_fused_count += sum(1 for plan in plans if plan.runs)  # type: ignore[attr-defined]
     if _adopt_new_state(optimizer, st):
         st.scalars_dirty = False
         st.plans = None  # rebuilt next step with the state the runs now have

@@ -211,3 +211,45 @@ def test_pieces_across_tensor_boundaries_stay_exact(monkeypatch: pytest.MonkeyPa
     _train(model, opt, 2, fused=True)
     total = sum(p.numel() for p in model.parameters())
     assert opt.tensors_per_step == [-(-total // 7)] * 2
+
+
+def test_fused_optimizer_class_steps_fused_and_shares_state_with_the_wrapped_one() -> None:
+    from bagua_lightning.torch_api.contrib import FusedOptimizer
+
+    m1, m2 = _model(), _model()
+    o1 = optim.Adam(m1.parameters(), lr=0.05)
+    inner = CountingSGD(m2.parameters(), lr=0.05)
+    fused = FusedOptimizer(inner, do_flatten=True)
+    assert is_fused_optimizer(inner)
+    assert fused.param_groups is inner.param_groups and fused.state is inner.state
+    fused.step()  # no gradients yet: nothing to update, no error
+    _train(m2, fused, 2, fused=False)  # fused.step() is the fused step: one tensor per group
+    _train(m2, inner, 1, fused=False)  # the wrapped optimizer still steps tensor by tensor
+    assert inner.tensors_per_step == [0, 1, 1, 6]
+    # With a stateful optimizer the two steps interleave to the unfused result, bit for bit.
+    m3 = _model()
+    fused_adam = FusedOptimizer(optim.Adam(m3.parameters(), lr=0.05))
+    _train(m1, o1, 4, fused=False)
+    _train(m3, fused_adam, 2, fused=False)
+    _train(m3, fused_adam.optimizer, 2, fused=False)
+    assert _equal(m1, m3)
+    assert fused_adam.state_dict()["state"][0]["step"] == 4
+    with pytest.raises(RuntimeError, match="already fused"):
+        FusedOptimizer(inner)
+
+
+def test_fused_count_counts_groups_stepped_with_a_fused_run() -> None:
+    model = _model()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opt = fuse_optimizer(optim.SGD([{"params": weights}, {"params": biases, "lr": 0.05}], lr=0.1))
+    assert opt._bagua_fused_count == 0  # type: ignore[attr-defined]
+    _train(model, opt, 3, fused=True)
+    assert opt._bagua_fused_count == 6  # two groups, each one fused run, three fused steps  # type: ignore[attr-defined]
+    _train(model, opt, 2, fused=False)  # plain steps are not counted
+    assert opt._bagua_fused_count == 6  # type: ignore[attr-defined]
+    # Nothing contiguous (no flattening, separately allocated parameters): nothing fused, nothing counted.
+    model2 = _model()
+    opt2 = fuse_optimizer(optim.SGD(model2.parameters(), lr=0.1), do_flatten=False)
+    _train(model2, opt2, 2, fused=True)
+    assert opt2._bagua_fused_count == 0  # type: ignore[attr-defined]
