@@ -24,7 +24,9 @@ import torch
 
 from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.procs import new_deployment_id
 from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, StepTimings, TensorDeclaration
+from bagua_lightning.services_file import ServicesInfo, write_services_file
 from bagua_lightning.strategy.autotune import (
     AutotuneSettings,
     AutotuneSummary,
@@ -82,7 +84,7 @@ def test_strategy_autotune_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.setenv("BAGUA_LIGHTNING_SERVICES_FILE", str(tmp_path / "none.json"))
     monkeypatch.delenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", raising=False)
     assert BaguaStrategy(autotune=True)._autotune_settings.address == "127.0.0.1:29600"  # type: ignore[union-attr]
-    (tmp_path / "services.json").write_text(json.dumps({"version": 1, "autotune": "10.0.0.2:7"}))
+    write_services_file(ServicesInfo(autotune="10.0.0.2:7", deployment=new_deployment_id()), tmp_path / "services.json")
     monkeypatch.setenv("BAGUA_LIGHTNING_SERVICES_FILE", str(tmp_path / "services.json"))
     assert BaguaStrategy(autotune=True)._autotune_settings.address == "10.0.0.2:7"  # type: ignore[union-attr]
     monkeypatch.setenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", "10.0.0.1:5")
