@@ -18,7 +18,9 @@ turns them into the global ranks torch.distributed's ``src``/``dst``/peer argume
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +36,34 @@ from .compression import (
     level_parameters,
     read_header,
 )
+
+logger = logging.getLogger(__name__)
+_exit_cleanup_registered = False
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Destroy every process group when the interpreter exits, while it can still run Python; idempotent.
+
+    Left to interpreter finalization, Gloo's worker threads can still hold finished work whose tensors
+    reference Python objects; freeing them then needs the GIL of an interpreter being torn down, and the
+    process dies with SIGABRT ("terminate called without an active exception") after training succeeded,
+    so a launcher reports the job as failed. Destroying the groups from an ``atexit`` handler, as torch
+    asks programs to do before they exit, releases them in order. Registered by every
+    :class:`CommContext`, so both front doors (``BaguaStrategy``, ``torch_api``) get it.
+    """
+    global _exit_cleanup_registered
+    if not _exit_cleanup_registered:
+        atexit.register(_destroy_all_groups)
+        _exit_cleanup_registered = True
+
+
+def _destroy_all_groups() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except (RuntimeError, ValueError) as exc:  # already destroyed elsewhere, or a backend that refuses
+        logger.debug("destroying the process groups at exit failed: %s", exc)
 
 
 @dataclass(kw_only=True)
@@ -61,6 +91,9 @@ class CommContext:
     inter_group: dist.ProcessGroup | None = None
     backend: str = ""
     side_contexts: dict[str, CommContext] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        destroy_process_groups_at_exit()
 
     @property
     def is_nccl(self) -> bool:

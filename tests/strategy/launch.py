@@ -22,6 +22,24 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _aborted_after_finishing(code: int, log: Path) -> bool:
+    """True for a rank killed by SIGABRT in torch's interpreter teardown, after its program had finished.
+
+    Rarely (about once per full suite run on this 2-core machine), a Gloo rank whose work is done, whose
+    groups are destroyed and which has passed its last barrier still dies in C++ static destruction with
+    only this line on stderr (the failure pytorch/pytorch#179291 describes). Every test checks its ranks'
+    results separately (result files, printed markers), so such a rank is counted by what it produced;
+    any other abort, and any abort with more output after its results, still fails the test.
+    """
+    if code not in (-6, 134):
+        return False
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return bool(lines) and lines[-1] == TEARDOWN_ABORT
+
+
 def _wait_all(procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout_s: float) -> list[int]:
     # A fast machine (the GPU box) may shorten how long a stuck job is given before it is killed.
     timeout_s = float(os.environ.get("BAGUA_LIGHTNING_TEST_JOB_TIMEOUT_S", timeout_s))
@@ -32,7 +50,8 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout_s:
             p.wait(timeout=max(left, 0.1))
             if p.returncode != 0:  # one failed: the others may be stuck in a collective
                 break
-        return [p.wait(timeout=max(deadline - time.monotonic(), 5)) for p in procs]
+        codes = [p.wait(timeout=max(deadline - time.monotonic(), 5)) for p in procs]
+        return [0 if _aborted_after_finishing(code, log) else code for code, log in zip(codes, logs, strict=True)]
     except subprocess.TimeoutExpired:
         raise TimeoutError(f"job did not finish in {timeout_s} s; logs: {[str(x) for x in logs]}") from None
     finally:
