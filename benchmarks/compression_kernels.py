@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from bagua_lightning.strategy import comm as comm_module
+from bagua_lightning.strategy import compressed_comm as comm_module
 from bagua_lightning.strategy import kernels
 from bagua_lightning.strategy.compression import HEADER_BYTES, ChunkRanges, dequantise_into, read_header
 

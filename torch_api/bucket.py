@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..strategy.comm import CommContext, all_reduce_, compressed_all_reduce_, hierarchical_all_reduce_
+from ..strategy.comm import CommContext, all_reduce_, hierarchical_all_reduce_
+from ..strategy.compressed_comm import compressed_all_reduce_
 from . import tensor as _tensor  # noqa: F401  (patches torch.Tensor)
 
 if TYPE_CHECKING:  # pragma: no cover

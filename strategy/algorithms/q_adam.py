@@ -29,13 +29,8 @@ from torch import nn
 
 from ...errors import ConfigurationError
 from ..buckets import Bucket, BucketEngine, trainable_parameters
-from ..comm import (
-    CommContext,
-    ExchangeBuffers,
-    all_reduce_,
-    compressed_all_reduce_,
-    hierarchical_all_reduce_,
-)
+from ..comm import CommContext, all_reduce_, hierarchical_all_reduce_
+from ..compressed_comm import ExchangeBuffers, compressed_all_reduce_
 from .base import Algorithm, register_algorithm
 from .bucketed import thread_comm
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_lightning.strategy import comm as comm_module
-from bagua_lightning.strategy.comm import ExchangeBuffers, compressed_exchange_
+from bagua_lightning.strategy import compressed_comm as comm_module
+from bagua_lightning.strategy.compressed_comm import ExchangeBuffers, compressed_exchange_
 from bagua_lightning.strategy.compression import (
     LEVELS,
     compress_chunks,

@@ -25,7 +25,8 @@ from bagua_lightning.proto.plan import BucketPlan
 from bagua_lightning.strategy.algorithms.base import get_algorithm_class
 from bagua_lightning.strategy.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 from bagua_lightning.strategy.buckets import declare, trainable_parameters
-from bagua_lightning.strategy.comm import CommContext, compressed_all_reduce_
+from bagua_lightning.strategy.comm import CommContext
+from bagua_lightning.strategy.compressed_comm import compressed_all_reduce_
 from bagua_lightning.strategy.compression import max_quantisation_error
 from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
 

@@ -24,7 +24,7 @@ from bagua_lightning.strategy.algorithms.low_precision_decentralized import (
     _add_decompressed,
     weight_difference_,
 )
-from bagua_lightning.strategy.comm import _sum_levels
+from bagua_lightning.strategy.compressed_comm import _sum_levels
 from bagua_lightning.strategy.compression import HEADER_BYTES, compress_chunks, decompress_chunks, read_header
 
 CHECKS: dict[str, Callable[[torch.device, int | None], None]] = {}
