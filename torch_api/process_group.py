@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..errors import ConfigurationError
 from ..strategy.comm import CommContext
 from . import env
+from ._communicator import CommunicatorOps
 from ._ops import all_gather_single
 
 __all__ = [
@@ -61,11 +62,12 @@ class CommMember:
     """Returned for a communicator this rank is not in; primitives given it return at once."""
 
 
-class BaguaCommunicator:
+class BaguaCommunicator(CommunicatorOps):
     """One communicator of a :class:`BaguaProcessGroup`: an ordered set of global ranks and its torch group.
 
     ``rank()`` and ``nranks()`` follow Bagua's communicator; ``src``/``dst`` arguments of the primitives
-    are ranks *within* this communicator (``0 .. nranks() - 1``).
+    are ranks *within* this communicator (``0 .. nranks() - 1``). Bagua's operation methods
+    (``allreduce_inplace(tensor, op)``, ..., ``abort()``) come from :class:`CommunicatorOps`.
 
     Attributes:
         ranks: global ranks, in communicator order.
@@ -85,6 +87,7 @@ class BaguaCommunicator:
         self.torch_group = torch_group
         self.cuda_stream = cuda_stream
         self._rank = self.ranks.index(me)
+        self._init_ops()
 
     def rank(self) -> int:
         """This process's rank within the communicator."""
@@ -182,6 +185,7 @@ class BaguaProcessGroup:
             else:
                 self._groups[key] = dist.new_group(list(key))
         self._comm_context: CommContext | None = None
+        self._comms: dict[tuple[int, ...], BaguaCommunicator] = {}
         log.debug("Bagua process group %s of ranks %s", group_name, self.ranks)
 
     # Bagua's private accessors, kept for code written against them.
@@ -204,7 +208,10 @@ class BaguaProcessGroup:
     def _communicator(self, ranks: list[int]) -> BaguaCommunicator | Any:
         if env.get_rank() not in ranks:
             return CommMember.NON_COMM_MEMBER
-        return BaguaCommunicator(ranks, self._groups[tuple(ranks)], self.stream)
+        key = tuple(ranks)
+        if key not in self._comms:  # one object per communicator, so that abort() sticks, as in Bagua
+            self._comms[key] = BaguaCommunicator(ranks, self._groups[key], self.stream)
+        return self._comms[key]
 
     def get_global_communicator(self) -> BaguaCommunicator | Any:
         """The communicator of every rank in the group (``CommMember.NON_COMM_MEMBER`` outside it)."""
