@@ -22,7 +22,7 @@ import torch
 
 from ._ops import ReduceOp
 
-__all__ = ["CommunicatorOps"]
+__all__ = ["CommunicatorOps", "operations_left_behind"]
 
 # A peer that aborts and exits closes its connections, which fails the operation this rank still waits
 # in; Bagua's NCCL operation would have hung until this rank aborted too. Such a failure followed by this
@@ -42,6 +42,11 @@ def _wait_left_behind() -> None:
 
 
 atexit.register(_wait_left_behind)
+
+
+def operations_left_behind() -> bool:
+    """Whether abort() left an operation of this process in the backend (its groups are then unusable)."""
+    return any(thread.is_alive() for thread in _left_behind)
 
 
 class CommunicatorOps:

@@ -18,9 +18,11 @@ torchrun, Lightning and Bagua's launcher start them).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from ..errors import ConfigurationError
 from ..strategy.comm import CommContext
 from . import env
-from ._communicator import CommunicatorOps
+from ._communicator import CommunicatorOps, operations_left_behind
 from ._ops import all_gather_single
 
 __all__ = [
@@ -366,6 +368,38 @@ def _default_store() -> dist.Store | None:
         return None
 
 
+_EXIT_KEY = "bagua_lightning/torch_api/exit/{}"
+_EXIT_WAIT_S = 30.0
+
+
+def _wait_count(store: dist.Store, key: str, count: int, deadline: float) -> None:
+    while int(store.add(key, 0)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _leave_together(store: dist.Store, rank: int, world_size: int) -> None:
+    """At interpreter exit: tear torch.distributed down once every rank is leaving, rank 0 (the store's host) last.
+
+    Bagua scripts never call ``destroy_process_group``; a Gloo rank that exits while its peers still
+    finish their last collective, or while its store still serves them, aborts the process. The waits
+    are bounded, so a peer that died early delays the exit by at most ``_EXIT_WAIT_S`` seconds.
+    """
+    if not dist.is_initialized() or operations_left_behind():
+        return
+    try:
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        store.add(_EXIT_KEY.format("arrived"), 1)
+        _wait_count(store, _EXIT_KEY.format("arrived"), world_size, deadline)
+        if rank == 0:
+            _wait_count(store, _EXIT_KEY.format("left"), world_size - 1, deadline)
+            dist.destroy_process_group()
+        else:
+            dist.destroy_process_group()
+            store.add(_EXIT_KEY.format("left"), 1)
+    except (RuntimeError, ValueError) as exc:  # a peer or the store is gone already: nothing left to tidy
+        log.debug("leaving torch.distributed at exit: %s", exc)
+
+
 def init_process_group(store: dist.Store | None = None, rank: int = -1, world_size: int = -1,
                        local_world_size: int = -1) -> None:
     """Initialise torch.distributed and Bagua's default process group; call it before any other API.
@@ -435,3 +469,5 @@ def init_process_group(store: dist.Store | None = None, rank: int = -1, world_si
     except BaseException:
         env._set_topology(None)
         raise
+    if not adopted and store is not None:
+        atexit.register(_leave_together, store, rank, world_size)
