@@ -78,6 +78,8 @@ def _resolve(comm: Comm) -> BaguaCommunicator | None:
         comm = comm.get_global_communicator()
     if comm is CommMember.NON_COMM_MEMBER:
         return None
+    if isinstance(comm, BaguaCommunicator) and comm.check_abort():
+        return None  # an aborted communicator communicates no more, as in Bagua
     if not isinstance(comm, BaguaCommunicator):
         raise TypeError(
             f"comm={comm!r} is not a Bagua communicator; pass group.get_global_communicator() "

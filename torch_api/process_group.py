@@ -18,9 +18,11 @@ torchrun, Lightning and Bagua's launcher start them).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from ..errors import ConfigurationError
 from ..strategy.comm import CommContext
 from . import env
+from ._communicator import CommunicatorOps, operations_left_behind
 from ._ops import all_gather_single
 
 __all__ = [
@@ -61,11 +64,12 @@ class CommMember:
     """Returned for a communicator this rank is not in; primitives given it return at once."""
 
 
-class BaguaCommunicator:
+class BaguaCommunicator(CommunicatorOps):
     """One communicator of a :class:`BaguaProcessGroup`: an ordered set of global ranks and its torch group.
 
     ``rank()`` and ``nranks()`` follow Bagua's communicator; ``src``/``dst`` arguments of the primitives
-    are ranks *within* this communicator (``0 .. nranks() - 1``).
+    are ranks *within* this communicator (``0 .. nranks() - 1``). Bagua's operation methods
+    (``allreduce_inplace(tensor, op)``, ..., ``abort()``) come from :class:`CommunicatorOps`.
 
     Attributes:
         ranks: global ranks, in communicator order.
@@ -85,6 +89,7 @@ class BaguaCommunicator:
         self.torch_group = torch_group
         self.cuda_stream = cuda_stream
         self._rank = self.ranks.index(me)
+        self._init_ops()
 
     def rank(self) -> int:
         """This process's rank within the communicator."""
@@ -182,6 +187,7 @@ class BaguaProcessGroup:
             else:
                 self._groups[key] = dist.new_group(list(key))
         self._comm_context: CommContext | None = None
+        self._comms: dict[tuple[int, ...], BaguaCommunicator] = {}
         log.debug("Bagua process group %s of ranks %s", group_name, self.ranks)
 
     # Bagua's private accessors, kept for code written against them.
@@ -204,7 +210,10 @@ class BaguaProcessGroup:
     def _communicator(self, ranks: list[int]) -> BaguaCommunicator | Any:
         if env.get_rank() not in ranks:
             return CommMember.NON_COMM_MEMBER
-        return BaguaCommunicator(ranks, self._groups[tuple(ranks)], self.stream)
+        key = tuple(ranks)
+        if key not in self._comms:  # one object per communicator, so that abort() sticks, as in Bagua
+            self._comms[key] = BaguaCommunicator(ranks, self._groups[key], self.stream)
+        return self._comms[key]
 
     def get_global_communicator(self) -> BaguaCommunicator | Any:
         """The communicator of every rank in the group (``CommMember.NON_COMM_MEMBER`` outside it)."""
@@ -359,6 +368,38 @@ def _default_store() -> dist.Store | None:
         return None
 
 
+_EXIT_KEY = "bagua_lightning/torch_api/exit/{}"
+_EXIT_WAIT_S = 30.0
+
+
+def _wait_count(store: dist.Store, key: str, count: int, deadline: float) -> None:
+    while int(store.add(key, 0)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _leave_together(store: dist.Store, rank: int, world_size: int) -> None:
+    """At interpreter exit: tear torch.distributed down once every rank is leaving, rank 0 (the store's host) last.
+
+    Bagua scripts never call ``destroy_process_group``; a Gloo rank that exits while its peers still
+    finish their last collective, or while its store still serves them, aborts the process. The waits
+    are bounded, so a peer that died early delays the exit by at most ``_EXIT_WAIT_S`` seconds.
+    """
+    if not dist.is_initialized() or operations_left_behind():
+        return
+    try:
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        store.add(_EXIT_KEY.format("arrived"), 1)
+        _wait_count(store, _EXIT_KEY.format("arrived"), world_size, deadline)
+        if rank == 0:
+            _wait_count(store, _EXIT_KEY.format("left"), world_size - 1, deadline)
+            dist.destroy_process_group()
+        else:
+            dist.destroy_process_group()
+            store.add(_EXIT_KEY.format("left"), 1)
+    except (RuntimeError, ValueError) as exc:  # a peer or the store is gone already: nothing left to tidy
+        log.debug("leaving torch.distributed at exit: %s", exc)
+
+
 def init_process_group(store: dist.Store | None = None, rank: int = -1, world_size: int = -1,
                        local_world_size: int = -1) -> None:
     """Initialise torch.distributed and Bagua's default process group; call it before any other API.
@@ -428,3 +469,5 @@ def init_process_group(store: dist.Store | None = None, rank: int = -1, world_si
     except BaseException:
         env._set_topology(None)
         raise
+    if not adopted and store is not None:
+        atexit.register(_leave_together, store, rank, world_size)

@@ -15,8 +15,8 @@ WORKERS = Path(__file__).with_name("workers.py")
 def run_case(case: str, *, world_size: int, log_dir: Path, local_size: int | None = None,
              args: tuple[str, ...] = (), env: dict[str, str] | None = None, timeout_s: float = 180,
              launcher_env: bool = True, cuda: bool = False,
-             drop: tuple[str, ...] = ()) -> str:
-    """Run ``workers.py CASE ARGS`` as ``world_size`` ranks laid out ``local_size`` per node.
+             drop: tuple[str, ...] = (), script: Path = WORKERS) -> str:
+    """Run ``script CASE ARGS`` (default ``workers.py``) as ``world_size`` ranks laid out ``local_size`` per node.
 
     Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` as
     torchrun sets them (``launcher_env=False``: only ``BAGUA_TEST_RANK``, for cases that pass ranks
@@ -45,7 +45,7 @@ def run_case(case: str, *, world_size: int, log_dir: Path, local_size: int | Non
             for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"):
                 full.pop(name, None)
         with open(log, "wb") as fh:
-            procs.append(subprocess.Popen([sys.executable, str(WORKERS), case, *args], env=full, stdout=fh,
+            procs.append(subprocess.Popen([sys.executable, str(script), case, *args], env=full, stdout=fh,
                                           stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO))
     codes = _wait_all(procs, logs, timeout_s)
     text = "\n".join(f"--- {x.name}\n{x.read_text(errors='replace')[-4000:]}" for x in logs)
