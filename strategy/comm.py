@@ -29,6 +29,9 @@ from ..errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 _exit_cleanup_registered = False
+# Set by a front door that tears torch.distributed down at exit itself (torch_api's init_process_group
+# makes the ranks leave together through the store); the handler below then leaves it to that one.
+exit_teardown_owned_elsewhere = False
 
 
 def destroy_process_groups_at_exit() -> None:
@@ -48,7 +51,7 @@ def destroy_process_groups_at_exit() -> None:
 
 
 def _destroy_all_groups() -> None:
-    if not (dist.is_available() and dist.is_initialized()):
+    if exit_teardown_owned_elsewhere or not (dist.is_available() and dist.is_initialized()):
         return
     try:
         dist.destroy_process_group()

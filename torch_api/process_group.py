@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigurationError
+from ..strategy import comm as _engine_comm
 from ..strategy.comm import CommContext
 from . import env
 from ._communicator import CommunicatorOps, operations_left_behind
@@ -471,3 +472,4 @@ def init_process_group(store: dist.Store | None = None, rank: int = -1, world_si
         raise
     if not adopted and store is not None:
         atexit.register(_leave_together, store, rank, world_size)
+        _engine_comm.exit_teardown_owned_elsewhere = True
