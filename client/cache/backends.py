@@ -31,8 +31,20 @@ RETRYABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 class Backend(ABC):
     @abstractmethod
-    def fetch(self, keys: Sequence[str]) -> tuple[list[bytes | None], BaseException | None]:
-        """Values (None: missing or on a failed node) and the first error met, if any."""
+    def fetch(self, keys: Sequence[bytes], views: bool = False) -> tuple[list[Any], BaseException | None]:
+        """Values of ``keys`` (encoded; None: missing or on a failed node) and the first error met, if any.
+
+        ``views``: values may be read-only views of receive buffers instead of ``bytes`` (faster; for callers
+        that copy what they keep).
+        """
+
+    reply_bytes = 0  # size of a recent reply: sizes the receive buffers of the next fetch
+
+    def _learn(self, out: list[Any]) -> None:
+        for v in out:
+            if v is not None:
+                self.reply_bytes = len(v)
+                return
 
     @abstractmethod
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool) -> tuple[list[bool], BaseException | None]:
@@ -87,21 +99,106 @@ def read_replies(conn: Any, n: int) -> list[Any]:
     return replies
 
 
-def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], Sequence[str]]], out: list[bytes | None],
-                    redirected: list[int], multi: bool) -> BaseException | None:
-    """Read the replies of commands already sent on every connection; keep the connections consistent."""
+def _raw_socket(conn: Any) -> Any:
+    """The connection's socket when nothing is buffered in its parser (so the next bytes are our replies)."""
+    parser: Any = conn._parser
+    reader = getattr(parser, "_reader", None)
+    if reader is not None:  # hiredis
+        return None if reader.has_data() else conn._sock
+    unread = getattr(getattr(parser, "_buffer", None), "unread_bytes", None)
+    return conn._sock if callable(unread) and unread() == 0 else None
+
+
+MIN_CHUNK = 1 << 16
+
+
+def read_bulk_replies(sock: Any, n: int, size_hint: int) -> list[Any]:
+    """The next ``n`` replies on ``sock``, each a ``GET``'s: a view of its bytes, None, or a ``ResponseError``.
+
+    Replies are received straight into a few large buffers (``size_hint``: the bytes expected) and returned as
+    views of them: one copy from the kernel and no object per reply but its view, where a RESP parser copies
+    every value twice more (into its buffer, then into a ``bytes``). A view keeps its buffer alive; the
+    loader copies what it keeps (see :func:`~.codec.decode_many`).
+    """
+    out: list[Any] = []
+    append = out.append
+    buf = bytearray(max(size_hint, MIN_CHUNK))
+    mv = memoryview(buf)
+    pos = filled = 0
+    need = 0  # bytes that must be in ``buf`` from ``pos`` before parsing again
+    header, header_len, value_len = b"", 0, 0  # the last bulk header: values of a dataset often share it
+    while len(out) < n:
+        if header_len and buf.startswith(header, pos, filled):
+            end = pos + header_len + value_len
+            if end + 2 <= filled:
+                append(mv[pos + header_len:end])
+                pos = end + 2
+                continue
+        e = buf.find(b"\r\n", pos, filled) if filled - pos >= need else -1
+        if e < 0:
+            if need < filled - pos + 1:
+                need = filled - pos + 1
+            if pos + need > len(buf):  # does not fit: a new buffer (views of the old one stay valid)
+                left = n - len(out)
+                size = max(need, MIN_CHUNK, (pos // max(len(out), 1)) * left + need)
+                new = bytearray(size)
+                new[:filled - pos] = mv[pos:filled]
+                buf, mv, filled, pos = new, memoryview(new), filled - pos, 0
+            got = sock.recv_into(mv[filled:])
+            if not got:
+                raise redis.ConnectionError("Connection closed by server.")
+            filled += got
+            continue
+        t = buf[pos]
+        if t == 36:  # $: a bulk string, or $-1 (nil)
+            try:
+                size = int(buf[pos + 1:e])
+            except ValueError:
+                raise redis.ConnectionError(f"malformed reply header {bytes(buf[pos:e])[:40]!r}") from None
+            if size < 0:
+                append(None)
+                pos, need = e + 2, 0
+                continue
+            end = e + 2 + size
+            if end + 2 > filled:
+                need = end + 2 - pos
+                continue
+            append(mv[e + 2:end])
+            header, header_len, value_len = bytes(buf[pos:e + 2]), e + 2 - pos, size
+            pos, need = end + 2, 0
+        elif t == 95:  # _: RESP3 null
+            append(None)
+            pos, need = e + 2, 0
+        elif t == 45:  # -: an error (MOVED, ASK, TRYAGAIN, ...): the stream stays intact
+            append(redis.ResponseError(buf[pos + 1:e].decode("utf-8", "replace")))
+            pos, need = e + 2, 0
+        else:
+            raise redis.ConnectionError(f"unexpected reply type {chr(t)!r} to GET")
+    return out
+
+
+def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], int]], out: list[Any],
+                    redirected: list[int], views: bool) -> BaseException | None:
+    """Read the ``GET`` replies of commands already sent on every connection; keep the connections consistent.
+
+    ``views``: values may be views of the receive buffers (see :func:`read_bulk_replies`), else ``bytes``.
+    """
     error: BaseException | None = None
-    for client, conn, idx, _keys in conns:
+    for client, conn, idx, size_hint in conns:
         try:
-            if multi:  # one MGET per connection
-                for j, v in zip(idx, conn.read_response(), strict=True):
+            sock = _raw_socket(conn)
+            if sock is not None:
+                replies = read_bulk_replies(sock, len(idx), size_hint)
+                if not views:
+                    replies = [bytes(v) if type(v) is memoryview else v for v in replies]
+            else:
+                replies = read_replies(conn, len(idx))
+            # MOVED/ASK/TRYAGAIN come back as error objects: followed by the caller
+            for j, v in zip(idx, replies, strict=True):
+                if isinstance(v, BaseException):
+                    redirected.append(j)
+                else:
                     out[j] = v
-            else:  # one GET per key; MOVED/ASK/TRYAGAIN come back as error objects, the stream stays intact
-                for j, v in zip(idx, read_replies(conn, len(idx)), strict=True):
-                    if isinstance(v, BaseException):
-                        redirected.append(j)
-                    else:
-                        out[j] = v
         except STORE_ERRORS as exc:
             conn.disconnect()
             error = error or exc
@@ -140,24 +237,27 @@ class NodesBackend(Backend):
                                     **options.connection_kwargs()) for h, p in hosts]
         self.ring = RendezvousHash([f"{h}:{p}" for h, p in hosts])
 
-    def _group(self, keys: Sequence[str]) -> dict[int, list[int]]:
+    def _group(self, keys: Sequence[str | bytes]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
         node_of = self.ring.node_of
         for j, k in enumerate(keys):
             groups.setdefault(node_of(k), []).append(j)
         return groups
 
-    def fetch(self, keys: Sequence[str]) -> tuple[list[bytes | None], BaseException | None]:
-        out: list[bytes | None] = [None] * len(keys)
+    def fetch(self, keys: Sequence[bytes], views: bool = False) -> tuple[list[Any], BaseException | None]:
+        out: list[Any] = [None] * len(keys)
         conns = []
         error: BaseException | None = None
+        per_reply = self.reply_bytes + 32
         for node, idx in self._group(keys).items():
             try:
-                conn = _send(self.clients[node], [("MGET", *[keys[j] for j in idx])], self.retry)
-                conns.append((self.clients[node], conn, idx, keys))
+                conn = _send(self.clients[node], pack_gets([keys[j] for j in idx]), self.retry)
+                conns.append((self.clients[node], conn, idx, per_reply * len(idx)))
             except STORE_ERRORS as exc:
                 error = error or exc
-        read_error = _read_pipelined(conns, out, [], multi=True)
+        # An error reply here (WRONGTYPE: a key of another type) leaves the value None, a miss, as MGET did.
+        read_error = _read_pipelined(conns, out, [], views)
+        self._learn(out)
         return out, error or read_error
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool) -> tuple[list[bool], BaseException | None]:
@@ -193,7 +293,7 @@ class ClusterBackend(Backend):
         self.retry = options.retry()
         self.rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], retry=options.retry(),
                                require_full_coverage=False, **options.connection_kwargs())
-        self._slots: list[Any] | None = None
+        self._slots: tuple[list[Any], list[int]] | None = None
 
     def _refresh(self) -> None:
         # After a connection error the slot map may be stale (failover): reload it from a live node.
@@ -203,42 +303,54 @@ class ClusterBackend(Backend):
         except STORE_ERRORS as exc:
             log.debug("cluster slot map refresh failed: %s", exc)
 
-    def _slot_table(self) -> list[Any]:
-        """The primary serving each slot (None: uncovered), cached until the slot map is refreshed."""
+    def _slot_table(self) -> tuple[list[Any], list[int]]:
+        """The primaries, and the index among them of the one serving each slot (-1: uncovered); cached until
+        the slot map is refreshed."""
         if self._slots is None:
             cache = self.rc.nodes_manager.slots_cache
-            self._slots = [cache[s][0] if cache.get(s) else None for s in range(REDIS_CLUSTER_HASH_SLOTS)]
+            primaries: list[Any] = []
+            names: dict[str, int] = {}
+            table = []
+            for s in range(REDIS_CLUSTER_HASH_SLOTS):
+                node = cache[s][0] if cache.get(s) else None
+                if node is None:
+                    table.append(-1)
+                    continue
+                i = names.get(node.name)
+                if i is None:
+                    i = names[node.name] = len(primaries)
+                    primaries.append(node)
+                table.append(i)
+            self._slots = (primaries, table)
         return self._slots
 
-    def fetch(self, keys: Sequence[str]) -> tuple[list[bytes | None], BaseException | None]:
-        out: list[bytes | None] = [None] * len(keys)
-        groups: dict[str, tuple[Any, list[int], list[bytes]]] = {}
+    def fetch(self, keys: Sequence[bytes], views: bool = False) -> tuple[list[Any], BaseException | None]:
+        out: list[Any] = [None] * len(keys)
         error: BaseException | None = None
-        table = self._slot_table()
-        for j, k in enumerate(keys):
-            raw = k.encode()
-            # Cache keys carry no hash tag ({ is percent-encoded in names); other keys take the full rule.
-            node = table[crc_hqx(raw, 0) & 16383 if b"{" not in raw else key_slot(raw)]
-            if node is None:  # a slot without a serving node
-                self._refresh()
-                return out, redis.exceptions.ClusterDownError(f"no cluster node serves the slot of {k!r}")
-            group = groups.get(node.name)
-            if group is None:
-                group = groups[node.name] = (node, [], [])
-            group[1].append(j)
-            group[2].append(raw)
+        primaries, table = self._slot_table()
+        # Cache keys carry no hash tag ({ is percent-encoded in names); other keys take the full rule.
+        where = [table[crc_hqx(r, 0) & 16383] if b"{" not in r else table[key_slot(r)] for r in keys]
+        if -1 in where:  # a slot without a serving node
+            self._refresh()
+            return out, redis.exceptions.ClusterDownError(f"no cluster node serves the slot of "
+                                                          f"{keys[where.index(-1)]!r}")
+        by_node: list[list[int]] = [[] for _ in primaries]
+        for j, i in enumerate(where):
+            by_node[i].append(j)
+        groups = [(primaries[i], idx, [keys[j] for j in idx]) for i, idx in enumerate(by_node) if idx]
         conns = []
-        for node, idx, raw_keys in groups.values():
+        per_reply = self.reply_bytes + 32
+        for node, idx, raw_keys in groups:
             client = node.redis_connection
             if client is None:
                 self._refresh()
                 return out, redis.ConnectionError(f"no connection to cluster node {node.name}")
             try:
-                conns.append((client, _send(client, pack_gets(raw_keys), self.retry), idx, keys))
+                conns.append((client, _send(client, pack_gets(raw_keys), self.retry), idx, per_reply * len(idx)))
             except STORE_ERRORS as exc:
                 error = error or exc
         redirected: list[int] = []
-        error = error or _read_pipelined(conns, out, redirected, multi=False)
+        error = error or _read_pipelined(conns, out, redirected, views)
         if redirected:  # let RedisCluster follow MOVED/ASK and update its slot map
             self._slots = None
             try:
@@ -248,6 +360,7 @@ class ClusterBackend(Backend):
                 error = error or exc
         if error is not None:
             self._refresh()
+        self._learn(out)
         return out, error
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool) -> tuple[list[bool], BaseException | None]:

@@ -27,7 +27,9 @@ A reader verifies whichever unkeyed kind an entry carries (an ``xxh3`` entry wit
 miss). Entries of format version 1 are misses, rewritten in this format.
 
 Decoding a reply buffer (``bytes``) that the caller hands over (``owned=True``) builds tensors directly on it,
-with no copy; otherwise arrays view one writable copy of the data region. Pickle (flag bit 0) is written and
+with no copy; otherwise arrays view one writable copy of the data region. :func:`decode_many` decodes a batch
+of entries (views of receive buffers, say) and copies every array leaf of the batch into one block, so its
+samples never hold on to the buffers they were read from. Pickle (flag bit 0) is written and
 read only with ``allow_pickle``; a pickled entry is a miss for a reader that did not opt in, never unpickled.
 """
 
@@ -53,7 +55,7 @@ def _optional(module: str) -> Any:
 
 xxhash: Any = _optional("xxhash")  # ~30 GB/s checksums when installed; zlib's crc32 otherwise
 
-__all__ = ["PICKLE_HINT", "CorruptEntryError", "decode", "encode", "is_pickled"]
+__all__ = ["PICKLE_HINT", "Bad", "CorruptEntryError", "decode", "decode_many", "encode", "is_pickled"]
 
 MAGIC = b"BLC"
 FORMAT_VERSION = 2
@@ -65,6 +67,7 @@ MAX_ENTRY_BYTES = 4 * 1024**3  # a larger value is refused before any work
 
 _HEADER = struct.Struct(f"<3sBB3x{DIGEST_SIZE}sB3xIIQ")
 HEADER_SIZE = _HEADER.size  # 52
+_HEADER_XXH = struct.Struct(f"<3sBB3xQ{DIGEST_SIZE - 8}sB3xIIQ")  # the same, an xxh3 digest read as its integer
 _DIGEST_OFFSET = 8
 _COVERED = _DIGEST_OFFSET + DIGEST_SIZE  # the digest covers the entry from here on
 _U64 = struct.Struct("<Q")
@@ -202,3 +205,121 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle
         raise
     except Exception as exc:  # a damaged structure can fail anywhere in the decoder: always a miss
         raise CorruptEntryError(f"malformed entry ({type(exc).__name__}: {exc})") from exc
+
+
+_XXH_PREFIX = MAGIC + bytes((FORMAT_VERSION, DIGEST_XXH3, 0, 0, 0))
+
+
+def _whole_entry_reader(skeleton: bytes, tail: struct.Struct) -> tuple[Any, int, bytes, int]:
+    """For entries of one skeleton: (unpack_from of header + skeleton + tail, its size, the fixed bytes after the
+    digest (flags, lengths), where the data region starts). Fields: prefix, digest, digest padding, fixed,
+    data length, skeleton, then the tail's."""
+    whole = struct.Struct(f"<8sQ{DIGEST_SIZE - 8}s12sQ{len(skeleton)}s{tail.format[1:]}")
+    fixed = struct.pack("<B3xII", 0, len(skeleton), tail.size)
+    data_start = (HEADER_SIZE + len(skeleton) + tail.size + ALIGN - 1) & -ALIGN
+    return whole.unpack_from, whole.size, fixed, data_start
+
+
+class Bad:
+    """Stands in :func:`decode_many`'s result for an entry that did not decode; ``error`` says why."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: CorruptEntryError | None) -> None:
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"Bad({self.error!r})" if self.error is not None else "MISSING"
+
+
+MISSING = Bad(None)  # decode_many's result for a value that is None (a missing key)
+
+
+def decode_many(values: list[Any], keys: list[bytes], allow_pickle: bool = False,
+                secret: bytes | None = None) -> list[Any]:
+    """Decode many entries (``bytes`` or byte buffers, e.g. views of one receive buffer) read under ``keys``.
+
+    The result has one item per entry: the sample, a :class:`Bad` carrying the :class:`CorruptEntryError`, or
+    :data:`MISSING` where the value is None.
+    Checks are :func:`decode`'s. Entries that share a skeleton (a dataset's samples do) are built together
+    by their plan's column: the tensors and arrays of one leaf across the batch are copied into one block
+    and split into per-sample views in one call, so nothing refers to ``values`` afterwards.
+    """
+    n = len(values)
+    out: list[Any] = [None] * n
+    groups: dict[int, tuple[Any, list[int], list[tuple[Any, ...]], list[Any]]] = {}
+    fast = secret is None and xxhash is not None  # unkeyed xxh3 entries, the common case, are checked inline
+    unpack, xxh3, plans = _HEADER_XXH.unpack_from, (xxhash.xxh3_64_intdigest if fast else None), PLANS
+    # The last skeleton seen, read with its whole-entry struct (header, skeleton and tail in one unpack).
+    l_unpack: Any = None
+    l_size = l_start = 0
+    l_fixed = l_skeleton = b""
+    l_idx: list[int] = []
+    l_tails: list[tuple[Any, ...]] = []
+    l_datas: list[Any] = []
+    for j in range(n):
+        value = values[j]
+        if value is None:
+            out[j] = MISSING
+            continue
+        try:
+            mv = value if type(value) is memoryview else memoryview(value)
+            if mv.itemsize != 1 or mv.ndim != 1:
+                mv = mv.cast("B")
+            size = len(mv)
+            if l_unpack is not None and size >= l_size:
+                t = l_unpack(mv, 0)
+                if t[0] == _XXH_PREFIX and t[3] == l_fixed and t[5] == l_skeleton and t[2] == _PAD16:
+                    if l_start + t[4] != size:
+                        raise CorruptEntryError(f"entry length {size} does not match its header ({l_start + t[4]})")
+                    if xxh3(mv[_COVERED:], xxh3(keys[j])) != t[1]:  # type: ignore[misc]
+                        raise CorruptEntryError("digest mismatch (corrupted, truncated, stored under another key)")
+                    l_idx.append(j)
+                    l_tails.append(t[6:])
+                    l_datas.append(mv[l_start:])
+                    continue
+            if fast and size >= HEADER_SIZE:
+                magic, version, kind, digest, rest, flags, skel_len, tail_len, data_len = unpack(mv, 0)
+                if kind == DIGEST_XXH3 and not flags and magic == MAGIC and version == FORMAT_VERSION:
+                    tail_start = HEADER_SIZE + skel_len
+                    data_start = (tail_start + tail_len + ALIGN - 1) & -ALIGN
+                    if data_start + data_len != size:
+                        raise CorruptEntryError(f"entry length {size} does not match its header "
+                                                f"({data_start + data_len})")
+                    if xxh3(mv[_COVERED:], xxh3(keys[j])) != digest or rest != _PAD16:  # type: ignore[misc]
+                        raise CorruptEntryError("digest mismatch (corrupted, truncated, stored under another key)")
+                    skeleton = bytes(mv[HEADER_SIZE:tail_start])
+                    plan = plans.get(skeleton) or plan_for(skeleton)
+                    if plan.tail.size != tail_len:
+                        raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
+                    group = groups.get(id(plan))
+                    if group is None:
+                        group = groups[id(plan)] = (plan, [], [], [])
+                    group[1].append(j)
+                    group[2].append(plan.tail.unpack_from(mv, tail_start))
+                    group[3].append(mv[data_start:])
+                    if plan.fast is None:
+                        plan.fast = _whole_entry_reader(plan.skeleton, plan.tail)
+                    l_unpack, l_size, l_fixed, l_start = plan.fast
+                    l_skeleton, l_idx, l_tails, l_datas = plan.skeleton, group[1], group[2], group[3]
+                    continue
+            out[j] = decode(value, keys[j], allow_pickle, secret)  # any other entry, on its own
+        except CorruptEntryError as exc:
+            out[j] = Bad(exc)
+        except Exception as exc:
+            out[j] = Bad(CorruptEntryError(f"malformed entry ({type(exc).__name__}: {exc})"))
+    for plan, idx, tails, datas in groups.values():
+        try:
+            built = plan.column(tails, datas)
+        except Exception:  # a damaged entry among them: each on its own, so only that one is a miss
+            built = None
+        if built is not None and len(built) == len(idx):
+            for j, sample in zip(idx, built, strict=True):
+                out[j] = sample
+            continue
+        for j in idx:
+            try:
+                out[j] = decode(values[j], keys[j], allow_pickle, secret)
+            except CorruptEntryError as exc:
+                out[j] = Bad(exc)
+    return out

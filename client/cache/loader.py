@@ -128,29 +128,34 @@ class CacheLoader:
         if self._buffer:
             to_fetch = self._from_buffer(rkeys, out, found, to_fetch)
         if to_fetch and self._outage.available():
-            values, error = self.store.fetch(rkeys if len(to_fetch) == len(rkeys) else [rkeys[j] for j in to_fetch])
-            nbytes = 0
-            decode, secret, pickled = codec.decode, self._secret, self._allow_pickle
-            owned = self.store.replies_owned
-            for j, value in zip(to_fetch, values, strict=True):
-                if value is None:
-                    continue
-                try:
-                    out[j] = decode(value, rkeys[j].encode(), pickled, secret, owned)
-                except codec.CorruptEntryError as exc:
-                    counters.add("corrupt")
-                    overwrite[j] = True
-                    log.debug("cache entry %s is invalid (%s); reloading it", rkeys[j], exc)
-                    continue
-                found[j] = True
-                nbytes += len(value)
+            everything = len(to_fetch) == len(rkeys)
+            fetch_keys = [k.encode() for k in rkeys] if everything else [rkeys[j].encode() for j in to_fetch]
+            values, error = self.store.fetch_views(fetch_keys)
+            decoded = codec.decode_many(values, fetch_keys, self._allow_pickle, self._secret)
+            bad = [i for i, sample in enumerate(decoded) if type(sample) is codec.Bad]
+            if not bad and everything:  # every key a hit: the usual batch
+                out = decoded
+                found = [True] * len(keys)
+                nbytes = sum(map(len, values))
+            else:
+                nbytes = 0
+                for j, sample, value in zip(to_fetch, decoded, values, strict=True):
+                    if type(sample) is codec.Bad:
+                        if sample is not codec.MISSING:
+                            counters.add("corrupt")
+                            overwrite[j] = True
+                            log.debug("cache entry %s is invalid (%s); reloading it", rkeys[j], sample.error)
+                        continue
+                    out[j] = sample
+                    found[j] = True
+                    nbytes += len(value)
             if error is not None:
                 counters.add("errors")
                 self._outage.failure(error)
             else:
                 self._outage.success()
             counters.add("bytes_read", nbytes)
-        missing = [j for j in range(len(keys)) if not found[j]]
+        missing = [j for j, hit in enumerate(found) if not hit]
         counters.add("hits", len(keys) - len(missing))
         if missing:
             counters.add("misses", len(missing))

@@ -50,6 +50,9 @@ from .values import (
 
 MAX_PLANS = 1024
 Build = Callable[[tuple[Any, ...], Any, Any], Any]  # (tail values, tensor buffer, writable buffer) -> value
+# (tails, data regions) of many entries with the same skeleton -> their values; data regions may be views of
+# shared receive buffers, so a column copies whatever it keeps (tensors and arrays into one block per column)
+Column = Callable[[list[tuple[Any, ...]], list[Any]], list[Any]]
 _U32 = struct.Struct("<I")
 
 
@@ -57,16 +60,48 @@ class Plan:
     """A compiled skeleton: the tail's layout and the function that builds the sample.
 
     ``tensors``: the sample holds tensors (they view the reply when the caller owns it, else a copy);
-    ``arrays``: it holds numpy arrays (always a writable copy of the data region).
+    ``arrays``: it holds numpy arrays (always a writable copy of the data region); ``column``: builds the
+    samples of many entries at once (:data:`Column`).
     """
 
-    __slots__ = ("arrays", "build", "tail", "tensors")
+    __slots__ = ("arrays", "build", "column", "fast", "skeleton", "tail", "tensors")
 
     def __init__(self, tail: struct.Struct, build: Build, tensors: bool, arrays: bool) -> None:
+        self.skeleton = b""
+        self.fast: Any = None  # the codec's whole-entry reader for this skeleton, made on first use
         self.tail = tail
         self.build = build
+        self.column = column_of(build)
         self.tensors = tensors
         self.arrays = arrays
+
+
+def with_column(build: Build, column: Column) -> Build:
+    """``build``, marked with the :data:`Column` that builds many values of its node at once."""
+    build.column = column  # type: ignore[attr-defined]
+    return build
+
+
+def _private_copies(build: Build) -> Build:
+    """Mark ``build`` as one whose values may view its buffers: its column gives each row its own copy."""
+    build.private = True  # type: ignore[attr-defined]
+    return build
+
+
+def column_of(build: Build) -> Column:
+    column = getattr(build, "column", None)
+    if column is not None:
+        return column
+    if getattr(build, "private", False):
+        def private(tails: list[tuple[Any, ...]], datas: list[Any]) -> list[Any]:
+            out = []
+            for v, d in zip(tails, datas, strict=True):
+                w = bytearray(d)
+                out.append(build(v, w, w))
+            return out
+
+        return private
+    return lambda tails, datas: [build(v, d, None) for v, d in zip(tails, datas, strict=True)]
 
 
 PLANS: dict[bytes, Plan] = {}
@@ -77,10 +112,38 @@ def plan_for(skeleton: bytes) -> Plan:
     plan = PLANS.get(skeleton)
     if plan is None:
         plan = _Compiler(skeleton).plan()
+        plan.skeleton = skeleton
         if len(PLANS) >= MAX_PLANS:
             PLANS.clear()
         PLANS[skeleton] = plan
     return plan
+
+
+def _rows_block(tails: list[tuple[Any, ...]], datas: list[Any], s: int, e: int, np: Any) -> Any:
+    """The bytes of one array leaf of every row, copied into one ``(rows, nbytes)`` block; None when the rows
+    differ in shape or the leaf is empty (then every row gets its own buffer). The shape is ``v[s:e]``, the
+    offset and length of the bytes ``v[e]`` and ``v[e + 1]``; a range past a row's data raises ``ValueError``.
+    """
+    first = tails[0]
+    off, nb = first[e], first[e + 1]
+    if not nb:
+        return None
+    same = first[s:e + 2]  # shape, offset and length of the first row
+    if [v[s:e + 2] for v in tails].count(same) == len(tails):  # the usual batch: one copy loop in C
+        block = bytearray().join([d[off:off + nb] for d in datas])
+        if len(block) != nb * len(tails):
+            raise ValueError("an array runs past the end of its entry")
+        return np.frombuffer(block, np.uint8).reshape(len(tails), nb)
+    shape = first[s:e]
+    block = np.empty((len(tails), nb), np.uint8)
+    flat = memoryview(block).cast("B")
+    k = 0
+    for v, d in zip(tails, datas, strict=True):
+        if v[e + 1] != nb or v[s:e] != shape:  # another offset is fine, another shape or length is not
+            return None
+        flat[k:k + nb] = d[v[e]:v[e] + nb]
+        k += nb
+    return block
 
 
 def _at(buf: Any, off: int, n: int) -> Any:
@@ -163,7 +226,7 @@ class _Compiler:
             return self._tensor()
         if tag in (T_INT, T_FLOAT):
             i = self._fields("q" if tag == T_INT else "d")
-            return lambda v, d, w: v[i]
+            return with_column(lambda v, d, w: v[i], lambda tails, datas: [v[i] for v in tails])
         if tag in (T_NONE, T_TRUE, T_FALSE):
             const = None if tag == T_NONE else tag == T_TRUE
             return lambda v, d, w: const
@@ -190,12 +253,22 @@ class _Compiler:
 
     def _sequence(self, tag: int, depth: int) -> Build:
         items = [self.node(depth) for _ in range(self._count())]
+        cols = [column_of(f) for f in items]
+
+        def rows(tails: list[tuple[Any, ...]], datas: list[Any]) -> Any:
+            if not cols:
+                return [()] * len(tails)
+            return zip(*[c(tails, datas) for c in cols], strict=True)
+
         if tag == T_LIST:
-            return lambda v, d, w: [f(v, d, w) for f in items]
+            return with_column(lambda v, d, w: [f(v, d, w) for f in items],
+                               lambda tails, datas: [list(r) for r in rows(tails, datas)])
         if len(items) == 2:  # (input, target): the most common sample
             a, b = items
-            return lambda v, d, w: (a(v, d, w), b(v, d, w))
-        return lambda v, d, w: tuple([f(v, d, w) for f in items])
+            return with_column(lambda v, d, w: (a(v, d, w), b(v, d, w)),
+                               lambda tails, datas: list(rows(tails, datas)))
+        return with_column(lambda v, d, w: tuple([f(v, d, w) for f in items]),
+                           lambda tails, datas: list(rows(tails, datas)))
 
     def _dict(self, depth: int) -> Build:
         n = self._count()
@@ -207,7 +280,20 @@ class _Compiler:
                 raise CorruptEntryError("duplicate dict keys")
             return out
 
-        return build
+        key_cols = [column_of(k) for k, _ in pairs]
+        value_cols = [column_of(x) for _, x in pairs]
+
+        def column(tails: list[tuple[Any, ...]], datas: list[Any]) -> list[Any]:
+            if not pairs:
+                return [{} for _ in tails]
+            keys = zip(*[c(tails, datas) for c in key_cols], strict=True)
+            values = zip(*[c(tails, datas) for c in value_cols], strict=True)
+            out = [dict(zip(k, x, strict=True)) for k, x in zip(keys, values, strict=True)]
+            if any(len(o) != n for o in out):
+                raise CorruptEntryError("duplicate dict keys")
+            return out
+
+        return with_column(build, column)
 
     def _record(self, tag: int, depth: int) -> Build:
         name = self._name().decode("utf-8")
@@ -218,7 +304,11 @@ class _Compiler:
                 raise CorruptEntryError(f"{name} is not a namedtuple of {n} fields")
             items = [self.node(depth) for _ in range(n)]
             make = cls._make  # type: ignore[attr-defined]
-            return lambda v, d, w: make([f(v, d, w) for f in items])
+            cols = [column_of(f) for f in items]
+            return with_column(
+                lambda v, d, w: make([f(v, d, w) for f in items]),
+                lambda tails, datas: [make(r) for r in zip(*[c(tails, datas) for c in cols], strict=True)]
+                if cols else [make(()) for _ in tails])
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             raise CorruptEntryError(f"{name} is not a dataclass")
         fields = [(self._name().decode("utf-8"), self.node(depth)) for _ in range(n)]
@@ -234,7 +324,16 @@ class _Compiler:
                 setattr_(obj, field, f(v, d, w))
             return obj
 
-        return build
+        named_cols = [(field, column_of(f)) for field, f in fields]
+
+        def column(tails: list[tuple[Any, ...]], datas: list[Any]) -> list[Any]:
+            out = [new(cls) for _ in tails]
+            for field, c in named_cols:
+                for obj, value in zip(out, c(tails, datas), strict=True):
+                    setattr_(obj, field, value)
+            return out
+
+        return with_column(build, column)
 
     def _blob(self, tag: int) -> Build:
         i = self._fields("Q", 2)
@@ -262,8 +361,23 @@ class _Compiler:
         e = s + ndim  # shape is v[s:e]; offset and length of the bytes follow
         self._fields("Q", 2)
         self.tensors = True
-        torch = env["torch"]
-        from_numpy, frombuffer, empty = torch.from_numpy, env["np"].frombuffer, torch.empty
+        torch, np = env["torch"], env["np"]
+        from_numpy, frombuffer, empty = torch.from_numpy, np.frombuffer, torch.empty
+
+        def one(v: tuple[Any, ...], d: Any) -> Any:  # a tensor on its own copy of the bytes
+            nb = v[e + 1]
+            if nb == 0:
+                return empty(v[s:e], dtype=dtype)
+            raw = np.empty(nb, np.uint8)
+            memoryview(raw)[:] = _at(d, v[e], nb)
+            return from_numpy(raw).view(dtype).view(v[s:e])
+
+        def column(tails: list[tuple[Any, ...]], datas: list[Any]) -> list[Any]:
+            # Same shape in every row (the usual case): one block, one copy per row, one call for all views.
+            block = _rows_block(tails, datas, s, e, np)
+            if block is None:
+                return [one(v, d) for v, d in zip(tails, datas, strict=True)]
+            return list(from_numpy(block).view(dtype).view((len(tails), *tails[0][s:e])).unbind(0))
 
         if np_dtype is not None:  # numpy builds a shaped view faster than torch.frombuffer(...).view(shape)
             def build(v: tuple[Any, ...], d: Any, w: Any) -> Any:
@@ -272,7 +386,7 @@ class _Compiler:
                     return empty(v[s:e], dtype=dtype)
                 return from_numpy(frombuffer(d, np_dtype, n, v[e]).reshape(v[s:e]))
 
-            return build
+            return with_column(build, column)
 
         def build_torch(v: tuple[Any, ...], d: Any, w: Any) -> Any:
             n = v[e + 1] // itemsize
@@ -280,7 +394,7 @@ class _Compiler:
                 return empty(v[s:e], dtype=dtype)
             return torch.frombuffer(d, dtype=dtype, count=n, offset=v[e]).view(v[s:e])
 
-        return build_torch
+        return with_column(build_torch, column)
 
     def _ndarray(self) -> Build:
         np = _env()["np"]
@@ -299,7 +413,17 @@ class _Compiler:
                 return empty(v[s:e], dtype=dt)
             return frombuffer(w, dt, n, v[e]).reshape(v[s:e])
 
-        return build
+        def column(tails: list[tuple[Any, ...]], datas: list[Any]) -> list[Any]:
+            block = _rows_block(tails, datas, s, e, np) if ndim else None
+            if block is None:
+                out = []
+                for v, d in zip(tails, datas, strict=True):
+                    w = bytearray(d)
+                    out.append(build(v, w, w))
+                return out
+            return list(block.view(dt).reshape((len(tails), *tails[0][s:e])))
+
+        return with_column(build, column)
 
     def _npscalar(self) -> Build:
         np = _env()["np"]
@@ -328,4 +452,4 @@ class _Compiler:
             image.info.update(info(v, d, w))
             return image
 
-        return build
+        return _private_copies(build)

@@ -35,7 +35,7 @@ from .options import RedisOptions, parse_hosts
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 100 * 1024**3  # bytes per node, as in Bagua
-Fetched = tuple[list[bytes | None], BaseException | None]
+Fetched = tuple[list[Any], BaseException | None]  # values: bytes (or memoryview from fetch_views) or None
 Written = tuple[list[bool], BaseException | None]
 
 
@@ -48,9 +48,6 @@ class Store(ABC):
     source), and :meth:`catalog`. Stores that can do better than the defaults (one round trip for many
     keys, write-if-absent on the server) override them.
     """
-
-    #: ``fetch`` returns fresh ``bytes`` objects that nobody else holds, so decoded tensors may view them.
-    replies_owned: bool = False
 
     @abstractmethod
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -91,6 +88,11 @@ class Store(ABC):
         except Exception as exc:  # any store's failure is a miss for the loader, never a crash of training
             return [None] * len(keys), exc
 
+    def fetch_views(self, keys: Sequence[bytes]) -> Fetched:
+        """:meth:`fetch` of UTF-8 encoded ``keys``, where values may also be buffers (``memoryview``) valid as
+        long as they are referenced; the loader reads through this (stores that can skip copies override it)."""
+        return self.fetch([k.decode() for k in keys])
+
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> Written:
         """Write ``items`` (with ``overwrite=False`` existing keys are kept); per key whether it was written,
         and the first error met. Never raises for the store."""
@@ -130,19 +132,26 @@ class ClusterStore(Store):
             raise ConfigurationError(f"ClusterStore(stores={stores!r}) needs a non-empty list of Store objects.")
         self.stores = stores
         self._ring = RendezvousHash([f"store-{i}" for i in range(len(stores))])
-        self.replies_owned = all(s.replies_owned for s in stores)
 
-    def _groups(self, keys: Sequence[str]) -> dict[int, list[int]]:
+    def _groups(self, keys: Sequence[str | bytes]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
         for j, k in enumerate(keys):
             groups.setdefault(self._ring.node_of(k), []).append(j)
         return groups
 
     def fetch(self, keys: Sequence[str]) -> Fetched:
-        out: list[bytes | None] = [None] * len(keys)
+        return self._fetch(keys, False)
+
+    def fetch_views(self, keys: Sequence[bytes]) -> Fetched:
+        return self._fetch(keys, True)
+
+    def _fetch(self, keys: Sequence[Any], views: bool) -> Fetched:
+        out: list[Any] = [None] * len(keys)
         error: BaseException | None = None
         for i, idx in self._groups(keys).items():
-            values, err = self.stores[i].fetch([keys[j] for j in idx])
+            store = self.stores[i]
+            sub = [keys[j] for j in idx]
+            values, err = store.fetch_views(sub) if views else store.fetch(sub)
             error = error or err
             for j, v in zip(idx, values, strict=True):
                 out[j] = v
@@ -262,13 +271,18 @@ class RedisStore(Store):
     def is_cluster(self) -> bool:
         return isinstance(self.backend, ClusterBackend)
 
-    replies_owned = True
-
     def fetch(self, keys: Sequence[str]) -> Fetched:
         """Values of the reachable nodes (one pipelined round trip per node, all nodes at once) and the first
         error met; never raises for the store."""
+        return self._fetch([k.encode() for k in keys], False)
+
+    def fetch_views(self, keys: Sequence[bytes]) -> Fetched:
+        """:meth:`fetch` of encoded keys, values as views of the receive buffers (two copies less per value)."""
+        return self._fetch(keys, True)
+
+    def _fetch(self, keys: Sequence[bytes], views: bool) -> Fetched:
         try:
-            return self.backend.fetch(keys)
+            return self.backend.fetch(keys, views)
         except STORE_ERRORS as exc:
             self._backend_obj = None  # reconnect (and re-probe the topology) next time
             return [None] * len(keys), exc
