@@ -8,6 +8,7 @@ loader can serve the keys of the reachable nodes and load the rest from the sour
 from __future__ import annotations
 
 import logging
+import sys
 from abc import ABC, abstractmethod
 from binascii import crc_hqx
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ class Backend(ABC):
         """
 
     reply_bytes = 0  # size of a recent reply: sizes the receive buffers of the next fetch
+    pool: BufferPool
 
     def _learn(self, out: list[Any]) -> None:
         for v in out:
@@ -110,9 +112,52 @@ def _raw_socket(conn: Any) -> Any:
 
 
 MIN_CHUNK = 1 << 16
+MAX_POOLED = 8  # receive buffers kept per backend for reuse
 
 
-def read_bulk_replies(sock: Any, n: int, size_hint: int) -> list[Any]:
+def _refs_when_free() -> int:
+    pool = [bytearray(1)]
+    buf = pool.pop()
+    return sys.getrefcount(buf)
+
+
+_FREE = _refs_when_free()  # references to a popped buffer that no view holds (calibrated: it varies by version)
+
+
+class BufferPool:
+    """Receive buffers reused from one fetch to the next, once no view of them is left.
+
+    A buffer is taken out of the pool while it is filled (so no other thread can take it) and put back after;
+    it is handed out again only when its reference count shows that no view of it survives, so a caller that
+    keeps a value keeps its bytes. Allocating (and zeroing) a fresh buffer per fetch cost about as much as
+    parsing the replies.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+
+    def take(self, size: int) -> bytearray:
+        busy = []
+        found = None
+        for _ in range(len(self._free)):
+            try:
+                buf = self._free.pop()
+            except IndexError:  # another thread took the rest
+                break
+            if found is None and len(buf) >= size and sys.getrefcount(buf) <= _FREE:
+                found = buf
+            else:
+                busy.append(buf)
+        self._free.extend(busy)
+        return found if found is not None else bytearray(size)
+
+    def give(self, bufs: list[bytearray]) -> None:
+        for buf in bufs:
+            if len(self._free) < MAX_POOLED:
+                self._free.append(buf)
+
+
+def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None = None) -> list[Any]:
     """The next ``n`` replies on ``sock``, each a ``GET``'s: a view of its bytes, None, or a ``ResponseError``.
 
     Replies are received straight into a few large buffers (``size_hint``: the bytes expected) and returned as
@@ -122,7 +167,9 @@ def read_bulk_replies(sock: Any, n: int, size_hint: int) -> list[Any]:
     """
     out: list[Any] = []
     append = out.append
-    buf = bytearray(max(size_hint, MIN_CHUNK))
+    pool = pool or BufferPool()
+    buf = pool.take(max(size_hint, MIN_CHUNK))
+    used = [buf]
     mv = memoryview(buf)
     pos = filled = 0
     need = 0  # bytes that must be in ``buf`` from ``pos`` before parsing again
@@ -141,7 +188,8 @@ def read_bulk_replies(sock: Any, n: int, size_hint: int) -> list[Any]:
             if pos + need > len(buf):  # does not fit: a new buffer (views of the old one stay valid)
                 left = n - len(out)
                 size = max(need, MIN_CHUNK, (pos // max(len(out), 1)) * left + need)
-                new = bytearray(size)
+                new = pool.take(size)
+                used.append(new)
                 new[:filled - pos] = mv[pos:filled]
                 buf, mv, filled, pos = new, memoryview(new), filled - pos, 0
             got = sock.recv_into(mv[filled:])
@@ -174,11 +222,12 @@ def read_bulk_replies(sock: Any, n: int, size_hint: int) -> list[Any]:
             pos, need = e + 2, 0
         else:
             raise redis.ConnectionError(f"unexpected reply type {chr(t)!r} to GET")
+    pool.give(used)
     return out
 
 
 def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], int]], out: list[Any],
-                    redirected: list[int], views: bool) -> BaseException | None:
+                    redirected: list[int], views: bool, pool: BufferPool) -> BaseException | None:
     """Read the ``GET`` replies of commands already sent on every connection; keep the connections consistent.
 
     ``views``: values may be views of the receive buffers (see :func:`read_bulk_replies`), else ``bytes``.
@@ -188,7 +237,7 @@ def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], int]], out: l
         try:
             sock = _raw_socket(conn)
             if sock is not None:
-                replies = read_bulk_replies(sock, len(idx), size_hint)
+                replies = read_bulk_replies(sock, len(idx), size_hint, pool if views else None)
                 if not views:
                     replies = [bytes(v) if type(v) is memoryview else v for v in replies]
             else:
@@ -236,6 +285,7 @@ class NodesBackend(Backend):
         self.clients = [redis.Redis(host=h, port=p, retry=options.retry(), retry_on_error=list(RETRYABLE_ERRORS),
                                     **options.connection_kwargs()) for h, p in hosts]
         self.ring = RendezvousHash([f"{h}:{p}" for h, p in hosts])
+        self.pool = BufferPool()
 
     def _group(self, keys: Sequence[str | bytes]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
@@ -256,7 +306,7 @@ class NodesBackend(Backend):
             except STORE_ERRORS as exc:
                 error = error or exc
         # An error reply here (WRONGTYPE: a key of another type) leaves the value None, a miss, as MGET did.
-        read_error = _read_pipelined(conns, out, [], views)
+        read_error = _read_pipelined(conns, out, [], views, self.pool)
         self._learn(out)
         return out, error or read_error
 
@@ -294,6 +344,7 @@ class ClusterBackend(Backend):
         self.rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], retry=options.retry(),
                                require_full_coverage=False, **options.connection_kwargs())
         self._slots: tuple[list[Any], list[int]] | None = None
+        self.pool = BufferPool()
 
     def _refresh(self) -> None:
         # After a connection error the slot map may be stale (failover): reload it from a live node.
@@ -350,7 +401,7 @@ class ClusterBackend(Backend):
             except STORE_ERRORS as exc:
                 error = error or exc
         redirected: list[int] = []
-        error = error or _read_pipelined(conns, out, redirected, views)
+        error = error or _read_pipelined(conns, out, redirected, views, self.pool)
         if redirected:  # let RedisCluster follow MOVED/ASK and update its slot map
             self._slots = None
             try:

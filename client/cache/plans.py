@@ -53,6 +53,31 @@ Build = Callable[[tuple[Any, ...], Any, Any], Any]  # (tail values, tensor buffe
 # (tails, data regions) of many entries with the same skeleton -> their values; data regions may be views of
 # shared receive buffers, so a column copies whatever it keeps (tensors and arrays into one block per column)
 Column = Callable[[list[tuple[Any, ...]], list[Any]], list[Any]]
+
+
+class Rows:
+    """Many entries of one skeleton and one length, side by side: what a :data:`Vector` builds from.
+
+    ``rows``: a ``(m, length)`` uint8 array of the entries (writable; the built tensors may view it);
+    ``u``/``i``/``f``: the tail fields of every row as ``(m, fields)`` uint64/int64/float64 arrays; ``start``:
+    where the data region begins in a row.
+    """
+
+    __slots__ = ("f", "i", "m", "rows", "start", "u")
+
+    def __init__(self, rows: Any, tail: Any, start: int) -> None:
+        self.rows = rows
+        self.m = len(rows)
+        self.u, self.i, self.f = tail.view("<u8"), tail.view("<i8"), tail.view("<f8")
+        self.start = start
+
+
+class NotUniform(Exception):
+    """The rows differ where a :data:`Vector` needs them equal (array shapes): build them one by one."""
+
+
+# Rows -> the values of one node for every row, with numpy doing the per-row work; None where a node has none.
+Vector = Callable[[Rows], list[Any]]
 _U32 = struct.Struct("<I")
 
 
@@ -64,7 +89,7 @@ class Plan:
     samples of many entries at once (:data:`Column`).
     """
 
-    __slots__ = ("arrays", "build", "column", "fast", "skeleton", "tail", "tensors")
+    __slots__ = ("arrays", "build", "column", "fast", "skeleton", "tail", "tensors", "vector")
 
     def __init__(self, tail: struct.Struct, build: Build, tensors: bool, arrays: bool) -> None:
         self.skeleton = b""
@@ -72,14 +97,26 @@ class Plan:
         self.tail = tail
         self.build = build
         self.column = column_of(build)
+        self.vector: Vector | None = getattr(build, "vector", None)
         self.tensors = tensors
         self.arrays = arrays
 
 
-def with_column(build: Build, column: Column) -> Build:
-    """``build``, marked with the :data:`Column` that builds many values of its node at once."""
+def with_column(build: Build, column: Column, vector: Vector | None = None) -> Build:
+    """``build``, marked with the :data:`Column` (and :data:`Vector`) that build many values of its node."""
     build.column = column  # type: ignore[attr-defined]
+    if vector is not None:
+        build.vector = vector  # type: ignore[attr-defined]
     return build
+
+
+def vector_of(build: Build) -> Vector | None:
+    return getattr(build, "vector", None)
+
+
+def _vectors(builds: list[Build]) -> list[Vector] | None:
+    found = [vector_of(b) for b in builds]
+    return None if any(v is None for v in found) else found  # type: ignore[return-value]
 
 
 def _private_copies(build: Build) -> Build:
@@ -144,6 +181,20 @@ def _rows_block(tails: list[tuple[Any, ...]], datas: list[Any], s: int, e: int, 
         flat[k:k + nb] = d[v[e]:v[e] + nb]
         k += nb
     return block
+
+
+def _uniform_leaf(r: Rows, s: int, e: int) -> tuple[tuple[int, ...], int, int]:
+    """Shape, start in the row and length of an array leaf (tail fields ``s:e``, then offset and length), the
+    same in every row; :class:`NotUniform` otherwise."""
+    fields = r.u[:, s:e + 2]
+    first = fields[0]
+    if r.m > 1 and not (fields == first).all():
+        raise NotUniform
+    values = first.tolist()
+    c0, nb = r.start + values[-2], values[-1]
+    if c0 + nb > r.rows.shape[1]:
+        raise CorruptEntryError(f"{nb} bytes at {c0} run past the {r.rows.shape[1]}-byte entry")
+    return tuple(values[:-2]), c0, nb
 
 
 def _at(buf: Any, off: int, n: int) -> Any:
@@ -226,10 +277,15 @@ class _Compiler:
             return self._tensor()
         if tag in (T_INT, T_FLOAT):
             i = self._fields("q" if tag == T_INT else "d")
-            return with_column(lambda v, d, w: v[i], lambda tails, datas: [v[i] for v in tails])
+            if tag == T_INT:
+                return with_column(lambda v, d, w: v[i], lambda tails, datas: [v[i] for v in tails],
+                                   lambda r: r.i[:, i].tolist())
+            return with_column(lambda v, d, w: v[i], lambda tails, datas: [v[i] for v in tails],
+                               lambda r: r.f[:, i].tolist())
         if tag in (T_NONE, T_TRUE, T_FALSE):
             const = None if tag == T_NONE else tag == T_TRUE
-            return lambda v, d, w: const
+            return with_column(lambda v, d, w: const, lambda tails, datas: [const] * len(tails),
+                               lambda r: [const] * r.m)
         if tag in (T_STR, T_BYTES, T_BYTEARRAY, T_BIGINT):
             return self._blob(tag)
         if tag == T_COMPLEX:
@@ -260,15 +316,25 @@ class _Compiler:
                 return [()] * len(tails)
             return zip(*[c(tails, datas) for c in cols], strict=True)
 
+        vecs = _vectors(items)
+
+        def vector_rows(r: Rows) -> Any:
+            if not vecs:
+                return [()] * r.m
+            return zip(*[vec(r) for vec in vecs], strict=True)
+
         if tag == T_LIST:
             return with_column(lambda v, d, w: [f(v, d, w) for f in items],
-                               lambda tails, datas: [list(r) for r in rows(tails, datas)])
+                               lambda tails, datas: [list(r) for r in rows(tails, datas)],
+                               None if vecs is None else lambda r: [list(x) for x in vector_rows(r)])
         if len(items) == 2:  # (input, target): the most common sample
             a, b = items
             return with_column(lambda v, d, w: (a(v, d, w), b(v, d, w)),
-                               lambda tails, datas: list(rows(tails, datas)))
+                               lambda tails, datas: list(rows(tails, datas)),
+                               None if vecs is None else lambda r: list(vector_rows(r)))
         return with_column(lambda v, d, w: tuple([f(v, d, w) for f in items]),
-                           lambda tails, datas: list(rows(tails, datas)))
+                           lambda tails, datas: list(rows(tails, datas)),
+                           None if vecs is None else lambda r: list(vector_rows(r)))
 
     def _dict(self, depth: int) -> Build:
         n = self._count()
@@ -293,7 +359,21 @@ class _Compiler:
                 raise CorruptEntryError("duplicate dict keys")
             return out
 
-        return with_column(build, column)
+        key_vecs = _vectors([k for k, _ in pairs])
+        value_vecs = _vectors([x for _, x in pairs])
+        if key_vecs is None or value_vecs is None or not pairs:
+            return with_column(build, column)
+        kv, vv = key_vecs, value_vecs
+
+        def vector(r: Rows) -> list[Any]:
+            keys = zip(*[c(r) for c in kv], strict=True)
+            values = zip(*[c(r) for c in vv], strict=True)
+            out = [dict(zip(k, x, strict=True)) for k, x in zip(keys, values, strict=True)]
+            if any(len(o) != n for o in out):
+                raise CorruptEntryError("duplicate dict keys")
+            return out
+
+        return with_column(build, column, vector)
 
     def _record(self, tag: int, depth: int) -> Build:
         name = self._name().decode("utf-8")
@@ -305,10 +385,12 @@ class _Compiler:
             items = [self.node(depth) for _ in range(n)]
             make = cls._make  # type: ignore[attr-defined]
             cols = [column_of(f) for f in items]
+            vecs = _vectors(items)
             return with_column(
                 lambda v, d, w: make([f(v, d, w) for f in items]),
                 lambda tails, datas: [make(r) for r in zip(*[c(tails, datas) for c in cols], strict=True)]
-                if cols else [make(()) for _ in tails])
+                if cols else [make(()) for _ in tails],
+                None if not vecs else lambda r: [make(x) for x in zip(*[c(r) for c in vecs], strict=True)])
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             raise CorruptEntryError(f"{name} is not a dataclass")
         fields = [(self._name().decode("utf-8"), self.node(depth)) for _ in range(n)]
@@ -333,7 +415,19 @@ class _Compiler:
                     setattr_(obj, field, value)
             return out
 
-        return with_column(build, column)
+        vecs = _vectors([f for _, f in fields])
+        if vecs is None:
+            return with_column(build, column)
+        named_vecs = list(zip([field for field, _ in fields], vecs, strict=True))
+
+        def vector(r: Rows) -> list[Any]:
+            out = [new(cls) for _ in range(r.m)]
+            for field, c in named_vecs:
+                for obj, value in zip(out, c(r), strict=True):
+                    setattr_(obj, field, value)
+            return out
+
+        return with_column(build, column, vector)
 
     def _blob(self, tag: int) -> Build:
         i = self._fields("Q", 2)
@@ -377,7 +471,23 @@ class _Compiler:
             block = _rows_block(tails, datas, s, e, np)
             if block is None:
                 return [one(v, d) for v, d in zip(tails, datas, strict=True)]
-            return list(from_numpy(block).view(dtype).view((len(tails), *tails[0][s:e])).unbind(0))
+            return split(block, (len(tails), *tails[0][s:e]))
+
+        def split(raw: Any, shape: tuple[int, ...]) -> list[Any]:
+            """Per-row tensors of ``raw`` (rows of bytes). Typed and shaped by numpy where it can, so that the
+            rows are views of a plain tensor: unbinding a view of a view costs torch about twice as much."""
+            if np_dtype is not None:
+                return list(from_numpy(raw.view(np_dtype).reshape(shape)).unbind(0))
+            return list(from_numpy(raw).view(dtype).view(shape).unbind(0))
+
+        def vector(r: Rows) -> list[Any]:
+            shape, c0, nb = _uniform_leaf(r, s, e)
+            if nb == 0:
+                return [empty(shape, dtype=dtype) for _ in range(r.m)]
+            raw = r.rows[:, c0:c0 + nb]
+            if r.rows.shape[1] % itemsize or c0 % itemsize:  # the rows would be misaligned: a copy
+                raw = np.ascontiguousarray(raw)
+            return split(raw, (r.m, *shape))
 
         if np_dtype is not None:  # numpy builds a shaped view faster than torch.frombuffer(...).view(shape)
             def build(v: tuple[Any, ...], d: Any, w: Any) -> Any:
@@ -386,7 +496,7 @@ class _Compiler:
                     return empty(v[s:e], dtype=dtype)
                 return from_numpy(frombuffer(d, np_dtype, n, v[e]).reshape(v[s:e]))
 
-            return with_column(build, column)
+            return with_column(build, column, vector)
 
         def build_torch(v: tuple[Any, ...], d: Any, w: Any) -> Any:
             n = v[e + 1] // itemsize
@@ -394,7 +504,7 @@ class _Compiler:
                 return empty(v[s:e], dtype=dtype)
             return torch.frombuffer(d, dtype=dtype, count=n, offset=v[e]).view(v[s:e])
 
-        return with_column(build_torch, column)
+        return with_column(build_torch, column, vector)
 
     def _ndarray(self) -> Build:
         np = _env()["np"]
@@ -423,7 +533,15 @@ class _Compiler:
                 return out
             return list(block.view(dt).reshape((len(tails), *tails[0][s:e])))
 
-        return with_column(build, column)
+        def vector(r: Rows) -> list[Any]:
+            if not ndim:
+                raise NotUniform  # rows of a (m,) array would be numpy scalars, not 0-d arrays
+            shape, c0, nb = _uniform_leaf(r, s, e)
+            if nb == 0:
+                return [empty(shape, dtype=dt) for _ in range(r.m)]
+            return list(np.ascontiguousarray(r.rows[:, c0:c0 + nb]).view(dt).reshape((r.m, *shape)))
+
+        return with_column(build, column, vector)
 
     def _npscalar(self) -> Build:
         np = _env()["np"]
