@@ -385,7 +385,7 @@ class _Compiler:
             items = [self.node(depth) for _ in range(n)]
             make = cls._make  # type: ignore[attr-defined]
             cols = [column_of(f) for f in items]
-            vecs = _vectors(items)
+            vecs = _vectors(items) or []  # (none for a namedtuple without fields: it is rare)
             return with_column(
                 lambda v, d, w: make([f(v, d, w) for f in items]),
                 lambda tails, datas: [make(r) for r in zip(*[c(tails, datas) for c in cols], strict=True)]
