@@ -415,10 +415,10 @@ class _Compiler:
                     setattr_(obj, field, value)
             return out
 
-        vecs = _vectors([f for _, f in fields])
-        if vecs is None:
+        dataclass_vecs = _vectors([f for _, f in fields])
+        if dataclass_vecs is None:
             return with_column(build, column)
-        named_vecs = list(zip([field for field, _ in fields], vecs, strict=True))
+        named_vecs = list(zip([field for field, _ in fields], dataclass_vecs, strict=True))
 
         def vector(r: Rows) -> list[Any]:
             out = [new(cls) for _ in range(r.m)]
