@@ -12,6 +12,7 @@ import sys
 from abc import ABC, abstractmethod
 from binascii import crc_hqx
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import redis
@@ -144,11 +145,12 @@ class BufferPool:
                 buf = self._free.pop()
             except IndexError:  # another thread took the rest
                 break
-            if found is None and len(buf) >= size and sys.getrefcount(buf) <= _FREE:
+            if len(buf) >= size and sys.getrefcount(buf) <= _FREE:
                 found = buf
-            else:
-                busy.append(buf)
-        self._free.extend(busy)
+                break
+            busy.append(buf)
+        if busy:
+            self._free.extend(busy)
         return found if found is not None else bytearray(size)
 
     def give(self, bufs: list[bytearray]) -> None:
@@ -256,9 +258,16 @@ def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], int]], out: l
     return error
 
 
+_GET_HEADS = [b"*2\r\n$3\r\nGET\r\n$%d\r\n" % n for n in range(512)]  # by key length
+
+
 def pack_gets(keys: Sequence[bytes]) -> bytes:
-    """RESP for one ``GET`` per key, packed in one pass (redis-py packs each command separately)."""
-    return b"".join([b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(k), k) for k in keys])
+    """RESP for one ``GET`` per key, packed in one pass of C loops (redis-py packs each command separately)."""
+    try:
+        heads = list(map(_GET_HEADS.__getitem__, map(len, keys)))
+    except IndexError:  # a key of 512 bytes or more
+        heads = [b"*2\r\n$3\r\nGET\r\n$%d\r\n" % len(k) for k in keys]
+    return b"".join(map(b"".join, zip(heads, keys, repeat(b"\r\n"))))
 
 
 def _send(client: redis.Redis, commands: list[tuple[Any, ...]] | bytes, retry: Retry) -> Any:
@@ -372,23 +381,29 @@ class ClusterBackend(Backend):
                     i = names[node.name] = len(primaries)
                     primaries.append(node)
                 table.append(i)
-            self._slots = (primaries, table)
+            self._slots = (primaries, table * (65536 // REDIS_CLUSTER_HASH_SLOTS))  # indexed by the whole CRC16
         return self._slots
 
     def fetch(self, keys: Sequence[bytes], views: bool = False) -> tuple[list[Any], BaseException | None]:
         out: list[Any] = [None] * len(keys)
         error: BaseException | None = None
         primaries, table = self._slot_table()
-        # Cache keys carry no hash tag ({ is percent-encoded in names); other keys take the full rule.
-        where = [table[crc_hqx(r, 0) & 16383] if b"{" not in r else table[key_slot(r)] for r in keys]
+        # Cache keys carry no hash tag ({ is percent-encoded in names): the slot is the CRC16 of the key.
+        if b"{" in b"".join(keys):
+            where = [table[key_slot(k)] for k in keys]
+        else:
+            where = list(map(table.__getitem__, map(crc_hqx, keys, repeat(0))))  # table covers 2**16 CRCs
         if -1 in where:  # a slot without a serving node
             self._refresh()
             return out, redis.exceptions.ClusterDownError(f"no cluster node serves the slot of "
                                                           f"{keys[where.index(-1)]!r}")
-        by_node: list[list[int]] = [[] for _ in primaries]
-        for j, i in enumerate(where):
-            by_node[i].append(j)
-        groups = [(primaries[i], idx, [keys[j] for j in idx]) for i, idx in enumerate(by_node) if idx]
+        order = sorted(range(len(keys)), key=where.__getitem__)  # the keys by node, in their order
+        groups = []
+        at = 0
+        for i in sorted(set(where)):
+            idx = order[at:at + where.count(i)]
+            at += len(idx)
+            groups.append((primaries[i], idx, list(map(keys.__getitem__, idx))))
         conns = []
         per_reply = self.reply_bytes + 32
         for node, idx, raw_keys in groups:

@@ -68,7 +68,10 @@ class CachedDataset(Dataset[Any]):
 
     def __getitems__(self, indices: list[Any]) -> list[Any]:
         n = self._len
-        idx = [i if type(i) is int and 0 <= i < n else self._check(i) for i in indices]
+        if indices and set(map(type, indices)) == {int} and min(indices) >= 0 and max(indices) < n:
+            idx = list(indices)  # plain in-range ints: the sampler's batches
+        else:
+            idx = [i if type(i) is int and 0 <= i < n else self._check(i) for i in indices]
         values = self.cache_loader.get_many(idx, self._load_many)
         self._count(len(idx))
         return values

@@ -119,7 +119,7 @@ class CacheLoader:
         if _registered_pid[0] != os.getpid():  # first use in a forked DataLoader worker
             _register_exit_flush(self)
         prefix = self._prefix
-        rkeys = [f"{prefix}{k}" for k in keys]
+        rkeys = list(map(prefix.__add__, map(str, keys)))  # f"{prefix}{key}", in C loops
         out: list[Any] = [None] * len(keys)
         found = [False] * len(keys)
         overwrite = [False] * len(keys)
@@ -129,11 +129,10 @@ class CacheLoader:
             to_fetch = self._from_buffer(rkeys, out, found, to_fetch)
         if to_fetch and self._outage.available():
             everything = len(to_fetch) == len(rkeys)
-            fetch_keys = [k.encode() for k in rkeys] if everything else [rkeys[j].encode() for j in to_fetch]
+            fetch_keys = list(map(str.encode, rkeys if everything else [rkeys[j] for j in to_fetch]))
             values, error = self.store.fetch_views(fetch_keys)
             decoded = codec.decode_many(values, fetch_keys, self._allow_pickle, self._secret)
-            bad = [i for i, sample in enumerate(decoded) if type(sample) is codec.Bad]
-            if not bad and everything:  # every key a hit: the usual batch
+            if everything and codec.Bad not in set(map(type, decoded)):  # every key a hit: the usual batch
                 out = decoded
                 found = [True] * len(keys)
                 nbytes = sum(map(len, values))
