@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--transform-ms", type=float, default=2.0)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     n, bs = args.samples, args.batch_size
     order = list(range(n))

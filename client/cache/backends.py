@@ -151,7 +151,8 @@ class BufferPool:
             busy.append(buf)
         if busy:
             self._free.extend(busy)
-        return found if found is not None else bytearray(size)
+        # Rounded up to a power of two, so that a buffer fits the next batches, whose sizes vary a little.
+        return found if found is not None else bytearray(1 << (size - 1).bit_length())
 
     def give(self, bufs: list[bytearray]) -> None:
         for buf in bufs:

@@ -220,6 +220,7 @@ def _whole_entry_reader(skeleton: bytes, tail: struct.Struct) -> tuple[Any, int,
     return whole.unpack_from, whole.size, fixed, data_start
 
 
+_FIXED_COLUMNS: dict[int, Any] = {}  # tail start -> the header columns compared at once
 UNIFORM_MIN = 8  # entries in a batch from which one of one skeleton and one length is decoded by numpy
 
 
@@ -260,8 +261,12 @@ def _decode_uniform(values: list[Any], keys: list[bytes]) -> list[Any] | None:
     n = len(values)
     block = bytearray().join(values)
     rows = np.frombuffer(block, np.uint8).reshape(n, length)
-    expected = np.frombuffer(_XXH_PREFIX + bytes(8) + _PAD16 + fixed + _U64.pack(data_len) + skeleton, np.uint8)
-    ok = (rows[:, :8] == expected[:8]).all(1) & (rows[:, 16:tail_start] == expected[16:]).all(1)
+    # Every byte before the tail but the digest is the same in every entry of this skeleton and length.
+    cols = _FIXED_COLUMNS.get(tail_start)
+    if cols is None:
+        cols = _FIXED_COLUMNS[tail_start] = np.r_[0:8, 16:tail_start]
+    expected = np.frombuffer(_XXH_PREFIX + _PAD16 + fixed + _U64.pack(data_len) + skeleton, np.uint8)
+    ok = (rows[:, cols] == expected).all(1)
     xxh3, flat, covered = xxhash.xxh3_64_intdigest, memoryview(block), length - _COVERED
     starts = range(_COVERED, n * length, length)
     digests = [xxh3(flat[a:a + covered], xxh3(k)) for a, k in zip(starts, keys, strict=True)]
