@@ -138,29 +138,27 @@ class BufferPool:
         self._free: list[bytearray] = []
 
     def take(self, size: int) -> bytearray:
-        busy = []
-        found = None
-        for _ in range(len(self._free)):
+        """A free pooled buffer of at least ``size`` bytes, or a new one. Pooled buffers that some view still
+        holds are forgotten (their views keep them alive), so the pool never fills up with them."""
+        while True:
             try:
                 buf = self._free.pop()
-            except IndexError:  # another thread took the rest
+            except IndexError:
                 break
-            if len(buf) >= size and sys.getrefcount(buf) <= _FREE:
-                found = buf
-                break
-            busy.append(buf)
-        if busy:
-            self._free.extend(busy)
+            if sys.getrefcount(buf) <= _FREE and len(buf) >= size:
+                return buf
         # Rounded up to a power of two, so that a buffer fits the next batches, whose sizes vary a little.
-        return found if found is not None else bytearray(1 << (size - 1).bit_length())
+        return bytearray(1 << (size - 1).bit_length())
 
     def give(self, bufs: list[bytearray]) -> None:
+        """Pool ``bufs`` (after a whole fetch: buffers given back while it runs would be forgotten as busy)."""
         for buf in bufs:
             if len(self._free) < MAX_POOLED:
                 self._free.append(buf)
 
 
-def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None = None) -> list[Any]:
+def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None = None,
+                      used: list[bytearray] | None = None) -> list[Any]:
     """The next ``n`` replies on ``sock``, each a ``GET``'s: a view of its bytes, None, or a ``ResponseError``.
 
     Replies are received straight into a few large buffers (``size_hint``: the bytes expected) and returned as
@@ -172,7 +170,8 @@ def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None
     append = out.append
     pool = pool or BufferPool()
     buf = pool.take(max(size_hint, MIN_CHUNK))
-    used = [buf]
+    used = used if used is not None else []  # the buffers filled: for the pool once the caller is done
+    used.append(buf)
     mv = memoryview(buf)
     pos = filled = 0
     need = 0  # bytes that must be in ``buf`` from ``pos`` before parsing again
@@ -225,7 +224,6 @@ def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None
             pos, need = e + 2, 0
         else:
             raise redis.ConnectionError(f"unexpected reply type {chr(t)!r} to GET")
-    pool.give(used)
     return out
 
 
@@ -236,11 +234,12 @@ def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], int]], out: l
     ``views``: values may be views of the receive buffers (see :func:`read_bulk_replies`), else ``bytes``.
     """
     error: BaseException | None = None
+    used: list[bytearray] = []
     for client, conn, idx, size_hint in conns:
         try:
             sock = _raw_socket(conn)
             if sock is not None:
-                replies = read_bulk_replies(sock, len(idx), size_hint, pool if views else None)
+                replies = read_bulk_replies(sock, len(idx), size_hint, pool if views else None, used)
                 if not views:
                     replies = [bytes(v) if type(v) is memoryview else v for v in replies]
             else:
@@ -256,6 +255,8 @@ def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], int]], out: l
             error = error or exc
         finally:
             client.connection_pool.release(conn)
+    if views:
+        pool.give(used)
     return error
 
 
