@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from abc import ABC, abstractmethod
 from binascii import crc_hqx
 from collections.abc import Sequence
@@ -43,7 +42,6 @@ class Backend(ABC):
 
     reply_bytes = 0  # size of a recent reply: sizes the receive buffers of the next fetch
     pool: BufferPool
-    held: HeldConnections
 
     def _learn(self, out: list[Any]) -> None:
         for v in out:
@@ -230,8 +228,7 @@ def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None
 
 
 def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], int]], out: list[Any],
-                    redirected: list[int], views: bool, pool: BufferPool,
-                    held: HeldConnections) -> BaseException | None:
+                    redirected: list[int], views: bool, pool: BufferPool) -> BaseException | None:
     """Read the ``GET`` replies of commands already sent on every connection; keep the connections consistent.
 
     ``views``: values may be views of the receive buffers (see :func:`read_bulk_replies`), else ``bytes``.
@@ -254,8 +251,10 @@ def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], int]], out: l
                 else:
                     out[j] = v
         except STORE_ERRORS as exc:
-            held.drop(client, conn)
+            conn.disconnect()
             error = error or exc
+        finally:
+            client.connection_pool.release(conn)
     if views:
         pool.give(used)
     return error
@@ -273,58 +272,18 @@ def pack_gets(keys: Sequence[bytes]) -> bytes:
     return b"".join(map(b"".join, zip(heads, keys, repeat(b"\r\n"))))
 
 
-class HeldConnections:
-    """One connection per node and thread, kept out of the node's connection pool from one fetch to the next.
-
-    A fetch then skips the pool's checkout and return (a lock, a liveness poll of the socket, bookkeeping), which
-    cost as much as reading a dozen values. Every fetch reads all of its replies or disconnects, so a held
-    connection never carries stray data into the next one; a failed one is disconnected and given back.
-    """
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._all: dict[int, tuple[Any, Any]] = {}  # id(conn) -> (client, conn), for close()
-
-    def get(self, client: Any) -> Any:
-        mine: dict[int, tuple[Any, Any]] | None = getattr(self._local, "conns", None)
-        if mine is None:
-            mine = self._local.conns = {}
-        held = mine.get(id(client))
-        if held is not None and held[0] is client:
-            return held[1]
-        conn = client.connection_pool.get_connection()
-        mine[id(client)] = (client, conn)
-        with self._lock:
-            self._all[id(conn)] = (client, conn)
-        return conn
-
-    def send(self, client: Any, packed: bytes, retry: Retry) -> Any:
-        """Send pre-packed RESP on the held connection of ``client``, reconnecting with backoff."""
-        conn = self.get(client)
-        try:
-            retry.call_with_retry(lambda: conn.send_packed_command([packed]), lambda _err: conn.disconnect())
-        except BaseException:
-            self.drop(client, conn)
-            raise
-        return conn
-
-    def drop(self, client: Any, conn: Any) -> None:
+def _send(client: redis.Redis, commands: list[tuple[Any, ...]] | bytes, retry: Retry) -> Any:
+    """Send ``commands`` (or pre-packed RESP) on a pooled connection, reconnecting with backoff."""
+    conn = client.connection_pool.get_connection()
+    packed = commands if isinstance(commands, bytes) else None
+    try:
+        retry.call_with_retry(lambda: conn.send_packed_command([packed] if packed else conn.pack_commands(commands)),
+                              lambda _err: conn.disconnect())
+    except BaseException:
         conn.disconnect()
-        mine = getattr(self._local, "conns", {})
-        if mine.get(id(client), (None, None))[1] is conn:
-            del mine[id(client)]
-        with self._lock:
-            self._all.pop(id(conn), None)
         client.connection_pool.release(conn)
-
-    def close(self) -> None:
-        with self._lock:
-            held, self._all = list(self._all.values()), {}
-        for client, conn in held:
-            conn.disconnect()
-            client.connection_pool.release(conn)
-        self._local = threading.local()
+        raise
+    return conn
 
 
 class NodesBackend(Backend):
@@ -338,7 +297,6 @@ class NodesBackend(Backend):
                                     **options.connection_kwargs()) for h, p in hosts]
         self.ring = RendezvousHash([f"{h}:{p}" for h, p in hosts])
         self.pool = BufferPool()
-        self.held = HeldConnections()
 
     def _group(self, keys: Sequence[str | bytes]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
@@ -354,12 +312,12 @@ class NodesBackend(Backend):
         per_reply = self.reply_bytes + 32
         for node, idx in self._group(keys).items():
             try:
-                conn = self.held.send(self.clients[node], pack_gets([keys[j] for j in idx]), self.retry)
+                conn = _send(self.clients[node], pack_gets([keys[j] for j in idx]), self.retry)
                 conns.append((self.clients[node], conn, idx, per_reply * len(idx)))
             except STORE_ERRORS as exc:
                 error = error or exc
         # An error reply here (WRONGTYPE: a key of another type) leaves the value None, a miss, as MGET did.
-        read_error = _read_pipelined(conns, out, [], views, self.pool, self.held)
+        read_error = _read_pipelined(conns, out, [], views, self.pool)
         self._learn(out)
         return out, error or read_error
 
@@ -384,7 +342,6 @@ class NodesBackend(Backend):
         return self.clients[self.ring.node_of(key)]
 
     def close(self) -> None:
-        self.held.close()
         for c in self.clients:
             c.close()
 
@@ -399,7 +356,6 @@ class ClusterBackend(Backend):
                                require_full_coverage=False, **options.connection_kwargs())
         self._slots: tuple[list[Any], list[int]] | None = None
         self.pool = BufferPool()
-        self.held = HeldConnections()
 
     def _refresh(self) -> None:
         # After a connection error the slot map may be stale (failover): reload it from a live node.
@@ -458,12 +414,11 @@ class ClusterBackend(Backend):
                 self._refresh()
                 return out, redis.ConnectionError(f"no connection to cluster node {node.name}")
             try:
-                conns.append((client, self.held.send(client, pack_gets(raw_keys), self.retry), idx,
-                              per_reply * len(idx)))
+                conns.append((client, _send(client, pack_gets(raw_keys), self.retry), idx, per_reply * len(idx)))
             except STORE_ERRORS as exc:
                 error = error or exc
         redirected: list[int] = []
-        error = error or _read_pipelined(conns, out, redirected, views, self.pool, self.held)
+        error = error or _read_pipelined(conns, out, redirected, views, self.pool)
         if redirected:  # let RedisCluster follow MOVED/ASK and update its slot map
             self._slots = None
             try:
@@ -493,7 +448,6 @@ class ClusterBackend(Backend):
         return self.rc
 
     def close(self) -> None:
-        self.held.close()
         self.rc.close()
 
 
