@@ -408,11 +408,11 @@ class ClusterBackend(Backend):
             groups.append((primaries[i], idx, list(map(keys.__getitem__, idx))))
         conns = []
         per_reply = self.reply_bytes + 32
+        if any(node.redis_connection is None for node, _, _ in groups):  # checked before anything is sent
+            self._refresh()
+            return out, redis.ConnectionError("no connection to a cluster node")
         for node, idx, raw_keys in groups:
             client = node.redis_connection
-            if client is None:
-                self._refresh()
-                return out, redis.ConnectionError(f"no connection to cluster node {node.name}")
             try:
                 conns.append((client, _send(client, pack_gets(raw_keys), self.retry), idx, per_reply * len(idx)))
             except STORE_ERRORS as exc:
