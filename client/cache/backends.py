@@ -181,7 +181,7 @@ def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None
             end = pos + header_len + value_len
             if end + 2 <= filled:
                 append(mv[pos + header_len:end])
-                pos = end + 2
+                pos, need = end + 2, 0
                 continue
         e = buf.find(b"\r\n", pos, filled) if filled - pos >= need else -1
         if e < 0:
