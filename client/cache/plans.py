@@ -97,7 +97,7 @@ class Plan:
         self.tail = tail
         self.build = build
         self.column = column_of(build)
-        self.vector: Vector | None = getattr(build, "vector", None)
+        self.vector = vector_of(build)
         self.tensors = tensors
         self.arrays = arrays
 
