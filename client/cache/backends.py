@@ -22,6 +22,7 @@ from redis.retry import Retry
 
 from .hashing import RendezvousHash
 from .options import RedisOptions
+from .values import REPLY_ALIGN
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ class Backend(ABC):
 
     reply_bytes = 0  # size of a recent reply: sizes the receive buffers of the next fetch
     pool: BufferPool
+
+    def _receiver(self, n: int) -> Receiver:
+        """A receive area for ``n`` replies, sized by the values of a recent fetch."""
+        return Receiver((self.reply_bytes + 32) * n, self.reply_bytes, self.pool, n)
 
     def _learn(self, out: list[Any]) -> None:
         for v in out:
@@ -157,107 +162,173 @@ class BufferPool:
                 self._free.append(buf)
 
 
-def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None = None,
-                      used: list[bytearray] | None = None) -> list[Any]:
-    """The next ``n`` replies on ``sock``, each a ``GET``'s: a view of its bytes, None, or a ``ResponseError``.
+class Replies(list[Any]):
+    """A fetch's values, in key order (views of receive buffers or ``bytes``; None: missing), and ``run``: where
+    they lie when they lie evenly, else None.
 
-    Replies are received straight into a few large buffers (``size_hint``: the bytes expected) and returned as
-    views of them: one copy from the kernel and no object per reply but its view, where a RESP parser copies
-    every value twice more (into its buffer, then into a ``bytes``). A view keeps its buffer alive; the
-    loader copies what it keeps (see :func:`~.codec.decode_many`).
+    ``run = (buffer, first, stride, order)``: the value of key ``order[r]`` starts at ``first + r * stride`` in
+    ``buffer`` (one header, back to back, in one buffer), so a decoder can treat the batch as one strided array.
     """
-    out: list[Any] = []
-    append = out.append
-    pool = pool or BufferPool()
-    buf = pool.take(max(size_hint, MIN_CHUNK))
-    used = used if used is not None else []  # the buffers filled: for the pool once the caller is done
-    used.append(buf)
-    mv = memoryview(buf)
-    pos = filled = 0
-    need = 0  # bytes that must be in ``buf`` from ``pos`` before parsing again
-    header, header_len, value_len = b"", 0, 0  # the last bulk header: values of a dataset often share it
-    while len(out) < n:
-        if header_len and buf.startswith(header, pos, filled):
-            end = pos + header_len + value_len
-            if end + 2 <= filled:
-                append(mv[pos + header_len:end])
-                pos, need = end + 2, 0
-                continue
-        e = buf.find(b"\r\n", pos, filled) if filled - pos >= need else -1
-        if e < 0:
-            if need < filled - pos + 1:
-                need = filled - pos + 1
-            if pos + need > len(buf):  # does not fit: a new buffer (views of the old one stay valid)
-                left = n - len(out)
-                size = max(need, MIN_CHUNK, (pos // max(len(out), 1)) * left + need)
-                new = pool.take(size)
-                used.append(new)
-                new[:filled - pos] = mv[pos:filled]
-                buf, mv, filled, pos = new, memoryview(new), filled - pos, 0
-            got = sock.recv_into(mv[filled:])
-            if not got:
-                raise redis.ConnectionError("Connection closed by server.")
-            filled += got
-            continue
-        t = buf[pos]
-        if t == 36:  # $: a bulk string, or $-1 (nil)
-            try:
-                size = int(buf[pos + 1:e])
-            except ValueError:
-                raise redis.ConnectionError(f"malformed reply header {bytes(buf[pos:e])[:40]!r}") from None
-            if size < 0:
-                append(None)
-                pos, need = e + 2, 0
-                continue
-            end = e + 2 + size
-            if end + 2 > filled:
-                need = end + 2 - pos
-                continue
-            append(mv[e + 2:end])
-            header, header_len, value_len = bytes(buf[pos:e + 2]), e + 2 - pos, size
-            pos, need = end + 2, 0
-        elif t == 95:  # _: RESP3 null
-            append(None)
-            pos, need = e + 2, 0
-        elif t == 45:  # -: an error (MOVED, ASK, TRYAGAIN, ...): the stream stays intact
-            append(redis.ResponseError(buf[pos + 1:e].decode("utf-8", "replace")))
-            pos, need = e + 2, 0
-        else:
-            raise redis.ConnectionError(f"unexpected reply type {chr(t)!r} to GET")
-    return out
+
+    __slots__ = ("run",)
+
+    def __init__(self, values: list[Any], run: tuple[bytearray, int, int, list[int]] | None = None) -> None:
+        super().__init__(values)
+        self.run = run
 
 
-def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int], int]], out: list[Any],
-                    redirected: list[int], views: bool, pool: BufferPool) -> BaseException | None:
+class Receiver:
+    """The receive area of one fetch: the ``GET`` replies of every node, back to back in pooled buffers.
+
+    Replies are received straight into large buffers and returned as views of them: one copy from the kernel and
+    no object per reply but its view, where a RESP parser copies every value twice more (into its buffer, then
+    into a ``bytes``). A view keeps its buffer alive; a buffer returns to the pool once the fetch is over, and
+    is handed out again only when no view of it is left (:class:`BufferPool`).
+
+    The first value is placed on a :data:`~.values.REPLY_ALIGN` boundary (its size is guessed from the previous
+    fetch), and entries are padded so that their replies span a multiple of it, so every value of a dataset of
+    one sample size starts on that boundary. :attr:`even` stays true while every reply of the fetch has had the
+    same header and landed right after the previous one in the same buffer.
+    """
+
+    def __init__(self, size_hint: int, value_hint: int, pool: BufferPool, replies: int = 0) -> None:
+        self.pool = pool
+        self.buf = pool.take(max(size_hint, MIN_CHUNK) + REPLY_ALIGN)
+        self.used = [self.buf]  # the buffers filled: back to the pool once the fetch is over
+        self.mv = memoryview(self.buf)
+        self.filled = -(len(b"$%d\r\n" % value_hint)) % REPLY_ALIGN if value_hint else 0
+        self.header, self.header_len, self.value_len = b"", 0, 0  # the last bulk header: a dataset's repeat
+        self.first = -1  # where the first value lies
+        self.even = True
+        self.left = replies  # replies still expected in this fetch (sizes a new buffer)
+
+    def read(self, sock: Any, n: int) -> list[Any]:
+        """The next ``n`` replies on ``sock``, each a ``GET``'s: a view of its bytes, None, or a ``ResponseError``.
+
+        Raises:
+            redis.ConnectionError: the stream closed, or holds something that is not ``n`` GET replies (then the
+                connection must be dropped: it is out of step).
+        """
+        out: list[Any] = []
+        append = out.append
+        buf, mv, filled = self.buf, self.mv, self.filled
+        pos = filled  # this connection's replies follow the previous connection's
+        need = 0  # bytes that must be in ``buf`` from ``pos`` before parsing again
+        header, header_len, value_len, even = self.header, self.header_len, self.value_len, self.even
+        try:
+            while len(out) < n:
+                if header_len and buf.startswith(header, pos, filled):
+                    end = pos + header_len + value_len
+                    if end + 2 <= filled:
+                        append(mv[pos + header_len:end])
+                        pos, need = end + 2, 0
+                        continue
+                e = buf.find(b"\r\n", pos, filled) if filled - pos >= need else -1
+                if e < 0:
+                    if need < filled - pos + 1:
+                        need = filled - pos + 1
+                    if pos + need > len(buf):  # does not fit: a new buffer (views of the old one stay valid)
+                        per = header_len + value_len + 2 if header_len else need
+                        size = max(need, MIN_CHUNK, per * (max(self.left, n) - len(out)) + need)
+                        new = self.pool.take(size + REPLY_ALIGN)
+                        self.used.append(new)
+                        at = pos % REPLY_ALIGN  # what lay on the boundary still does
+                        new[at:at + filled - pos] = mv[pos:filled]
+                        buf, mv, filled, pos, even = new, memoryview(new), at + filled - pos, at, False
+                    got = sock.recv_into(mv[filled:])
+                    if not got:
+                        raise redis.ConnectionError("Connection closed by server.")
+                    filled += got
+                    continue
+                t = buf[pos]
+                if t == 36:  # $: a bulk string, or $-1 (nil)
+                    try:
+                        size = int(buf[pos + 1:e])
+                    except ValueError:
+                        raise redis.ConnectionError(f"malformed reply header {bytes(buf[pos:e])[:40]!r}") from None
+                    if size < 0:
+                        append(None)
+                        pos, need, even = e + 2, 0, False
+                        continue
+                    end = e + 2 + size
+                    if end + 2 > filled:
+                        need = end + 2 - pos
+                        continue
+                    if self.first < 0:
+                        self.first = e + 2
+                    elif size != value_len or e + 2 - pos != header_len:
+                        even = False
+                    append(mv[e + 2:end])
+                    header, header_len, value_len = bytes(buf[pos:e + 2]), e + 2 - pos, size
+                    pos, need = end + 2, 0
+                elif t == 95:  # _: RESP3 null
+                    append(None)
+                    pos, need, even = e + 2, 0, False
+                elif t == 45:  # -: an error (MOVED, ASK, TRYAGAIN, ...): the stream stays intact
+                    append(redis.ResponseError(buf[pos + 1:e].decode("utf-8", "replace")))
+                    pos, need, even = e + 2, 0, False
+                else:
+                    raise redis.ConnectionError(f"unexpected reply type {chr(t)!r} to GET")
+            if pos != filled:  # bytes nobody asked for: the stream is out of step
+                raise redis.ConnectionError(f"{filled - pos} unexpected bytes after {n} GET replies")
+        except BaseException:
+            self.even = False  # the next connection starts where this one did: its views stay valid
+            raise
+        self.buf, self.mv, self.filled = buf, mv, pos
+        self.header, self.header_len, self.value_len, self.even = header, header_len, value_len, even
+        self.left -= n
+        return out
+
+    def run(self, order: list[int]) -> tuple[bytearray, int, int, list[int]] | None:
+        """The even run of this fetch's values (see :class:`Replies`), if they formed one."""
+        if not self.even or self.first < 0 or len(self.used) != 1:
+            return None
+        return self.buf, self.first, self.header_len + self.value_len + 2, order
+
+
+def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None = None) -> list[Any]:
+    """The next ``n`` ``GET`` replies on ``sock`` (see :meth:`Receiver.read`), in a receive area of their own."""
+    return Receiver(size_hint, 0, pool or BufferPool(), n).read(sock, n)
+
+
+def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int]]], out: list[Any], redirected: list[int],
+                    views: bool, receiver: Receiver) -> tuple[BaseException | None, list[int] | None]:
     """Read the ``GET`` replies of commands already sent on every connection; keep the connections consistent.
 
-    ``views``: values may be views of the receive buffers (see :func:`read_bulk_replies`), else ``bytes``.
+    Returns the first error met and the order in which the values were read (None if any was not: no run).
+    ``views``: values may be views of the receive buffers, else ``bytes``.
     """
     error: BaseException | None = None
-    used: list[bytearray] = []
-    for client, conn, idx, size_hint in conns:
+    order: list[int] | None = []
+    for client, conn, idx in conns:
         try:
             sock = _raw_socket(conn)
             if sock is not None:
-                replies = read_bulk_replies(sock, len(idx), size_hint, pool if views else None, used)
+                replies = receiver.read(sock, len(idx))
                 if not views:
                     replies = [bytes(v) if type(v) is memoryview else v for v in replies]
             else:
                 replies = read_replies(conn, len(idx))
+                receiver.even = False
             # MOVED/ASK/TRYAGAIN come back as error objects: followed by the caller
             for j, v in zip(idx, replies, strict=True):
                 if isinstance(v, BaseException):
                     redirected.append(j)
                 else:
                     out[j] = v
+            if order is not None:
+                order += idx
         except STORE_ERRORS as exc:
             conn.disconnect()
             error = error or exc
+            order = None
+        except BaseException:
+            conn.disconnect()  # out of step: never pooled so
+            raise
         finally:
             client.connection_pool.release(conn)
-    if views:
-        pool.give(used)
-    return error
+    receiver.pool.give(receiver.used)
+    return error, order
 
 
 _GET_HEADS = [b"*2\r\n$3\r\nGET\r\n$%d\r\n" % n for n in range(512)]  # by key length
@@ -309,17 +380,18 @@ class NodesBackend(Backend):
         out: list[Any] = [None] * len(keys)
         conns = []
         error: BaseException | None = None
-        per_reply = self.reply_bytes + 32
         for node, idx in self._group(keys).items():
             try:
                 conn = _send(self.clients[node], pack_gets([keys[j] for j in idx]), self.retry)
-                conns.append((self.clients[node], conn, idx, per_reply * len(idx)))
+                conns.append((self.clients[node], conn, idx))
             except STORE_ERRORS as exc:
                 error = error or exc
         # An error reply here (WRONGTYPE: a key of another type) leaves the value None, a miss, as MGET did.
-        read_error = _read_pipelined(conns, out, [], views, self.pool)
+        receiver = self._receiver(len(keys))
+        read_error, order = _read_pipelined(conns, out, [], views, receiver)
         self._learn(out)
-        return out, error or read_error
+        run = receiver.run(order) if views and order is not None and error is None and read_error is None else None
+        return Replies(out, run), error or read_error
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool) -> tuple[list[bool], BaseException | None]:
         done = [False] * len(items)
@@ -407,18 +479,21 @@ class ClusterBackend(Backend):
             at += len(idx)
             groups.append((primaries[i], idx, list(map(keys.__getitem__, idx))))
         conns = []
-        per_reply = self.reply_bytes + 32
         if any(node.redis_connection is None for node, _, _ in groups):  # checked before anything is sent
             self._refresh()
             return out, redis.ConnectionError("no connection to a cluster node")
         for node, idx, raw_keys in groups:
             client = node.redis_connection
             try:
-                conns.append((client, _send(client, pack_gets(raw_keys), self.retry), idx, per_reply * len(idx)))
+                conns.append((client, _send(client, pack_gets(raw_keys), self.retry), idx))
             except STORE_ERRORS as exc:
                 error = error or exc
         redirected: list[int] = []
-        error = error or _read_pipelined(conns, out, redirected, views, self.pool)
+        receiver = self._receiver(len(keys))
+        read_error, read_order = _read_pipelined(conns, out, redirected, views, receiver)
+        error = error or read_error
+        run = (receiver.run(read_order) if views and read_order is not None and error is None and not redirected
+               else None)
         if redirected:  # let RedisCluster follow MOVED/ASK and update its slot map
             self._slots = None
             try:
@@ -429,7 +504,7 @@ class ClusterBackend(Backend):
         if error is not None:
             self._refresh()
         self._learn(out)
-        return out, error
+        return Replies(out, run), error
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool) -> tuple[list[bool], BaseException | None]:
         try:

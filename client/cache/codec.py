@@ -8,7 +8,9 @@ Entry layout (little endian)::
                          of a dataset, compiled once into a decoder (:mod:`.plans`)
     tail     (tail_len): the fixed-size fields of this sample (numbers, shapes, offsets), 8 bytes each
     pad                : zeros up to a multiple of 64 bytes
-    data     (data_len): array, image, string and bytes contents, arrays on 64-byte boundaries
+    data     (data_len): array, image, string and bytes contents, arrays on 64-byte boundaries, then up to 31
+                         zero bytes (safe-codec entries) so that the entry's ``GET`` reply spans a multiple of 16
+                         bytes (:func:`~.values.reply_pad`); readers of this version ignore them
 
 The digest covers the key the entry was written under and everything after the digest (flags, lengths,
 skeleton, tail, data: one contiguous region, hashed in one call); magic, version and digest kind are
@@ -28,8 +30,10 @@ miss). Entries of format version 1 are misses, rewritten in this format.
 
 Decoding a reply buffer (``bytes``) that the caller hands over (``owned=True``) builds tensors directly on it,
 with no copy; otherwise arrays view one writable copy of the data region. :func:`decode_many` decodes a batch
-of entries (views of receive buffers, say) and copies every array leaf of the batch into one block, so its
-samples never hold on to the buffers they were read from. Pickle (flag bit 0) is written and
+of entries (views of receive buffers, say) by column. When the fetch says that its entries lie evenly in one
+receive buffer (:class:`~.backends.Replies`), the tensors of the batch are views of that buffer where they lie
+(it is then the samples' own: the buffer pool hands it out again only once no sample holds it); otherwise the
+array leaves of the batch are copied into one block. Pickle (flag bit 0) is written and
 read only with ``allow_pickle``; a pickled entry is a miss for a reader that did not opt in, never unpickled.
 """
 
@@ -42,8 +46,8 @@ import struct
 import zlib
 from typing import Any
 
-from .plans import PLANS, NotUniform, Rows, plan_for
-from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Encoder, pad
+from .plans import PLANS, Rows, plan_for
+from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Encoder, pad, reply_pad
 
 
 def _optional(module: str) -> Any:
@@ -127,6 +131,8 @@ def _assemble(key: bytes, secret: bytes | None, kind: int, flags: int, skeleton:
     meta_len = len(skeleton) + len(tail)
     data_start = HEADER_SIZE + meta_len
     data_start += pad(data_start)
+    if not flags:  # zeros after the arrays, so that entries keep their alignment back to back in a reply buffer
+        data_len += reply_pad(data_start + data_len)
     out = bytearray(data_start + data_len)
     out[HEADER_SIZE:HEADER_SIZE + meta_len] = bytes(skeleton) + tail
     for off, view in arrays:
@@ -220,25 +226,53 @@ def _whole_entry_reader(skeleton: bytes, tail: struct.Struct) -> tuple[Any, int,
     return whole.unpack_from, whole.size, fixed, data_start
 
 
-_FIXED_COLUMNS: dict[int, Any] = {}  # tail start -> the header columns compared at once
 UNIFORM_MIN = 8  # entries in a batch from which one of one skeleton and one length is decoded by numpy
+_NP: Any = None
+_QS: dict[int, Any] = {}  # n -> struct of n u64, for digests compared at once
+
+
+def _uniform_checks(plan: Any, tail_start: int, tail_len: int, start: int) -> Any:
+    """The byte columns that every entry of ``plan``'s skeleton has in common with the others of its length in a
+    batch: all before the data region but the digest and the tail's numbers (ints and floats vary by sample;
+    shapes, offsets and lengths may not, for the batch to be decoded together)."""
+    np = _NP
+    cols = [*range(0, _DIGEST_OFFSET), *range(_DIGEST_OFFSET + 8, tail_start)]
+    for j, code in enumerate(plan.tail.format[1:]):
+        if code == "Q":
+            cols += range(tail_start + 8 * j, tail_start + 8 * j + 8)
+    cols += range(tail_start + tail_len, start)
+    return np.array(cols, np.intp)
 
 
 def _decode_uniform(values: list[Any], keys: list[bytes]) -> list[Any] | None:
     """Entries of one skeleton and one length (a batch of a dataset of fixed-size samples), decoded with numpy
-    doing the per-entry work: side by side in one block (one copy), every fixed header byte and the skeleton
-    compared at once, one xxh3 per entry, tail fields read as columns, each array leaf split into per-sample
-    views of the block by one call. None when the batch is not such (a miss, another length, another kind of
-    entry, array shapes that differ): :func:`decode_many` then goes entry by entry, and finds any culprit.
+    doing the per-entry work: the batch is one ``(n, length)`` array, where the entries lie if the fetch says
+    they lie evenly in one receive buffer (:class:`~.backends.Replies`), else a copy of them side by side; every
+    byte the entries must share compared at once, one xxh3 per entry, tail numbers read as columns, each tensor
+    leaf split into per-sample views by one call. None when the batch is not such (a miss, another length,
+    another kind of entry, shapes that differ, a damaged entry): :func:`decode_many` then goes entry by entry, and
+    finds any culprit.
     """
-    import numpy as np
+    global _NP
+    if _NP is None:
+        import numpy
 
+        _NP = numpy
+    np = _NP
     try:
         if len(set(map(len, values))) != 1:
             return None
     except TypeError:  # a None: a miss among them
         return None
-    head = memoryview(values[0])
+    n = len(values)
+    run: Any = getattr(values, "run", None)
+    order: list[int] | None = None
+    if run is not None and len(run[3]) == n:
+        order = run[3]
+        head = values[order[0]]
+    else:
+        head = values[0]
+    head = memoryview(head)
     length = len(head)
     if head.itemsize != 1 or head.ndim != 1 or length < HEADER_SIZE:
         return None
@@ -251,41 +285,48 @@ def _decode_uniform(values: list[Any], keys: list[bytes]) -> list[Any] | None:
         plan = PLANS.get(skeleton) or plan_for(skeleton)
     except CorruptEntryError:
         return None
-    if plan.vector is None or plan.tail.size != tail_len or tail_len % 8:
+    if plan.vector is None or plan.tail.size != tail_len:
         return None
     if plan.fast is None:
         plan.fast = _whole_entry_reader(plan.skeleton, plan.tail)
-    fixed, start = plan.fast[2], plan.fast[3]
+    start = plan.fast[3]
     if start + data_len != length:
         return None
-    n = len(values)
-    block = bytearray().join(values)
-    rows = np.frombuffer(block, np.uint8).reshape(n, length)
-    # Every byte before the tail but the digest is the same in every entry of this skeleton and length.
-    cols = _FIXED_COLUMNS.get(tail_start)
-    if cols is None:
-        cols = _FIXED_COLUMNS[tail_start] = np.r_[0:8, 16:tail_start]
-    expected = np.frombuffer(_XXH_PREFIX + _PAD16 + fixed + _U64.pack(data_len) + skeleton, np.uint8)
-    ok = (rows[:, cols] == expected).all(1)
-    xxh3, flat, covered = xxhash.xxh3_64_intdigest, memoryview(block), length - _COVERED
-    starts = range(_COVERED, n * length, length)
-    digests = [xxh3(flat[a:a + covered], xxh3(k)) for a, k in zip(starts, keys, strict=True)]
-    ok &= np.array(digests, np.uint64) == rows[:, 8:16].copy().view("<u8")[:, 0]
-    tail = np.ascontiguousarray(rows[:, tail_start:tail_start + tail_len])
-    good = None if ok.all() else np.flatnonzero(ok)
-    if good is not None:
-        rows, tail = rows[good], tail[good]
+    if plan.uniform is None:
+        plan.uniform = _uniform_checks(plan, tail_start, tail_len, start)
+    xxh3 = xxhash.xxh3_64_intdigest
+    if order is not None:  # the entries where they lie: row r is the value of key order[r]
+        buf, first, stride = run[0], run[1], run[2]
+        if first + (n - 1) * stride + length > len(buf):
+            return None
+        rows = np.ndarray((n, length), np.uint8, buf, first, (stride, 1))
+        keys = list(map(keys.__getitem__, order))
+    else:
+        buf = bytearray().join(values)
+        first, stride = 0, length
+        rows = np.frombuffer(buf, np.uint8).reshape(n, length)
+    # The bytes every entry shares, equal to the first's; then the digests, all at once.
+    same = rows[:, plan.uniform]
+    if same.tobytes() != same[0].tobytes() * n:
+        return None
+    flat, covered = memoryview(buf), length - _COVERED
+    at = first + _COVERED
+    digests = [xxh3(flat[a:a + covered], xxh3(k)) for a, k in zip(range(at, at + n * stride, stride), keys, strict=True)]
+    qs = _QS.get(n)
+    if qs is None:
+        qs = _QS[n] = struct.Struct(f"<{n}Q")
+    if qs.pack(*digests) != rows[:, _DIGEST_OFFSET:_DIGEST_OFFSET + 8].tobytes():
+        return None
+    tail = np.ascontiguousarray(rows[:, tail_start:tail_start + tail_len]) if tail_len else None
+    align = (first | stride | 16) & -(first | stride | 16)  # receive buffers start on 16-byte boundaries
     try:
-        built = plan.vector(Rows(rows, tail, start)) if len(rows) else []
-    except (NotUniform, CorruptEntryError):
+        built = plan.vector(Rows(rows, tail, start, plan.tail.unpack_from(head, tail_start), align))
+    except Exception:  # shapes that numpy will not split, say: entry by entry
         return None
-    except Exception:  # a damaged entry among them (its digest matched: a forged shape, say)
-        return None
-    if good is None:
+    if order is None:
         return built
-    out: list[Any] = [Bad(CorruptEntryError("digest mismatch (corrupted, truncated, stored under another key)"))
-                      for _ in range(n)]
-    for j, sample in zip(good.tolist(), built, strict=True):
+    out: list[Any] = [None] * n
+    for j, sample in zip(order, built, strict=True):
         out[j] = sample
     return out
 

@@ -56,20 +56,37 @@ Column = Callable[[list[tuple[Any, ...]], list[Any]], list[Any]]
 
 
 class Rows:
-    """Many entries of one skeleton and one length, side by side: what a :data:`Vector` builds from.
+    """Many entries of one skeleton and one length: what a :data:`Vector` builds from.
 
-    ``rows``: a ``(m, length)`` uint8 array of the entries (writable; the built tensors may view it);
-    ``u``/``i``/``f``: the tail fields of every row as ``(m, fields)`` uint64/int64/float64 arrays; ``start``:
-    where the data region begins in a row.
+    ``rows``: an ``(m, length)`` uint8 array of the entries (writable; rows may lie apart, e.g. where they were
+    received; the built tensors may view it); ``tail``: the tail fields of every row as an ``(m, tail bytes)``
+    uint8 array (read as columns through :attr:`u`/:attr:`i`/:attr:`f`); ``first``: the first row's tail
+    fields, unpacked; ``start``: where the data region begins in a row; ``align``: a power of two that divides
+    the address of every row. Whoever makes a ``Rows`` has checked that the rows agree on every tail field but
+    numbers (shapes, offsets and lengths), so that the first row's stand for all.
     """
 
-    __slots__ = ("f", "i", "m", "rows", "start", "u")
+    __slots__ = ("align", "first", "m", "rows", "start", "tail")
 
-    def __init__(self, rows: Any, tail: Any, start: int) -> None:
+    def __init__(self, rows: Any, tail: Any, start: int, first: tuple[Any, ...], align: int = 1) -> None:
         self.rows = rows
         self.m = len(rows)
-        self.u, self.i, self.f = tail.view("<u8"), tail.view("<i8"), tail.view("<f8")
+        self.tail = tail
         self.start = start
+        self.first = first
+        self.align = align
+
+    @property
+    def u(self) -> Any:
+        return self.tail.view("<u8")
+
+    @property
+    def i(self) -> Any:
+        return self.tail.view("<i8")
+
+    @property
+    def f(self) -> Any:
+        return self.tail.view("<f8")
 
 
 class NotUniform(Exception):
@@ -89,11 +106,12 @@ class Plan:
     samples of many entries at once (:data:`Column`).
     """
 
-    __slots__ = ("arrays", "build", "column", "fast", "skeleton", "tail", "tensors", "vector")
+    __slots__ = ("arrays", "build", "column", "fast", "skeleton", "tail", "tensors", "uniform", "vector")
 
     def __init__(self, tail: struct.Struct, build: Build, tensors: bool, arrays: bool) -> None:
         self.skeleton = b""
         self.fast: Any = None  # the codec's whole-entry reader for this skeleton, made on first use
+        self.uniform: Any = None  # the codec's checks of a batch of this skeleton, made on first use
         self.tail = tail
         self.build = build
         self.column = column_of(build)
@@ -184,13 +202,9 @@ def _rows_block(tails: list[tuple[Any, ...]], datas: list[Any], s: int, e: int, 
 
 
 def _uniform_leaf(r: Rows, s: int, e: int) -> tuple[tuple[int, ...], int, int]:
-    """Shape, start in the row and length of an array leaf (tail fields ``s:e``, then offset and length), the
-    same in every row; :class:`NotUniform` otherwise."""
-    fields = r.u[:, s:e + 2]
-    first = fields[0]
-    if r.m > 1 and not (fields == first).all():
-        raise NotUniform
-    values = first.tolist()
+    """Shape, start in the row and length of an array leaf (tail fields ``s:e``, then offset and length): the
+    first row's, which every row shares (see :class:`Rows`)."""
+    values = r.first[s:e + 2]
     c0, nb = r.start + values[-2], values[-1]
     if c0 + nb > r.rows.shape[1]:
         raise CorruptEntryError(f"{nb} bytes at {c0} run past the {r.rows.shape[1]}-byte entry")
@@ -485,7 +499,7 @@ class _Compiler:
             if nb == 0:
                 return [empty(shape, dtype=dtype) for _ in range(r.m)]
             raw = r.rows[:, c0:c0 + nb]
-            if r.rows.shape[1] % itemsize or c0 % itemsize:  # the rows would be misaligned: a copy
+            if r.align % itemsize or c0 % itemsize:  # the rows would be misaligned: a copy
                 raw = np.ascontiguousarray(raw)
             return split(raw, (r.m, *shape))
 

@@ -56,6 +56,21 @@ def pad(n: int) -> int:
     return (-n) % ALIGN
 
 
+# A GET reply is "$<size>\r\n<entry>\r\n". Entries are padded (at the end of their data region) so that a
+# reply spans a multiple of this many bytes: back to back in a receive buffer, a batch's entries of one size
+# then all start on this boundary, and their arrays can be used where they lie (see backends.Receiver).
+REPLY_ALIGN = 16
+
+
+def reply_pad(size: int) -> int:
+    """Bytes to add to an entry of ``size`` bytes so that its ``GET`` reply spans a multiple of REPLY_ALIGN."""
+    for extra in range(2 * REPLY_ALIGN):
+        total = size + extra
+        if (total + len(str(total)) + 5) % REPLY_ALIGN == 0:
+            return extra
+    raise AssertionError("unreachable: the reply length takes every residue within 2 * REPLY_ALIGN")
+
+
 def _unsupported(path: str, t: type) -> TypeError:
     return TypeError(
         f"the safe cache codec cannot store {path} of type {t.__module__}.{t.__qualname__}: it stores "
