@@ -152,8 +152,9 @@ class BufferPool:
                 break
             if sys.getrefcount(buf) <= _FREE and len(buf) >= size:
                 return buf
-        # Rounded up to a power of two, so that a buffer fits the next batches, whose sizes vary a little.
-        return bytearray(1 << (size - 1).bit_length())
+        # An eighth more, so that a buffer fits the next batches, whose sizes vary a little. Not more: samples
+        # decoded where they lie keep their batch's whole buffer alive.
+        return bytearray(size + (size >> 3))
 
     def give(self, bufs: list[bytearray]) -> None:
         """Pool ``bufs`` (after a whole fetch: buffers given back while it runs would be forgotten as busy)."""
@@ -193,7 +194,9 @@ class Receiver:
 
     def __init__(self, size_hint: int, value_hint: int, pool: BufferPool, replies: int = 0) -> None:
         self.pool = pool
-        self.buf = pool.take(max(size_hint, MIN_CHUNK) + REPLY_ALIGN)
+        # Sized by the previous values (a buffer that fits is what lets a batch be decoded where it lies); the
+        # first fetch knows nothing and starts with a chunk.
+        self.buf = pool.take((size_hint if value_hint else max(size_hint, MIN_CHUNK)) + REPLY_ALIGN)
         self.used = [self.buf]  # the buffers filled: back to the pool once the fetch is over
         self.mv = memoryview(self.buf)
         self.filled = -(len(b"$%d\r\n" % value_hint)) % REPLY_ALIGN if value_hint else 0
@@ -280,10 +283,14 @@ class Receiver:
         return out
 
     def run(self, order: list[int]) -> tuple[bytearray, int, int, list[int]] | None:
-        """The even run of this fetch's values (see :class:`Replies`), if they formed one."""
+        """The even run of this fetch's values (see :class:`Replies`), if they formed one and fill most of their
+        buffer (samples decoded where they lie keep all of it alive: tiny batches in a large buffer are copied)."""
         if not self.even or self.first < 0 or len(self.used) != 1:
             return None
-        return self.buf, self.first, self.header_len + self.value_len + 2, order
+        stride = self.header_len + self.value_len + 2
+        if len(self.buf) > (self.first + stride * len(order)) * 5 // 4 + REPLY_ALIGN:
+            return None
+        return self.buf, self.first, stride, order
 
 
 def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None = None) -> list[Any]:
