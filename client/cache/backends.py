@@ -296,22 +296,16 @@ class Receiver:
         return self.buf, self.first, stride, order
 
 
-def read_bulk_replies(sock: Any, n: int, size_hint: int, pool: BufferPool | None = None) -> list[Any]:
-    """The next ``n`` ``GET`` replies on ``sock`` (see :meth:`Receiver.read`), in a receive area of their own."""
-    return Receiver(size_hint, 0, pool or BufferPool(), n).read(sock, n)
-
-
 def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int]]], out: list[Any], redirected: list[int],
-                    views: bool, receiver: Receiver, held: HeldConnections) -> tuple[BaseException | None,
-                                                                                      list[int] | None]:
+                    views: bool, receiver: Receiver, held: HeldConnections) -> tuple[BaseException | None, Any]:
     """Read the ``GET`` replies of commands already sent on every (held) connection. A connection whose replies
     were not all read is dropped, never used again.
 
-    Returns the first error met and the order in which the values were read (None if any was not: no run).
-    ``views``: values may be views of the receive buffers, else ``bytes``.
+    Returns the first error met and, with ``views``, the run of the values (see :class:`Replies`). ``views``:
+    values may be views of the receive buffers, else ``bytes``.
     """
     error: BaseException | None = None
-    order: list[int] | None = []
+    order: list[int] = []  # the keys in the order their values were received
     for client, conn, idx in conns:
         try:
             sock = _raw_socket(conn)
@@ -328,17 +322,16 @@ def _read_pipelined(conns: list[tuple[redis.Redis, Any, list[int]]], out: list[A
                     redirected.append(j)
                 else:
                     out[j] = v
-            if order is not None:
-                order += idx
+            order += idx
         except STORE_ERRORS as exc:
             held.drop(client, conn)
             error = error or exc
-            order = None
         except BaseException:
             held.drop(client, conn)  # out of step: never used so
             raise
     receiver.pool.give(receiver.used)
-    return error, order
+    # A failed read, an error reply (a redirection) or a nil leaves the receiver uneven: no run then.
+    return error, receiver.run(order) if views else None
 
 
 _GET_HEADS = [b"*2\r\n$3\r\nGET\r\n$%d\r\n" % n for n in range(512)]  # by key length
@@ -472,9 +465,8 @@ class NodesBackend(Backend):
                 error = error or exc
         # An error reply here (WRONGTYPE: a key of another type) leaves the value None, a miss, as MGET did.
         receiver = self._receiver(len(keys))
-        read_error, order = _read_pipelined(conns, out, [], views, receiver, self.held)
+        read_error, run = _read_pipelined(conns, out, [], views, receiver, self.held)
         self._learn(out)
-        run = receiver.run(order) if views and order is not None and error is None and read_error is None else None
         return Replies(out, run), error or read_error
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool) -> tuple[list[bool], BaseException | None]:
@@ -577,10 +569,8 @@ class ClusterBackend(Backend):
                 error = error or exc
         redirected: list[int] = []
         receiver = self._receiver(len(keys))
-        read_error, read_order = _read_pipelined(conns, out, redirected, views, receiver, self.held)
+        read_error, run = _read_pipelined(conns, out, redirected, views, receiver, self.held)
         error = error or read_error
-        run = (receiver.run(read_order) if views and read_order is not None and error is None and not redirected
-               else None)
         if redirected:  # let RedisCluster follow MOVED/ASK and update its slot map
             self._slots = None
             try:

@@ -227,15 +227,13 @@ def _whole_entry_reader(skeleton: bytes, tail: struct.Struct) -> tuple[Any, int,
 
 
 UNIFORM_MIN = 8  # entries in a batch from which one of one skeleton and one length is decoded by numpy
-_NP: Any = None
 _QS: dict[int, Any] = {}  # n -> struct of n u64, for digests compared at once
 
 
-def _uniform_checks(plan: Any, tail_start: int, tail_len: int, start: int) -> Any:
+def _uniform_checks(plan: Any, tail_start: int, tail_len: int, start: int, np: Any) -> Any:
     """The byte columns that every entry of ``plan``'s skeleton has in common with the others of its length in a
     batch: all before the data region but the digest and the tail's numbers (ints and floats vary by sample;
     shapes, offsets and lengths may not, for the batch to be decoded together)."""
-    np = _NP
     cols = [*range(0, _DIGEST_OFFSET), *range(_DIGEST_OFFSET + 8, tail_start)]
     for j, code in enumerate(plan.tail.format[1:]):
         if code == "Q":
@@ -253,12 +251,8 @@ def _decode_uniform(values: list[Any], keys: list[bytes]) -> list[Any] | None:
     another kind of entry, shapes that differ, a damaged entry): :func:`decode_many` then goes entry by entry, and
     finds any culprit.
     """
-    global _NP
-    if _NP is None:
-        import numpy
+    import numpy as np
 
-        _NP = numpy
-    np = _NP
     try:
         if len(set(map(len, values))) != 1:
             return None
@@ -293,7 +287,7 @@ def _decode_uniform(values: list[Any], keys: list[bytes]) -> list[Any] | None:
     if start + data_len != length:
         return None
     if plan.uniform is None:
-        plan.uniform = _uniform_checks(plan, tail_start, tail_len, start)
+        plan.uniform = _uniform_checks(plan, tail_start, tail_len, start, np)
     xxh3 = xxhash.xxh3_64_intdigest
     if order is not None:  # the entries where they lie: row r is the value of key order[r]
         buf, first, stride = run[0], run[1], run[2]

@@ -60,7 +60,7 @@ class Rows:
 
     ``rows``: an ``(m, length)`` uint8 array of the entries (writable; rows may lie apart, e.g. where they were
     received; the built tensors may view it); ``tail``: the tail fields of every row as an ``(m, tail bytes)``
-    uint8 array (read as columns through :attr:`u`/:attr:`i`/:attr:`f`); ``first``: the first row's tail
+    uint8 array (read as columns through :attr:`i`/:attr:`f`); ``first``: the first row's tail
     fields, unpacked; ``start``: where the data region begins in a row; ``align``: a power of two that divides
     the address of every row. Whoever makes a ``Rows`` has checked that the rows agree on every tail field but
     numbers (shapes, offsets and lengths), so that the first row's stand for all.
@@ -75,10 +75,6 @@ class Rows:
         self.start = start
         self.first = first
         self.align = align
-
-    @property
-    def u(self) -> Any:
-        return self.tail.view("<u8")
 
     @property
     def i(self) -> Any:

@@ -1,4 +1,4 @@
-"""Batched reads: GET replies received as views (``read_bulk_replies``), receive buffers reused
+"""Batched reads: GET replies received as views (``Receiver``), receive buffers reused
 (``BufferPool``), batches decoded by column and by numpy (``decode_many``): always equal to one-by-one
 ``decode``, a damaged entry a miss on its own."""
 
@@ -15,7 +15,7 @@ import redis
 import torch
 
 from bagua_lightning.client.cache import codec
-from bagua_lightning.client.cache.backends import BufferPool, Receiver, Replies, pack_gets, read_bulk_replies
+from bagua_lightning.client.cache.backends import BufferPool, Receiver, Replies, pack_gets
 from bagua_lightning.client.cache.values import REPLY_ALIGN, reply_pad
 
 from .test_cache_codec import SAMPLES, assert_same
@@ -47,6 +47,11 @@ def stream_reader(stream: bytes, chunk: int) -> Iterator[socket.socket]:
         writer.join(10)
         a.close()
         b.close()
+
+
+def read_bulk_replies(sock: socket.socket, n: int, size_hint: int) -> list[Any]:
+    """The next ``n`` GET replies on ``sock``, in a receive area of their own."""
+    return Receiver(size_hint, 0, BufferPool(), n).read(sock, n)
 
 
 def bulk(value: bytes | None) -> bytes:
