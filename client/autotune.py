@@ -236,7 +236,8 @@ class AutotuneClient:
         timeout_s: deadline of each attempt, in seconds.
         retry: retry policy for UNAVAILABLE / DEADLINE_EXCEEDED (default: :func:`default_retry`).
         token: bearer token sent with every call (``authorization`` metadata); None: from
-            :func:`bagua_lightning.services_file.resolve_autotune_token` (none when unset).
+            :func:`bagua_lightning.services_file.resolve_autotune_token`: ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, else
+            the services file's token when ``target`` is the service that file records, else none.
         tls: connect over TLS (the system's root certificates unless ``root_certificates``).
         root_certificates: PEM of the CA that signed the server's certificate (bytes, or a
             file path); implies ``tls``.
@@ -257,7 +258,7 @@ class AutotuneClient:
         if token is None:
             from ..services_file import resolve_autotune_token
 
-            token = resolve_autotune_token()
+            token = resolve_autotune_token(self.target)
         if token is not None and (not isinstance(token, str) or not token.strip() or "\n" in token):
             raise ValueError("token must be a non-empty single-line string (or None for no token)")
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()

@@ -52,10 +52,10 @@ def _store(args: argparse.Namespace) -> Any:
     options: dict[str, Any] = {"username": args.username, "ssl": args.ssl, "socket_timeout_s": 10.0}
     if args.hosts:
         hosts = parse_host_list(args.hosts, "--hosts")
-        return RedisStore(hosts=hosts, password=password or resolve_redis_password(), **options)
+        return RedisStore(hosts=hosts, password=password or resolve_redis_password(hosts), **options)
     resolved = resolve_redis_hosts()
     if resolved is not None:
-        return RedisStore(hosts=resolved[0], password=password or resolve_redis_password(), **options)
+        return RedisStore(hosts=resolved[0], password=password or resolve_redis_password(resolved[0]), **options)
     server = read_server()
     if server is not None and is_alive(server):
         return RedisStore(hosts=[format_address(server.host, server.port)], password=password or server.password,

@@ -83,11 +83,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         report = {}
         if args.autotune:
             parse_address(args.autotune, "--autotune")
-            report["autotune"] = check_autotune(args.autotune, args.timeout, token=resolve_autotune_token(),
+            report["autotune"] = check_autotune(args.autotune, args.timeout, token=resolve_autotune_token(args.autotune),
                                                 tls_ca=tls_ca)
         if args.redis:
-            report["redis"] = check_redis(parse_host_list(args.redis, "--redis"), not args.single,
-                                          resolve_redis_password(), args.timeout)
+            named = parse_host_list(args.redis, "--redis")
+            report["redis"] = check_redis(named, not args.single, resolve_redis_password(named), args.timeout)
     else:
         info = read_services_file()
         report = deploy.running_services(info)
@@ -99,9 +99,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 [{"host": deploy.DEFAULT_HOST, "port": deploy.DEFAULT_REDIS_PORT + i} for i in range(3)], True)
             print(f"no services recorded at {services_file_path()} (`bagua-lightning up` records them); "
                   "checking the environment's or the default addresses", file=sys.stderr)
-            report = {"autotune": check_autotune(autotune, args.timeout, token=resolve_autotune_token(),
+            report = {"autotune": check_autotune(autotune, args.timeout, token=resolve_autotune_token(autotune),
                                                  tls_ca=tls_ca),
-                      "redis": check_redis(hosts, cluster, resolve_redis_password(), args.timeout)}
+                      "redis": check_redis(hosts, cluster, resolve_redis_password(hosts), args.timeout)}
         local = _local_health()
         if local is not None:
             report["node-local redis"] = local

@@ -74,7 +74,7 @@ class BaguaStrategy(DDPStrategy):
             ``bagua-lightning up`` writes, else ``127.0.0.1:29600``.
         autotune_interval: steps between two autotune step boundaries (report, ask, apply).
         autotune_token: bearer token of the autotune service; None: ``BAGUA_LIGHTNING_AUTOTUNE_TOKEN``
-            (or the services file), else no token.
+            (or the services file's token when the service is the one that file records), else no token.
         autotune_tls: True: talk TLS with the system's root certificates; a path: TLS with
             that PEM file as the CA of the service's certificate; False: plaintext.
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``,

@@ -21,7 +21,8 @@ class RedisOptions:
     """Connection options of :class:`RedisStore` (its ``**options``).
 
     Attributes:
-        password: AUTH password; None: the deployment's (``resolve_redis_password()``).
+        password: AUTH password; None: ``$BAGUA_LIGHTNING_REDIS_PASSWORD``, else the deployment's password
+            when every host is a node the services file records (:meth:`resolve_password`), else none.
         username: ACL user (Redis 6+); None: the default user.
         ssl: connect with TLS.
         ssl_ca_certs: CA bundle to verify the servers (TLS).
@@ -49,8 +50,6 @@ class RedisOptions:
     start_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.password is None:
-            self.password = resolve_redis_password()
         if self.ssl_cert_reqs not in ("required", "optional", "none"):
             raise ConfigurationError(f"ssl_cert_reqs={self.ssl_cert_reqs!r}; use 'required', 'optional' or 'none'.")
         for name in ("socket_timeout_s", "connect_timeout_s", "start_timeout_s"):
@@ -58,6 +57,12 @@ class RedisOptions:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be > 0 seconds.")
         if self.retries < 0 or self.backoff_cap_s < 0:
             raise ConfigurationError(f"retries={self.retries}, backoff_cap_s={self.backoff_cap_s} must be >= 0.")
+
+    def resolve_password(self, hosts: Sequence[tuple[str, int]]) -> None:
+        """Fill in an unset password for ``hosts`` (:func:`~bagua_lightning.services_file.resolve_redis_password`:
+        the services file's password goes only to the nodes it records)."""
+        if self.password is None:
+            self.password = resolve_redis_password(hosts)
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> RedisOptions:

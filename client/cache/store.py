@@ -241,6 +241,8 @@ class RedisStore(Store):
                 elif servers.local is not None and servers.started_here:
                     self.managed_pid = servers.local.pid
         self.hosts = parse_hosts(hosts)
+        if not self.local:  # a node-local server's password came with its address
+            self.options.resolve_password(self.hosts)
         self._backend_obj: Backend | None = None
         self._pid = os.getpid()
         self._creator_pid = self._pid

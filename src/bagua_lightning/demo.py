@@ -89,10 +89,11 @@ class Endpoints:
         return {ENV_AUTOTUNE: self.autotune, ENV_REDIS_HOSTS: ",".join(self.redis_hosts), **self.secrets}
 
 
-def _secrets() -> dict[str, str]:
-    # Resolved before the jobs get explicit addresses (which turn off the services file's secrets).
-    key = resolve_cache_key()
-    found = {ENV_REDIS_PASSWORD: resolve_redis_password(), ENV_AUTOTUNE_TOKEN: resolve_autotune_token(),
+def _secrets(autotune: str, hosts: list[dict[str, Any]]) -> dict[str, str]:
+    # The secrets for exactly these addresses (the services file's go only to the addresses it records),
+    # handed to the jobs explicitly through their environment.
+    key = resolve_cache_key(hosts)
+    found = {ENV_REDIS_PASSWORD: resolve_redis_password(hosts), ENV_AUTOTUNE_TOKEN: resolve_autotune_token(autotune),
              ENV_CACHE_KEY: key.decode() if key else None}
     return {k: v for k, v in found.items() if v}
 
@@ -122,7 +123,7 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
     resolved = resolve_redis_hosts()
     hosts, cluster = resolved if resolved is not None else (
         [{"host": cfg.host, "port": cfg.redis_port + i} for i in range(cfg.nodes)], True)
-    secrets = _secrets()
+    secrets = _secrets(autotune, hosts)
     health = {"autotune": check_autotune(autotune, timeout_s, token=secrets.get(ENV_AUTOTUNE_TOKEN)),
               "redis": check_redis(hosts, cluster, secrets.get(ENV_REDIS_PASSWORD), timeout_s)}
     if all(h.healthy for h in health.values()):
@@ -135,7 +136,8 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
             f"(`docker compose up -d --wait`), or unset both variables to let the demo start its own")
     info = deploy.ensure_up(cfg)
     return Endpoints(autotune=str(info.autotune), redis_hosts=[_hostport(h) for h in info.redis_hosts],
-                     cluster=info.redis_cluster, how="started", secrets=_secrets())
+                     cluster=info.redis_cluster, how="started",
+                     secrets=_secrets(str(info.autotune), info.redis_hosts))
 
 
 def clear_demo_cache(endpoints: Endpoints, dataset_name: str) -> int:

@@ -26,8 +26,10 @@ The file is JSON (mode 0600)::
 Secrets are never written here, only the paths of the owner-only (0600) files that hold them. Each secret
 is resolved as: its environment variable (``BAGUA_LIGHTNING_REDIS_PASSWORD``,
 ``BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, ``BAGUA_LIGHTNING_CACHE_KEY``), else the file the services file names,
-as long as the matching address also comes from the services file (a password meant for the recorded
-Redis is never sent to a server named by ``BAGUA_LIGHTNING_REDIS_HOSTS``).
+but only for an address the same services file records: the recorded password goes only to the recorded
+Redis nodes and the recorded token only to the recorded autotune service, whoever names the address (an
+argument, ``BAGUA_LIGHTNING_REDIS_HOSTS``, ``status --redis``). Another address gets a secret only when
+the user passes that secret explicitly (argument or environment variable).
 
 Every address is validated where it enters (here for the environment and the file): a parseable host and
 a port in 1..65535. A services file that exists but cannot be parsed is an error naming the file, never a
@@ -41,6 +43,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,26 +293,97 @@ def resolve_redis_hosts() -> tuple[list[dict[str, Any]], bool] | None:
     return None
 
 
-def _recorded_secret(name: str, unless_env: str) -> str | None:
-    # A secret from the services file only goes with the address from the same file.
-    if os.environ.get(unless_env):
-        return None
-    info = read_services_file()
+def _address_key(host: str, port: int) -> tuple[str, int]:
+    """``(host, port)`` in one spelling: IP addresses compressed, names lower-cased, IPv6 brackets dropped."""
+    bare = host.strip("[]")
+    try:
+        bare = ipaddress.ip_address(bare).compressed
+    except ValueError:
+        bare = bare.lower()
+    return bare, int(port)
+
+
+def _addresses(hosts: Iterable[Any]) -> set[tuple[str, int]]:
+    """``{(host, port)}`` of ``[{"host", "port"}, ...]``, ``[(host, port), ...]`` or ``["host:port", ...]``."""
+    out = set()
+    for item in hosts:
+        if isinstance(item, Mapping):
+            host, port = item.get("host"), item.get("port")
+        elif isinstance(item, str):
+            host, port = parse_address(item, "Redis host")
+        else:
+            host, port = item
+        out.add(_address_key(str(host), int(port)))  # type: ignore[arg-type]
+    return out
+
+
+def _recorded_secret(name: str, info: ServicesInfo | None) -> str | None:
     path = info.secrets.get(name) if info is not None else None
     return read_secret(path) if path else None
 
 
-def resolve_redis_password() -> str | None:
-    """``$BAGUA_LIGHTNING_REDIS_PASSWORD``, else the password file the services file names, else None."""
-    return os.environ.get(ENV_REDIS_PASSWORD) or _recorded_secret("redis_password", ENV_REDIS_HOSTS)
+def is_recorded_redis(hosts: Iterable[Any], info: ServicesInfo | None = None) -> bool:
+    """True when every address of ``hosts`` is a Redis node that the services file records."""
+    info = info if info is not None else read_services_file()
+    wanted = _addresses(hosts)
+    return info is not None and bool(wanted) and wanted <= _addresses(info.redis_hosts)
 
 
-def resolve_autotune_token() -> str | None:
-    """``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, else the token file the services file names, else None."""
-    return os.environ.get(ENV_AUTOTUNE_TOKEN) or _recorded_secret("autotune_token", ENV_AUTOTUNE)
+def is_recorded_autotune(address: str, info: ServicesInfo | None = None) -> bool:
+    """True when ``address`` (``host:port``) is the autotune service that the services file records."""
+    info = info if info is not None else read_services_file()
+    if info is None or not info.autotune:
+        return False
+    return _address_key(*parse_address(address, "autotune address")) == _address_key(
+        *parse_address(info.autotune, "'autotune'"))
 
 
-def resolve_cache_key() -> bytes | None:
-    """``$BAGUA_LIGHTNING_CACHE_KEY``, else the key file the services file names, else None (CRC only)."""
-    key = os.environ.get(ENV_CACHE_KEY) or _recorded_secret("cache_key", ENV_REDIS_HOSTS)
+# A secret the services file names goes only to an address the same file records: a server named by an
+# argument, an environment variable or a command-line flag gets a secret only when the user passes that
+# secret explicitly too (argument or environment variable). A listener on a port the user typed, a stale
+# address, or a server that took over a recorded port after `down` never sees the deployment's secrets.
+
+
+def resolve_redis_password(hosts: Iterable[Any]) -> str | None:
+    """The password to send to the Redis nodes ``hosts``.
+
+    ``$BAGUA_LIGHTNING_REDIS_PASSWORD`` when set (the user's explicit choice), else the password file the
+    services file names when every node of ``hosts`` is one the same file records, else None.
+
+    Args:
+        hosts: the nodes the password would be sent to: ``{"host", "port"}`` dicts, ``(host, port)`` pairs or
+            ``"host:port"`` strings.
+    """
+    if os.environ.get(ENV_REDIS_PASSWORD):
+        return os.environ[ENV_REDIS_PASSWORD]
+    info = read_services_file()
+    return _recorded_secret("redis_password", info) if is_recorded_redis(hosts, info) else None
+
+
+def resolve_autotune_token(address: str) -> str | None:
+    """The bearer token to send to the autotune service at ``address`` (``host:port``).
+
+    ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN`` when set, else the token file the services file names when
+    ``address`` is the autotune service the same file records, else None.
+    """
+    if os.environ.get(ENV_AUTOTUNE_TOKEN):
+        return os.environ[ENV_AUTOTUNE_TOKEN]
+    info = read_services_file()
+    return _recorded_secret("autotune_token", info) if is_recorded_autotune(address, info) else None
+
+
+def resolve_cache_key(hosts: Iterable[Any] | None = None) -> bytes | None:
+    """The key that authenticates cache entries: ``$BAGUA_LIGHTNING_CACHE_KEY``, else the key file the services
+    file names, else None (unkeyed digests).
+
+    The key never leaves the process (entries carry a MAC, not the key). The recorded key belongs to the
+    recorded Redis: with ``hosts`` (or ``$BAGUA_LIGHTNING_REDIS_HOSTS``) naming other servers it is not used.
+    """
+    key = os.environ.get(ENV_CACHE_KEY)
+    if not key:
+        info = read_services_file()
+        if hosts is None and os.environ.get(ENV_REDIS_HOSTS):
+            hosts = parse_host_list(os.environ[ENV_REDIS_HOSTS], f"${ENV_REDIS_HOSTS}")
+        if hosts is None or is_recorded_redis(hosts, info):
+            key = _recorded_secret("cache_key", info)
     return key.encode() if key else None

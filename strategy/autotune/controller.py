@@ -87,8 +87,8 @@ class AutotuneSettings:
             (0: at the next boundary); None: ``interval // 4``.
         aggregate_reports: True: one report per interval for the whole job (rank 0,
             after an ``all_gather``); False: every rank reports its own (Bagua's protocol).
-        token: bearer token for the service; None: ``BAGUA_LIGHTNING_AUTOTUNE_TOKEN`` or
-            the services file (no token when neither has one).
+        token: bearer token for the service; None: ``BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, or the services
+            file's token when ``address`` is the service that file records (no token otherwise).
         tls: connect over TLS.
         root_certificates: PEM file of the CA of the service's certificate (implies TLS).
     """

@@ -245,14 +245,13 @@ def test_up_makes_secrets_hands_them_over_by_file_and_environment_only(state: Pa
     (node,) = info.redis_hosts
     with redis.Redis(host=node["host"], port=node["port"]) as anonymous, pytest.raises(redis.AuthenticationError):
         anonymous.ping()
-    assert services_file.resolve_redis_password() == secrets["redis_password"]
-    assert services_file.resolve_autotune_token() == secrets["autotune_token"]
+    assert services_file.resolve_redis_password(info.redis_hosts) == secrets["redis_password"]
+    assert services_file.resolve_autotune_token(str(info.autotune)) == secrets["autotune_token"]
     assert services_file.resolve_cache_key() == secrets["cache_key"].encode()
-    # A server named by the environment never gets the recorded password; the environment wins.
-    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", f"127.0.0.1:{free_port()}")
-    assert services_file.resolve_redis_password() is None
+    # A server the deployment does not record never gets the recorded password; the environment wins.
+    assert services_file.resolve_redis_password([f"127.0.0.1:{free_port()}"]) is None
     monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", "from-env")
-    assert services_file.resolve_redis_password() == "from-env"
+    assert services_file.resolve_redis_password([f"127.0.0.1:{free_port()}"]) == "from-env"
 
     deploy.down()
     assert not any(Path(p).exists() for p in info.secrets.values())

@@ -66,7 +66,8 @@ def start_redis_server_cli(port: int, capacity: int, *args: str) -> None:
     if int(capacity) <= 0:
         raise ConfigurationError(f"capacity={capacity!r}; give a positive number of bytes.")
     folder = tempfile.mkdtemp(prefix=f"bagua-lightning-redis-{port}-")
-    password = resolve_redis_password()
+    # The password its clients (RedisStore(hosts=[127.0.0.1:port])) resolve for this address.
+    password = resolve_redis_password([("127.0.0.1", int(port))])
     config = [f"port {int(port)}", "bind 127.0.0.1", "protected-mode yes", "daemonize yes",
               f"dir {shlex.quote(folder)}", f"pidfile {shlex.quote(folder + '/redis.pid')}", 'logfile ""',
               f"maxmemory {int(capacity)}", "maxmemory-policy allkeys-lfu", "appendonly no", 'save ""']
