@@ -6,10 +6,12 @@ Launch with torchrun (NCCL on GPUs, Gloo on CPU)::
     torchrun --nproc_per_node 2 benchmarks/allreduce_vs_ddp.py --model tiny    # CPU smoke check
 
 Every variant trains its own copy of the same model (same initial weights, same
-batches, same AdamW); all copies live side by side, warm up for ``--warmup`` steps,
-then take turns in timed blocks of ``--steps`` steps for ``--rounds`` rounds (order
-rotated every round) so that drift of the machine hits all of them alike. The median
-samples/s per variant is reported with its ratio to DDP.
+batches, same AdamW); all copies live side by side and warm up for ``--warmup`` steps.
+Then each of ``--rounds`` rounds runs ONE step of every variant, in an order shuffled
+per round (the same on every rank), each step timed between two device synchronisations
+(``benchmarks/interleaved.py``). Reported per variant: the median step time and the speed
+against DDP, ``median(DDP) / median(variant)``, with its 95 % bootstrap interval; an
+interval that contains 1 is "no difference".
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +31,9 @@ from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.strategy.algorithms.base import get_algorithm_class
 from bagua_lightning.strategy.comm import CommContext
 from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleaved import interleave, speeds  # a sibling module of the benchmarks
 
 SIZES = {  # vocab, width, layers, heads
     "100m": (32000, 768, 12, 12),
@@ -82,7 +87,7 @@ class Runner:
         self.variant, self.args, self.device, self.comm, self.batches = variant, args, device, comm, batches
         self.model, self.opt = build(variant, args, device, comm)
         self.i = 0
-        self.block(args.warmup)
+        self.warm_up(args.warmup)
 
     def step(self) -> None:
         x, y = self.batches[self.i % len(self.batches)]
@@ -94,14 +99,10 @@ class Runner:
         loss.backward()
         self.opt.step()
 
-    def block(self, steps: int) -> float:
-        """Samples/s (all ranks) over ``steps`` steps."""
-        sync(self.device)
-        t0 = time.perf_counter()
+    def warm_up(self, steps: int) -> None:
         for _ in range(steps):
             self.step()
         sync(self.device)
-        return steps * self.args.batch_size * self.comm.world_size / (time.perf_counter() - t0)
 
     def timings(self) -> str | None:
         if not isinstance(self.model, BaguaDistributedDataParallel):
@@ -119,9 +120,9 @@ class Runner:
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device (no barrier: the ranks are in lockstep through the step's collectives)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    dist.barrier()
 
 
 def main() -> None:
@@ -129,9 +130,9 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(SIZES), default="100m")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 16 GPU, 4 CPU)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512 GPU, 32 CPU)")
-    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=8, help="timed blocks per variant")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first")
+    p.add_argument("--rounds", type=int, default=60, help="timed steps per variant (one per round)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-round shuffle (same on every rank)")
     p.add_argument("--bucket-size", type=int, default=10 * 1024**2, help="bytes per Bagua bucket")
     p.add_argument("--variants", default="ddp,gradient_allreduce,bytegrad,decentralized")
     p.add_argument("--json", default=None, help="also write the results here (rank 0)")
@@ -158,14 +159,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(1 + comm.rank)
     batches = [(torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device),
                 torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device)) for _ in range(4)]
-    # All variants live side by side and take turns in short blocks (order rotated every
-    # round), so that clock and thermal drift of the machine hit them alike.
     runners = [Runner(v, args, device, comm, batches) for v in variants]
-    samples: dict[str, list[float]] = {v: [] for v in variants}
-    for r in range(args.rounds):
-        for k in range(len(runners)):
-            runner = runners[(k + r) % len(runners)]
-            samples[runner.variant].append(runner.block(args.steps))
+    times = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device),
+                       seed=args.seed)
     timings = {runner.variant: runner.timings() for runner in runners}
     for runner in runners:
         runner.close()
@@ -173,20 +169,20 @@ def main() -> None:
         n_params = sum(p.numel() for p in Transformer(*SIZES[args.model], args.seq_len).parameters())
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         print(f"model {args.model} ({n_params / 1e6:.1f}M params), {comm.world_size} x {name}, "
-              f"batch {args.batch_size}x{args.seq_len} per rank, {args.steps} steps x {args.rounds} rounds")
-        base = statistics.median(samples["ddp"]) if "ddp" in samples else None
+              f"batch {args.batch_size}x{args.seq_len} per rank, {args.rounds} interleaved steps per variant; "
+              "speed vs DDP = median(DDP) / median(variant) [95 % bootstrap interval]")
+        baseline = "ddp" if "ddp" in times else variants[0]
         result = {}
-        for v in variants:
-            med = statistics.median(samples[v])
-            ratio = med / base if base else float("nan")
-            result[v] = {"samples_per_s": med, "ratio_vs_ddp": ratio, "all": samples[v]}
-            print(f"{v:>28}: {med:10.1f} samples/s  x{ratio:.3f} vs DDP  (rounds: "
-                  + ", ".join(f"{s:.1f}" for s in samples[v]) + ")")
-            if timings.get(v):
-                print(f"{'':>30}last measured step: {timings[v]}")
+        for sp in speeds(times, baseline):
+            result[sp.variant] = {**sp.to_json(), "samples_per_s":
+                                  1000.0 * args.batch_size * comm.world_size / sp.median_ms,
+                                  "step_ms": times[sp.variant]}
+            print(sp.row())
+            if timings.get(sp.variant):
+                print(f"{'':>32}last measured step: {timings[sp.variant]}")
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"world_size": comm.world_size, "device": name, "params": n_params,
+                json.dump({"world_size": comm.world_size, "device": name, "params": n_params, "baseline": baseline,
                            "args": vars(args), "results": result}, fh, indent=1)
     comm.destroy_groups()
     dist.destroy_process_group()

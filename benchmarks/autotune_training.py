@@ -15,13 +15,13 @@ Phases, every rank in lock-step:
    :class:`~bagua_lightning.strategy.autotune.AutotuneController` (reports every
    ``--interval`` steps); *steps until settled* is the step at which the last new plan
    was applied (or the step at which the service reported tuning completed, if later).
-2. **timed rounds**: every variant -- DDP (default 25 MiB buckets), ``gradient_allreduce``
+2. **interleaved steps**: every variant -- DDP (default 25 MiB buckets), ``gradient_allreduce``
    with fixed bucket sizes ``--sweep`` (MiB), and ``gradient_allreduce`` on the tuned plan --
-   trains its own copy of the model (same weights, same batches) in blocks of ``--steps``
-   steps for ``--rounds`` rounds, order rotated every round so machine drift hits all alike.
-   The median samples/s of each is printed; the tuned plan's ratio to the best sweep point
-   and to DDP is the result, from the median blocks and from the fastest blocks (interference
-   from outside only slows blocks down, so the fastest block is the least disturbed).
+   trains its own copy of the model (same weights, same batches); each of ``--rounds`` rounds
+   runs one step of every variant in a shuffled order (the same on every rank), each step
+   timed between device synchronisations (``benchmarks/interleaved.py``). The result is the
+   tuned plan's speed against the best sweep point and against DDP,
+   ``median(other) / median(tuned)``, with 95 % bootstrap intervals.
 
 ``--netns`` (root, iproute2; CPU only) runs the two ranks in two network namespaces joined
 by a veth pair shaped to ``--rate``, reusing ``benchmarks/slow_network.py``'s ``two_hosts``.
@@ -57,9 +57,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tune-steps", type=int, default=200, help="steps of the tuning phase")
     p.add_argument("--interval", type=int, default=10, help="autotune_interval, steps")
     p.add_argument("--max-samples", type=int, default=10, help="the service's --max-samples")
-    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=40, help="timed steps per variant (one per round)")
+    p.add_argument("--steps", type=int, default=10, help="steps per variant of the --phases diagnostic")
     p.add_argument("--service", default="", help="host:port of a running service (default: start one)")
     p.add_argument("--netns", action="store_true", help="CPU: two ranks in two shaped network namespaces")
     p.add_argument("--rate", default="1gbit", help="veth rate with --netns (tc syntax)")
@@ -81,6 +81,7 @@ def worker(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(HERE))
     from allreduce_vs_ddp import Transformer  # the same code-built model as the DDP benchmark
+    from interleaved import bootstrap_ratio, interleave
 
     from bagua_lightning.strategy.algorithms.base import get_algorithm_class
     from bagua_lightning.strategy.autotune import AutotuneController, AutotuneSettings
@@ -188,40 +189,33 @@ def worker(args: argparse.Namespace) -> None:
             variants[f"fixed {mib} MiB"] = (bagua(m, o, mib * 1024**2), o)
         m, o = make()
         variants["autotuned"] = (bagua(m, o, 10 * 1024**2, plan=tuned_plan), o)
-        speeds: dict[str, list[float]] = {k: [] for k in variants}
         for w, o in variants.values():
             for i in range(args.warmup):
                 step(w, o, i)
-        names = list(variants)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+        counters = dict.fromkeys(variants, args.warmup)
+
+        def one_step(name: str) -> Any:
+            def run() -> None:
                 w, o = variants[name]
-                sync()
-                dist.barrier()
-                start = time.monotonic()
-                for i in range(args.steps):
-                    step(w, o, i)
-                sync()
-                speeds[name].append(args.steps * args.batch * world / (time.monotonic() - start))
-        median = {k: statistics.median(v) for k, v in speeds.items()}
+                step(w, o, counters[name])
+                counters[name] += 1
+            return run
+        times = interleave({name: one_step(name) for name in variants}, args.rounds, sync=sync)
+        median = {k: statistics.median(v) for k, v in times.items()}  # ms per step
         phases = phase_times(variants, step, args.steps, cuda) if args.phases else {}
         all_phases: list[Any] = [None] * world
         if phases:
             dist.all_gather_object(all_phases, {"phases": phases, "memory": memory_note(cuda)})
-        best_fixed = max((k for k in median if k.startswith("fixed")), key=lambda k: median[k])
-        # The fastest block of each variant: interference from outside (a slowed host or GPU) only ever
-        # slows a block down, so the fastest one is the least disturbed (as ``timeit`` takes the minimum).
-        top = {k: max(v) for k, v in speeds.items()}
-        best_fixed_top = max((k for k in top if k.startswith("fixed")), key=lambda k: top[k])
+        best_fixed = min((k for k in median if k.startswith("fixed")), key=lambda k: median[k])
+        vs_best = bootstrap_ratio(times[best_fixed], times["autotuned"])
+        vs_ddp = bootstrap_ratio(times["ddp"], times["autotuned"])
         result = {
             "model": args.model, "world_size": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
             "params": sum(p.numel() for p in make()[0].parameters()), "netns": args.netns, "rate": args.rate,
-            "samples_per_s": median, "best_fixed": best_fixed,
-            "autotuned_vs_best_fixed": median["autotuned"] / median[best_fixed],
-            "autotuned_vs_ddp": median["autotuned"] / median["ddp"],
-            "fastest_block_samples_per_s": top, "best_fixed_fastest_block": best_fixed_top,
-            "autotuned_vs_best_fixed_fastest_block": top["autotuned"] / top[best_fixed_top],
-            "autotuned_vs_ddp_fastest_block": top["autotuned"] / top["ddp"],
+            "step_ms": median, "samples_per_s": {k: 1000.0 * args.batch * world / v for k, v in median.items()},
+            "best_fixed": best_fixed, "rounds": args.rounds,
+            "autotuned_vs_best_fixed": vs_best[0], "autotuned_vs_best_fixed_ci95": list(vs_best[1:]),
+            "autotuned_vs_ddp": vs_ddp[0], "autotuned_vs_ddp_ci95": list(vs_ddp[1:]),
             "steps_until_settled": settled, "completed_at": completed_at, "tune_steps": args.tune_steps,
             "tune_s": tune_s, "interval": args.interval, "plans_applied": len(applied),
             "tuned_plan": {"buckets": len(tuned_plan.buckets), "bucket_mib": [round(b / 2**20, 2) for b in
@@ -300,8 +294,8 @@ def report(result: dict[str, Any]) -> None:
     print(f"\n{result['model']} ({result['params'] / 1e6:.1f}M params), {result['world_size']} ranks on "
           f"{result['device']}{' over netns at ' + result['rate'] if result['netns'] else ''}")
     for name, speed in result["samples_per_s"].items():
-        print(f"  {name:>16}: {speed:10.1f} samples/s (median block), "
-              f"{result['fastest_block_samples_per_s'][name]:10.1f} (fastest block)")
+        print(f"  {name:>16}: {result['step_ms'][name]:9.2f} ms/step (median of {result['rounds']} interleaved), "
+              f"{speed:10.1f} samples/s")
     print(f"  tuned plan: {result['tuned_plan']}")
     for name, t in result.get("last_step_timings", {}).items():
         print(f"  {name:>16}: last measured step {t}")
@@ -309,11 +303,11 @@ def report(result: dict[str, Any]) -> None:
         print(f"  rank {rank}: {entry['memory']}")
         for name, (fwd, bwd, opt) in entry["phases"].items():
             print(f"    {name:>16}: forward {fwd:7.2f} ms, backward+comm {bwd:7.2f} ms, optimizer {opt:6.2f} ms")
-    print(f"  autotuned / best fixed ({result['best_fixed']}): {result['autotuned_vs_best_fixed']:.3f}x")
-    print(f"  autotuned / DDP default: {result['autotuned_vs_ddp']:.3f}x")
-    print(f"  fastest blocks: autotuned / best fixed ({result['best_fixed_fastest_block']}): "
-          f"{result['autotuned_vs_best_fixed_fastest_block']:.3f}x, autotuned / DDP default: "
-          f"{result['autotuned_vs_ddp_fastest_block']:.3f}x")
+    lo, hi = result["autotuned_vs_best_fixed_ci95"]
+    print(f"  autotuned speed vs best fixed ({result['best_fixed']}): {result['autotuned_vs_best_fixed']:.3f}x "
+          f"[{lo:.3f}, {hi:.3f}]")
+    lo, hi = result["autotuned_vs_ddp_ci95"]
+    print(f"  autotuned speed vs DDP default: {result['autotuned_vs_ddp']:.3f}x [{lo:.3f}, {hi:.3f}]")
     print(f"  steps until settled: {result['steps_until_settled']} (interval {result['interval']}, "
           f"{result['plans_applied']} plans applied, completed at step {result['completed_at']})")
 
