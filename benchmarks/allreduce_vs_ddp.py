@@ -4,6 +4,9 @@ Launch with torchrun (NCCL on GPUs, Gloo on CPU)::
 
     torchrun --nproc_per_node 2 benchmarks/allreduce_vs_ddp.py                 # ~110M-param transformer
     torchrun --nproc_per_node 2 benchmarks/allreduce_vs_ddp.py --model tiny    # CPU smoke check
+    torchrun --nproc_per_node 2 benchmarks/allreduce_vs_ddp.py --model resnet50  # torchvision, synthetic images
+
+Each GPU as its own "node" over a shaped link: ``benchmarks/device_suite.sh OUT twonode``.
 
 Every variant trains its own copy of the same model (same initial weights, same
 batches, same AdamW); all copies live side by side and warm up for ``--warmup`` steps.
@@ -39,6 +42,7 @@ SIZES = {  # vocab, width, layers, heads
     "100m": (32000, 768, 12, 12),
     "tiny": (1000, 64, 2, 4),
 }
+VISION = ("resnet50", "vgg16")  # torchvision models on synthetic 224x224 images, 1000 classes
 
 
 class Transformer(nn.Module):
@@ -58,10 +62,17 @@ class Transformer(nn.Module):
         return self.norm(h) @ self.embed.weight.t()
 
 
+def make_model(args: argparse.Namespace) -> nn.Module:
+    if args.model in VISION:
+        import torchvision
+
+        return getattr(torchvision.models, args.model)(weights=None)
+    return Transformer(*SIZES[args.model], args.seq_len)
+
+
 def build(variant: str, args: argparse.Namespace, device: torch.device, comm: CommContext) -> tuple[nn.Module, Any]:
-    vocab, width, layers, heads = SIZES[args.model]
     torch.manual_seed(0)
-    model = Transformer(vocab, width, layers, heads, args.seq_len).to(device)
+    model = make_model(args).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     if variant == "ddp":
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(
@@ -94,7 +105,9 @@ class Runner:
         self.i += 1
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             logits = self.model(x)
-        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if logits.dim() == 3:  # tokens: (batch, seq, vocab)
+            logits = logits.flatten(0, 1)
+        loss = nn.functional.cross_entropy(logits.float(), y.flatten())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
@@ -127,7 +140,7 @@ def sync(device: torch.device) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(SIZES), default="100m")
+    p.add_argument("--model", choices=sorted(SIZES) + list(VISION), default="100m")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 16 GPU, 4 CPU)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512 GPU, 32 CPU)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first")
@@ -138,7 +151,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results here (rank 0)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
-    args.batch_size = args.batch_size or (16 if cuda else 4)
+    args.batch_size = args.batch_size or ((64 if args.model in VISION else 16) if cuda else 4)
     args.seq_len = args.seq_len or (512 if cuda else 32)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -155,10 +168,15 @@ def main() -> None:
         except ConfigurationError:
             if comm.rank == 0:
                 print(f"skipping {v!r}: not available")
-    vocab = SIZES[args.model][0]
     g = torch.Generator().manual_seed(1 + comm.rank)
-    batches = [(torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device),
-                torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device)) for _ in range(4)]
+    if args.model in VISION:
+        batches = [(torch.randn(args.batch_size, 3, 224, 224, generator=g).to(device),
+                    torch.randint(1000, (args.batch_size,), generator=g).to(device)) for _ in range(4)]
+    else:
+        vocab = SIZES[args.model][0]
+        batches = [(torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device),
+                    torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device))
+                   for _ in range(4)]
     runners = [Runner(v, args, device, comm, batches) for v in variants]
     times = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device),
                        seed=args.seed)
@@ -166,7 +184,7 @@ def main() -> None:
     for runner in runners:
         runner.close()
     if comm.rank == 0:
-        n_params = sum(p.numel() for p in Transformer(*SIZES[args.model], args.seq_len).parameters())
+        n_params = sum(p.numel() for p in make_model(args).parameters())
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         print(f"model {args.model} ({n_params / 1e6:.1f}M params), {comm.world_size} x {name}, "
               f"batch {args.batch_size}x{args.seq_len} per rank, {args.rounds} interleaved steps per variant; "

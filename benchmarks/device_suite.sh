@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The NCCL test suite and the GPU benchmarks, as run on the lent GPU machine (see docs/benchmarks.md).
 #
-#   benchmarks/device_suite.sh OUT_DIR [tests] [bench] [autotune]
+#   benchmarks/device_suite.sh OUT_DIR [tests] [bench] [autotune] [twonode]
 #
 # Environment: NGPU (ranks; default every GPU, e.g. NGPU=2 with CUDA_VISIBLE_DEVICES=0,1),
-# AUTOTUNE_ARGS (extra arguments for autotune_training.py), PYTEST_K (a -k filter for tests).
+# AUTOTUNE_ARGS (extra arguments for autotune_training.py), PYTEST_K (a -k filter for tests),
+# RATE (twonode: the link, tc syntax, default 10gbit), TWONODE_ARGS (arguments of allreduce_vs_ddp.py there).
+#
+# twonode: every GPU is its own "node" (one torchrun --nnodes NGPU --node_rank i each), NCCL is forced onto
+# TCP sockets over loopback and the loopback link is shaped with tc's token bucket to RATE, so the network
+# is the bottleneck as on a 10-25 Gbit/s cluster. Both directions share the one qdisc of `lo`. The GPU
+# machine has no tc: carry it with `benchmarks/carry_binaries.sh tc` (then carry=[".bin", ...]).
 #
 # The GPU machine has torch, lightning and grpcio but not the project, grpcio-health-checking,
 # grpcio-reflection or redis-py: wheels for those are carried in .whl/ (git-ignored) and the package is
@@ -38,6 +44,20 @@ for what in "$@"; do
     autotune)
       torchrun --nproc_per_node "$ngpu" benchmarks/autotune_training.py ${AUTOTUNE_ARGS:-} 2>&1 \
         | tee "$out/autotune_training_${ngpu}gpu.log" || rc=1 ;;
+    twonode)
+      tc=.bin/tc; [ -x "$tc" ] || tc=$(command -v tc) || { echo "twonode: no tc; run benchmarks/carry_binaries.sh tc"; rc=2; continue; }
+      "$tc" qdisc replace dev lo root tbf rate "${RATE:-10gbit}" burst 8mb latency 50ms || { rc=1; continue; }
+      pids=()
+      for ((r = 0; r < ngpu; r++)); do
+        CUDA_VISIBLE_DEVICES=$r NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo \
+        NCCL_IB_DISABLE=1 torchrun --nnodes "$ngpu" --node_rank "$r" --nproc_per_node 1 --master_addr 127.0.0.1 \
+          --master_port 29555 benchmarks/allreduce_vs_ddp.py ${TWONODE_ARGS:---model resnet50} \
+          --json "$out/twonode_${r}.json" > "$out/twonode_rank${r}.log" 2>&1 &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p" || rc=1; done
+      "$tc" qdisc del dev lo root || true
+      cat "$out/twonode_rank0.log" ;;
     *) echo "unknown part $what"; rc=2 ;;
   esac
 done
