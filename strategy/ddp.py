@@ -14,7 +14,10 @@ and ``bagua_lightning.torch_api``'s ``with_bagua`` (which hooks the module itsel
   autograd's engine, as DDP does, so communication is finished before ``backward()``
   returns;
 * a step post-hook on each optimizer calls ``on_optimizer_step_end`` and counts steps;
-* :meth:`AlgorithmDriver.no_sync` skips communication for gradient accumulation.
+* :meth:`AlgorithmDriver.no_sync` skips communication for gradient accumulation;
+* :meth:`BaguaDistributedDataParallel.switch_algorithm` hands the module to another algorithm between
+  two steps (``algorithm="auto"`` measures its candidates so), averaging the replicas first when the
+  previous algorithm let them drift apart.
 
 Parameters marked ``param.expert = True`` and names in the module's
 ``_bagua_params_and_buffers_to_ignore`` are neither broadcast nor communicated.
@@ -159,6 +162,9 @@ class AlgorithmDriver:
         self.module = module
         self.algorithm = algorithm
         self.comm = comm
+        self.flatten = flatten
+        self.bucket_size = bucket_size
+        self.optimizers: list[torch.optim.Optimizer] = []
         self.step = 0
         self._sync = True
         self._sync_this_backward = True
@@ -243,7 +249,8 @@ class AlgorithmDriver:
         for h in self._step_hooks:
             h.remove()
         self._step_hooks = [opt.register_step_post_hook(self._after_optimizer_step) for opt in optimizers]
-        self.algorithm.bind_optimizers(list(optimizers))
+        self.optimizers = list(optimizers)
+        self.algorithm.bind_optimizers(self.optimizers)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.algorithm.on_optimizer_step(optimizer, self.step)
@@ -342,6 +349,44 @@ class BaguaDistributedDataParallel(nn.Module):
     def teardown(self) -> None:
         """Remove every hook and tear the algorithm down; idempotent."""
         self.driver.teardown()
+
+    def switch_algorithm(self, algorithm: Algorithm, plan: BucketPlan | None = None) -> None:
+        """Drive the module with ``algorithm`` from the next step on.
+
+        Call between two training steps, at the same step on every rank, with the same kind of algorithm
+        on every rank. The previous algorithm is torn down first (its threads stopped, its buffers
+        released); when it let the replicas drift apart (decentralized, async), the parameters are
+        averaged over the group, so the next algorithm starts from identical replicas. Optimizers, the step
+        count and the module's state carry over; nothing is broadcast.
+
+        Args:
+            algorithm: a fresh engine algorithm instance.
+            plan: its bucket plan; None: the plan in use when both algorithms bucket gradients, else the
+                default plan.
+        """
+        old = self.driver
+        if old._in_backward:
+            raise RuntimeError("switch_algorithm was called during backward; call it between training steps")
+        if plan is None and algorithm.uses_gradient_buckets and old.algorithm.uses_gradient_buckets:
+            plan = old.bucket_plan if not old.algorithm.plan_is_default else None
+        drifted = not old.algorithm.keeps_replicas_identical
+        old.teardown()
+        if drifted:
+            average_module_parameters(self.module, old.comm)
+        self.driver = AlgorithmDriver(self.module, algorithm, old.comm, flatten=old.flatten,
+                                      bucket_size=old.bucket_size, plan=plan, optimizers=old.optimizers,
+                                      broadcast_state=False)
+        self.driver.step = old.step
+
+
+def average_module_parameters(module: nn.Module, comm: CommContext) -> None:
+    """Replace every communicated parameter by its average over ``comm``'s group (in place)."""
+    if comm.world_size == 1:
+        return
+    with torch.no_grad():
+        for _, p in trainable_parameters(module):
+            dist.all_reduce(p.data, op=dist.ReduceOp.SUM, group=comm.group)
+            p.data.div_(comm.world_size)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         # Checkpoints hold the bare module's keys (as DDP's ``module.`` prefix would break them).

@@ -43,6 +43,7 @@ from .autotune import (
     BoundaryReport,
     batch_size_of,
 )
+from .autotune.selection import AlgorithmSelector, AutoSettings, Selection
 from .comm import CommContext
 from .ddp import BaguaDistributedDataParallel
 from .registry import register_bagua_strategy
@@ -58,7 +59,9 @@ class BaguaStrategy(DDPStrategy):
 
     Args:
         algorithm: ``"gradient_allreduce"``, ``"bytegrad"``, ``"decentralized"``,
-            ``"low_precision_decentralized"``, ``"qadam"`` or ``"async"``.
+            ``"low_precision_decentralized"``, ``"qadam"`` or ``"async"``; or ``"auto"``: measure
+            ``auto_candidates`` while training and keep the fastest
+            (:mod:`bagua_lightning.strategy.autotune.selection`).
         flatten: communicate flat buckets with gradients as views of them (no copy).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for ``DDPStrategy``.
@@ -77,6 +80,10 @@ class BaguaStrategy(DDPStrategy):
             (or the services file's token when the service is the one that file records), else no token.
         autotune_tls: True: talk TLS with the system's root certificates; a path: TLS with
             that PEM file as the CA of the service's certificate; False: plaintext.
+        auto_candidates: with ``algorithm="auto"``: the algorithms to measure; None: gradient_allreduce
+            and bytegrad. Add decentralized, low_precision_decentralized or async to widen the search.
+        auto_warmup_steps: with ``algorithm="auto"``: untimed steps after each switch.
+        auto_trial_steps: with ``algorithm="auto"``: timed steps per candidate (their median counts).
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``,
             ``average``, ``peer_selection_mode``, ``sync_interval_ms``); unknown ones
             raise :class:`~bagua_lightning.errors.ConfigurationError` listing the accepted ones.
@@ -103,13 +110,30 @@ class BaguaStrategy(DDPStrategy):
         autotune_interval: int = DEFAULT_AUTOTUNE_INTERVAL,
         autotune_token: str | None = None,
         autotune_tls: bool | str | Path = False,
+        auto_candidates: list[str] | tuple[str, ...] | None = None,
+        auto_warmup_steps: int = 3,
+        auto_trial_steps: int = 10,
         **bagua_kwargs: Any,
     ) -> None:
         if not isinstance(flatten, bool):
             raise ConfigurationError(f"flatten must be a bool, got {flatten!r}")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ConfigurationError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
-        self._algorithm_class = get_algorithm_class(algorithm)
+        self._auto: AutoSettings | None = None
+        if algorithm == "auto":
+            self._auto = AutoSettings(
+                **({"candidates": tuple(auto_candidates)} if auto_candidates is not None else {}),
+                warmup_steps=auto_warmup_steps, trial_steps=auto_trial_steps)
+            for name in self._auto.candidates:  # the algorithm's keyword arguments go to every candidate
+                try:
+                    get_algorithm_class(name).from_kwargs(**bagua_kwargs)
+                except ConfigurationError as exc:
+                    raise ConfigurationError(f"algorithm='auto': candidate {name!r} refuses the arguments "
+                                             f"given: {exc}") from None
+        elif auto_candidates is not None:
+            raise ConfigurationError(f"auto_candidates={list(auto_candidates)} needs algorithm='auto' "
+                                     f"(algorithm={algorithm!r} is fixed).")
+        self._algorithm_class = get_algorithm_class(self._auto.candidates[0] if self._auto else algorithm)
         self._algorithm_class.from_kwargs(**bagua_kwargs)  # validate now, not at fit
         if not isinstance(autotune, bool):
             raise ConfigurationError(f"autotune must be a bool, got {autotune!r}")
@@ -120,7 +144,7 @@ class BaguaStrategy(DDPStrategy):
         if autotune_service is not None and not autotune:
             AutotuneSettings(address=autotune_service)  # a bad address fails now, naming it
         if autotune:
-            if not self._algorithm_class.uses_gradient_buckets:
+            if self._auto is None and not self._algorithm_class.uses_gradient_buckets:
                 raise ConfigurationError(
                     f"autotune=True needs an algorithm that communicates gradients in buckets; {algorithm!r} "
                     "averages weights outside backward, so there is no bucket plan to tune. Use "
@@ -130,6 +154,9 @@ class BaguaStrategy(DDPStrategy):
                 token=autotune_token, tls=autotune_tls is not False, root_certificates=tls_roots)
         self._autotune: AutotuneController | None = None
         self.autotune_summary: AutotuneSummary | None = None
+        self._selector: AlgorithmSelector | None = None
+        #: What ``algorithm="auto"`` measured and chose (None for a fixed algorithm).
+        self.selection: Selection | None = None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -140,7 +167,8 @@ class BaguaStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.algorithm_name = algorithm
+        #: The algorithm driving the model (with ``algorithm="auto"``: the one measured or chosen).
+        self.algorithm_name = self._auto.candidates[0] if self._auto is not None else algorithm
         self.flatten = flatten
         self.autotune = autotune
         self.bucket_size = bucket_size
@@ -188,7 +216,10 @@ class BaguaStrategy(DDPStrategy):
                 wrapper.attach_optimizers([self._unwrap(o) for o in self.optimizers])
             except QAdamOptimizerError as exc:
                 raise MisconfigurationException(str(exc)) from exc
-            if self._autotune_settings is not None and trainer.state.fn == TrainerFn.FITTING:
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            if self._auto is not None and fitting:
+                self._start_selection(wrapper)
+            elif self._autotune_settings is not None and fitting:
                 self._start_autotune(wrapper)
 
     @staticmethod
@@ -237,6 +268,37 @@ class BaguaStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ autotune
 
+    def _start_selection(self, wrapper: BaguaDistributedDataParallel) -> None:
+        assert self._auto is not None and self._comm is not None
+
+        def switch(name: str) -> None:
+            wrapper.switch_algorithm(get_algorithm_class(name).from_kwargs(**self._bagua_kwargs))
+            self.algorithm_name = name
+
+        self._selector = AlgorithmSelector(self._auto, switch, group=self._comm.group,
+                                           device=self.root_device if self._comm.is_nccl else torch.device("cpu"))
+        self.selection = self._selector.selection
+        rank_zero_info(f"algorithm='auto': measuring {', '.join(self._auto.candidates)} "
+                       f"({self._auto.warmup_steps} + {self._auto.trial_steps} steps each), then keeping the fastest")
+
+    def _selection_step(self, step: int) -> None:
+        assert self._selector is not None
+        chosen = self._selector.on_batch_start(step)
+        if chosen is None:
+            return
+        self.selection = chosen
+        rank_zero_info(f"algorithm='auto' chose {chosen.chosen} at step {step}: {chosen.reason()}")
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and self.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(chosen.metrics(), step=trainer.global_step)
+        wrapper = self.bagua_module
+        if self._autotune_settings is not None and wrapper is not None:
+            if wrapper.algorithm.uses_gradient_buckets:
+                self._start_autotune(wrapper)  # the chosen algorithm's buckets tuned as a fixed one's
+            else:
+                rank_zero_info(f"autotune: {chosen.chosen} communicates no gradient buckets; nothing left to tune")
+
     def _start_autotune(self, wrapper: BaguaDistributedDataParallel) -> None:
         assert self._autotune_settings is not None and self._comm is not None
         self._stop_autotune()
@@ -261,6 +323,8 @@ class BaguaStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        if self._selector is not None and not self._selector.done:
+            self._selection_step(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
         if self._autotune is not None:
             trainer = self.lightning_module.trainer  # type: ignore[union-attr]
             self._log_autotune(self._autotune.on_batch_start(trainer.global_step, batch_size_of(batch)))
@@ -283,7 +347,12 @@ class BaguaStrategy(DDPStrategy):
         if self._autotune is not None:
             self.autotune_summary = self._autotune.summary()
             rank_zero_info(self.autotune_summary.line())
+            if self._auto is None:
+                advice = communication_advice(self.algorithm_name, self.last_step_timings())
+                if advice:
+                    rank_zero_info(advice)
             self._stop_autotune()
+        self._selector = None
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -324,6 +393,7 @@ class BaguaStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._stop_autotune()
+        self._selector = None
         module = self.bagua_module
         if module is not None:
             module.teardown()
@@ -343,6 +413,23 @@ class BaguaStrategy(DDPStrategy):
             strategy_registry.register(
                 f"{cls.strategy_name}_{name}", cls, description=description, algorithm=name
             )
+
+
+def communication_advice(algorithm: str, timings: StepTimings | None) -> str | None:
+    """A recommendation when a fixed algorithm spends most of its backward waiting for communication.
+
+    ``timings``: the last measured step. Returns None when communication is hidden behind computation or
+    the algorithm already compresses.
+    """
+    if timings is None or not timings.buckets or algorithm != "gradient_allreduce":
+        return None
+    wait = max(b.wait_ms for b in timings.buckets)
+    step = timings.backward_ms + wait
+    if step <= 0 or wait / step < 0.5:
+        return None
+    return (f"communication is {100 * wait / step:.0f} % of each backward ({wait:.1f} of {step:.1f} ms "
+            f"exposed); bytegrad sends a quarter of the bytes: try BaguaStrategy(algorithm='auto'), which "
+            "measures gradient_allreduce and bytegrad on this job and keeps the faster")
 
 
 #: One registered strategy name per algorithm (``Trainer(strategy="bagua_bytegrad")``), as Lightning

@@ -1,0 +1,139 @@
+"""``algorithm="auto"``: candidates measured in flight, the fastest kept, the same choice on every rank."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.strategy.autotune.selection import (
+    DEFAULT_CANDIDATES,
+    AlgorithmSelector,
+    AutoSettings,
+    Selection,
+    choose,
+)
+from tests.procs import free_port
+from tests.strategy.launch import run_commands
+
+WORKER = str(Path(__file__).with_name("auto_workers.py"))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"candidates": ("gradient_allreduce", "qadam")}, r"\['qadam'\], which algorithm='auto' cannot measure"),
+    ({"candidates": ("nope",)}, r"\['nope'\]"),
+    ({"candidates": ()}, "name each algorithm once, at least one"),
+    ({"candidates": ("bytegrad", "bytegrad")}, "name each algorithm once"),
+    ({"candidates": "bytegrad"}, "give a list of algorithm names"),
+    ({"trial_steps": 2}, "auto_trial_steps=2; give at least 3"),
+    ({"warmup_steps": 0}, "auto_warmup_steps=0"),
+    ({"warmup_steps": 1.5}, "is not a number of steps"),
+])
+def test_settings_refuse_what_cannot_be_measured(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        AutoSettings(**kwargs)
+
+
+def test_defaults_are_the_allreduce_like_algorithms() -> None:
+    s = AutoSettings()
+    assert s.candidates == DEFAULT_CANDIDATES == ("gradient_allreduce", "bytegrad")
+    assert s.steps_to_decide == 2 * (s.warmup_steps + s.trial_steps)
+
+
+def test_strategy_arguments_are_checked_at_construction() -> None:
+    from bagua_lightning.strategy import BaguaStrategy
+
+    with pytest.raises(ConfigurationError, match="needs algorithm='auto'"):
+        BaguaStrategy(algorithm="bytegrad", auto_candidates=["bytegrad"])
+    with pytest.raises(ConfigurationError, match="candidate 'gradient_allreduce' refuses"):
+        BaguaStrategy(algorithm="auto", auto_candidates=["decentralized", "gradient_allreduce"],
+                      peer_selection_mode="shift_one")
+    strategy = BaguaStrategy(algorithm="auto", auto_candidates=["decentralized", "bytegrad"], hierarchical=False)
+    assert strategy.algorithm_name == "decentralized"  # the first candidate drives the first steps
+    assert BaguaStrategy(algorithm="auto", autotune=True, auto_candidates=["decentralized"]).algorithm_name
+
+
+def test_choose_is_the_first_fastest() -> None:
+    assert choose([3.0, 1.0, 2.0]) == 1
+    assert choose([1.0, 1.0]) == 0
+    with pytest.raises(ValueError):
+        choose([])
+
+
+def test_selection_explains_itself() -> None:
+    sel = Selection(step_ms={"gradient_allreduce": 170.0, "bytegrad": 48.0}, chosen="bytegrad", decided_at=26)
+    assert sel.reason() == "bytegrad: 48.0 ms/step (kept); gradient_allreduce: 170.0 ms/step (3.54x slower)"
+    assert sel.metrics() == {"bagua/auto/gradient_allreduce_step_ms": 170.0, "bagua/auto/bytegrad_step_ms": 48.0,
+                             "bagua/auto/chosen_index": 1.0}
+    assert Selection().reason() == "still measuring"
+
+
+def test_selector_measures_each_candidate_then_keeps_the_fastest() -> None:
+    a, b, c = "gradient_allreduce", "bytegrad", "decentralized"
+    cost = {a: 0.030, b: 0.010, c: 0.020}  # seconds per step
+    now = [0.0]
+    running = [a]
+    switches: list[tuple[int, str]] = []
+    step = [0]
+
+    def switch(name: str) -> None:
+        switches.append((step[0], name))
+        running[0] = name
+
+    selector = AlgorithmSelector(AutoSettings(candidates=(a, b, c), warmup_steps=2, trial_steps=4), switch,
+                                 clock=lambda: now[0])
+    decided = None
+    for step[0] in range(40):
+        got = selector.on_batch_start(step[0])
+        if got is not None:
+            decided = got
+        assert selector.current == running[0]
+        # A warm-up step after a switch is slow (buckets, communicators): never counted.
+        now[0] += cost[running[0]] * (10 if switches and step[0] == switches[-1][0] else 1)
+    assert switches == [(6, b), (12, c), (18, b)]
+    assert decided is not None and decided.chosen == b and decided.decided_at == 18
+    assert decided.step_ms == pytest.approx({a: 30.0, b: 10.0, c: 20.0})
+    assert selector.done and selector.on_batch_start(41) is None
+
+
+def _results(tmp_path: Path, n: int) -> list[dict[str, Any]]:
+    out = [json.loads((tmp_path / f"torchrun_rank{r}.json").read_text()) for r in range(n)]
+    for r in out:
+        assert "error" not in r, r["error"]
+    return out
+
+
+@pytest.mark.slow
+def test_auto_under_lightning_and_switching_on_two_gloo_ranks(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), WORKER, str(tmp_path), "--mode", "torchrun"]
+    run_commands([cmd], log_dir=tmp_path)
+    ranks = _results(tmp_path, 2)
+    fits = [r["fit"] for r in ranks]
+    # Every rank measured the same numbers (the slowest rank's) and chose the same, fastest, algorithm.
+    assert fits[0]["step_ms"] == fits[1]["step_ms"] and fits[0]["chosen"] == fits[1]["chosen"]
+    step_ms = fits[0]["step_ms"]
+    assert list(step_ms) == ["gradient_allreduce", "bytegrad", "decentralized"]
+    assert fits[0]["chosen"] == min(step_ms, key=step_ms.get)
+    assert fits[0]["decided_at"] == 12  # 3 candidates x (1 warm-up + 3 timed steps)
+    for fit in fits:
+        # Each candidate drove its 4 steps in order, then the chosen one drove the rest.
+        assert fit["algorithms"] == [n for n in step_ms for _ in range(4)] + [fit["chosen"]] * 4
+        assert fit["algorithm_name"] == fit["chosen"]
+        assert all(x == x and x < 10 for x in fit["losses"])  # finite, no blow-up from the switches
+        assert "bagua/auto/chosen_index" in fit["logged"]
+        assert {f"bagua/auto/{n}_step_ms" for n in step_ms} <= set(fit["logged"])
+    if fits[0]["chosen"] != "decentralized":  # a synchronous winner keeps the replicas identical
+        assert fits[0]["params"] == fits[1]["params"]
+    # Engine-level switch from decentralized (replicas drift) to gradient_allreduce: replicas averaged first.
+    sw = [r["switch"] for r in ranks]
+    assert sw[0]["before"] != sw[1]["before"]
+    for r in sw:
+        assert r["after_switch"] == pytest.approx(r["mean_before"], abs=1e-6)
+        assert r["steps"] == [3, 4] and r["algorithm"] == "GradientAllReduceAlgorithm"
+    assert sw[0]["grads"] == pytest.approx(sw[1]["grads"], abs=1e-7)  # allreduced from the first step on
+    assert sw[0]["after_step"] == pytest.approx(sw[1]["after_step"], abs=1e-6)
