@@ -8,6 +8,11 @@ Launch with torchrun (NCCL on GPUs, Gloo on CPU)::
 
 Each GPU as its own "node" over a shaped link: ``benchmarks/device_suite.sh OUT twonode``.
 
+The variant ``auto`` (or ``auto:bytegrad+decentralized+...`` for other candidates) is
+``BaguaStrategy(algorithm="auto")``'s selection: during its warm-up it measures its candidates
+in flight and switches to the fastest (reported with the step at which it settled); its timed
+steps are then interleaved with the other variants' like any other.
+
 Every variant trains its own copy of the same model (same initial weights, same
 batches, same AdamW); all copies live side by side and warm up for ``--warmup`` steps.
 Then each of ``--rounds`` rounds runs ONE step of every variant, in an order shuffled
@@ -32,6 +37,7 @@ from torch import nn
 
 from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.strategy.algorithms.base import get_algorithm_class
+from bagua_lightning.strategy.autotune.selection import AlgorithmSelector, AutoSettings
 from bagua_lightning.strategy.comm import CommContext
 from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
 
@@ -77,11 +83,21 @@ def build(variant: str, args: argparse.Namespace, device: torch.device, comm: Co
     if variant == "ddp":
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
+    elif variant.startswith("auto"):
+        first = auto_settings(variant).candidates[0]
+        wrapped = BaguaDistributedDataParallel(model, get_algorithm_class(first).from_kwargs(), comm,
+                                               bucket_size=args.bucket_size, optimizers=[opt])
     else:
         name, bucket_size = parse_variant(variant, args.bucket_size)
         algo = get_algorithm_class(name).from_kwargs()
         wrapped = BaguaDistributedDataParallel(model, algo, comm, bucket_size=bucket_size, optimizers=[opt])
     return wrapped, opt
+
+
+def auto_settings(variant: str) -> AutoSettings:
+    """``auto`` or ``auto:a+b+c`` -> the selection's settings."""
+    _, _, names = variant.partition(":")
+    return AutoSettings(candidates=tuple(names.split("+"))) if names else AutoSettings()
 
 
 def parse_variant(variant: str, default_bucket: int) -> tuple[str, int]:
@@ -98,6 +114,16 @@ class Runner:
         self.variant, self.args, self.device, self.comm, self.batches = variant, args, device, comm, batches
         self.model, self.opt = build(variant, args, device, comm)
         self.i = 0
+        self.selector: AlgorithmSelector | None = None
+        if variant.startswith("auto"):
+            wrapper = self.model
+            assert isinstance(wrapper, BaguaDistributedDataParallel)
+            self.selector = AlgorithmSelector(
+                auto_settings(variant), lambda name: wrapper.switch_algorithm(get_algorithm_class(name).from_kwargs()),
+                group=comm.group, device=device)
+            while not self.selector.done:  # the selection runs alone, in its own consecutive steps
+                self.selector.on_batch_start(self.i)
+                self.step()
         self.warm_up(args.warmup)
 
     def step(self) -> None:
@@ -116,6 +142,12 @@ class Runner:
         for _ in range(steps):
             self.step()
         sync(self.device)
+
+    def selection(self) -> str | None:
+        if self.selector is None:
+            return None
+        sel = self.selector.selection
+        return f"chose {sel.chosen} at step {sel.decided_at}: {sel.reason()}"
 
     def timings(self) -> str | None:
         if not isinstance(self.model, BaguaDistributedDataParallel):
@@ -162,7 +194,10 @@ def main() -> None:
     variants = []
     for v in args.variants.split(","):
         try:
-            if v != "ddp":
+            if v.startswith("auto"):
+                for name in auto_settings(v).candidates:
+                    get_algorithm_class(name)
+            elif v != "ddp":
                 get_algorithm_class(parse_variant(v, 0)[0])
             variants.append(v)
         except ConfigurationError:
@@ -181,6 +216,7 @@ def main() -> None:
     times = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device),
                        seed=args.seed)
     timings = {runner.variant: runner.timings() for runner in runners}
+    selections = {runner.variant: runner.selection() for runner in runners}
     for runner in runners:
         runner.close()
     if comm.rank == 0:
@@ -196,6 +232,9 @@ def main() -> None:
                                   1000.0 * args.batch_size * comm.world_size / sp.median_ms,
                                   "step_ms": times[sp.variant]}
             print(sp.row())
+            if selections.get(sp.variant):
+                print(f"{'':>32}{selections[sp.variant]}")
+                result[sp.variant]["selection"] = selections[sp.variant]
             if timings.get(sp.variant):
                 print(f"{'':>32}last measured step: {timings[sp.variant]}")
         if args.json:
