@@ -6,7 +6,10 @@ Launch with torchrun (NCCL on GPUs, Gloo on CPU)::
     torchrun --nproc_per_node 2 benchmarks/allreduce_vs_ddp.py --model tiny    # CPU smoke check
     torchrun --nproc_per_node 2 benchmarks/allreduce_vs_ddp.py --model resnet50  # torchvision, synthetic images
 
-Each GPU as its own "node" over a shaped link: ``benchmarks/device_suite.sh OUT twonode``.
+Each GPU as its own "node" over a shaped link: ``benchmarks/device_suite.sh OUT twonode``; on CPU, two
+ranks in two network namespaces joined by a veth pair shaped to ``--rate`` (root, iproute2)::
+
+    python benchmarks/allreduce_vs_ddp.py --netns --rate 1gbit --model wide --variants gradient_allreduce,bytegrad,auto
 
 The variant ``auto`` (or ``auto:bytegrad+decentralized+...`` for other candidates) is
 ``BaguaStrategy(algorithm="auto")``'s selection: during its warm-up it measures its candidates
@@ -47,6 +50,7 @@ from interleaved import interleave, speeds  # a sibling module of the benchmarks
 SIZES = {  # vocab, width, layers, heads
     "100m": (32000, 768, 12, 12),
     "tiny": (1000, 64, 2, 4),
+    "wide": (32000, 256, 2, 4),  # 10M parameters, mostly the tied embedding: communication-bound on CPU
 }
 VISION = ("resnet50", "vgg16")  # torchvision models on synthetic 224x224 images, 1000 classes
 
@@ -181,8 +185,16 @@ def main() -> None:
     p.add_argument("--bucket-size", type=int, default=10 * 1024**2, help="bytes per Bagua bucket")
     p.add_argument("--variants", default="ddp,gradient_allreduce,bytegrad,decentralized")
     p.add_argument("--json", default=None, help="also write the results here (rank 0)")
+    p.add_argument("--netns", action="store_true", help="CPU: two ranks in two shaped network namespaces")
+    p.add_argument("--rate", default="1gbit", help="veth rate with --netns (tc syntax)")
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
+    if args.netns and "RANK" not in os.environ:
+        from slow_network import run_on_two_hosts
+
+        argv = [a for a in sys.argv[1:] if a != "--netns"]
+        print(run_on_two_hosts([os.path.abspath(__file__), *argv], args.rate, 3600, port="29617")[0])
+        return
+    cuda = torch.cuda.is_available() and "GLOO_SOCKET_IFNAME" not in os.environ  # netns ranks are CPU hosts
     args.batch_size = args.batch_size or ((64 if args.model in VISION else 16) if cuda else 4)
     args.seq_len = args.seq_len or (512 if cuda else 32)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

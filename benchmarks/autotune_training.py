@@ -317,29 +317,10 @@ def report(result: dict[str, Any]) -> None:
 
 def drive_netns(args: argparse.Namespace, argv: list[str]) -> None:
     sys.path.insert(0, str(HERE))
-    from slow_network import ADDRESSES, two_hosts
+    from slow_network import run_on_two_hosts
 
-    port = "29613"
-    with two_hosts(args.rate) as (namespaces, veths):
-        procs = []
-        try:
-            for rank, (ns, veth) in enumerate(zip(namespaces, veths, strict=True)):
-                env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-                env.update(MASTER_ADDR=ADDRESSES[0], MASTER_PORT=port, RANK=str(rank), LOCAL_RANK="0",
-                           WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1",
-                           PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")])))
-                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, __file__, *argv],
-                                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-            outs = [p.communicate(timeout=args.timeout_s)[0] for p in procs]
-            for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):
-                if p.returncode != 0:
-                    raise SystemExit(f"rank {rank} failed (exit {p.returncode}):\n{out[-4000:]}")
-            print("\n".join(line for line in outs[0].splitlines() if not line.startswith(RESULT_TAG)))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(timeout=10)
+    outs = run_on_two_hosts([__file__, *argv], args.rate, args.timeout_s, port="29613")
+    print("\n".join(line for line in outs[0].splitlines() if not line.startswith(RESULT_TAG)))
 
 
 def main() -> None:

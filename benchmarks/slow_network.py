@@ -82,37 +82,39 @@ def two_hosts(rate: str) -> Iterator[tuple[list[str], list[str]]]:
         _sh("ip", "link", "del", veths[0], check=False)
 
 
-def drive(args: argparse.Namespace) -> dict[str, Any]:
-    """Set up the hosts, run one worker in each, return rank 0's result."""
-    port = "29611"
-    with two_hosts(args.rate) as (namespaces, veths):
+def run_on_two_hosts(command: Sequence[str], rate: str, timeout_s: float, port: str = "29611") -> list[str]:
+    """Run ``command`` (a Python script and its arguments) once in each of :func:`two_hosts`' namespaces as
+    ranks 0 and 1 of a Gloo job over the shaped veth pair; return their outputs (SystemExit if one fails)."""
+    with two_hosts(rate) as (namespaces, veths):
         procs: list[subprocess.Popen[str]] = []
         try:
             for rank, (ns, veth) in enumerate(zip(namespaces, veths, strict=True)):
-                env = dict(os.environ, MASTER_ADDR=ADDRESSES[0], MASTER_PORT=port, RANK=str(rank),
-                           WORLD_SIZE="2", GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1")
-                for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
-                    env.pop(var, None)
-                cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--worker",
-                       *_forwarded(args)]
-                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                              text=True))
-            outputs = []
-            for p in procs:
-                out, _ = p.communicate(timeout=args.timeout_s)
-                outputs.append(out)
+                env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+                env.update(MASTER_ADDR=ADDRESSES[0], MASTER_PORT=port, RANK=str(rank), LOCAL_RANK="0",
+                           WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1",
+                           PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
+                               os.path.abspath(__file__))), env.get("PYTHONPATH")])))
+                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, *command], env=env,
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
             for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
                 if p.returncode != 0:
                     raise SystemExit(f"rank {rank} failed (exit {p.returncode}):\n{out[-4000:]}")
-            for line in outputs[0].splitlines():
-                if line.startswith(RESULT_TAG):
-                    return dict(json.loads(line[len(RESULT_TAG):]))
-            raise SystemExit(f"rank 0 printed no result:\n{outputs[0][-4000:]}")
+            return outputs
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait(timeout=10)
+
+
+def drive(args: argparse.Namespace) -> dict[str, Any]:
+    """Set up the hosts, run one worker in each, return rank 0's result."""
+    outputs = run_on_two_hosts([os.path.abspath(__file__), "--worker", *_forwarded(args)], args.rate, args.timeout_s)
+    for line in outputs[0].splitlines():
+        if line.startswith(RESULT_TAG):
+            return dict(json.loads(line[len(RESULT_TAG):]))
+    raise SystemExit(f"rank 0 printed no result:\n{outputs[0][-4000:]}")
 
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
