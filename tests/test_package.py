@@ -99,6 +99,24 @@ def test_every_imported_package_is_declared() -> None:
     assert not missing, f"imported but not declared in [project] dependencies or {USER_EXTRAS}: {missing}"
 
 
+def test_tests_and_benchmarks_import_only_what_dev_installs() -> None:
+    project = PYPROJECT["project"]
+    requirements = [Requirement(r) for r in project["dependencies"]]
+    requirements += [Requirement(r) for group in project["optional-dependencies"].values() for r in group]
+    # A requirement's extras are installed too (redis[hiredis] brings hiredis).
+    declared = {canonicalize_name(n) for r in requirements for n in (r.name, *r.extras)}
+    dists = importlib.metadata.packages_distributions()
+    missing = []
+    for folder in ("tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            local = {p.stem for p in path.parent.glob("*.py")}  # scripts importing their neighbours
+            for module in _third_party_imports(path) - local - {"tests", "benchmarks"}:
+                names = {canonicalize_name(d) for d in dists.get(module, [module])}
+                if not names & declared:
+                    missing.append(f"{path.relative_to(ROOT)}: {module}")
+    assert not missing, f"imported but not declared in any extra (add it to [dev]): {missing}"
+
+
 def test_typing_extensions_is_a_dependency_of_the_strategy() -> None:
     # strategy/ imports typing_extensions at module level: a trainer install must bring it.
     assert "typing_extensions" in _third_party_imports(ROOT / "strategy" / "strategy.py")
