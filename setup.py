@@ -7,9 +7,9 @@ subpackage needs no edit here or there.
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
-import tomllib
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent

@@ -21,10 +21,10 @@ from grpc_reflection.v1alpha import reflection
 
 from ...proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from .metrics import RpcMetrics
+from .readiness import OPEN_PREFIX, SERVICE_NAME
 from .service import AutotuneService
 from .servicer import AutotuneServicer
 
-_OPEN_PREFIX = f"/{health.SERVICE_NAME}/"
 _METHODS = ("RegisterTensors", "ReportMetrics", "AskHyperparameters", "ReportTensorExecutionOrder", "ListModels",
             "DescribeModel")
 
@@ -81,7 +81,7 @@ class AioTokenInterceptor(grpc.aio.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
-        if details.method.startswith(_OPEN_PREFIX):
+        if details.method.startswith(OPEN_PREFIX):
             return await continuation(details)
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
@@ -98,10 +98,10 @@ def create_aio_server(address: str, service: AutotuneService, *, tls: Any = None
                       metrics: RpcMetrics | None = None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """An aio server for ``service`` bound to ``address``; (server, bound port, its health servicer).
 
-    Call from a running event loop; the server is not started.
+    Call from a running event loop; the server is not started. Liveness (``""``) answers SERVING once it
+    is (the aio health servicer's default); readiness (:data:`SERVICE_NAME`) is what :func:`set_readiness`
+    publishes.
     """
-    from .server import SERVICE_NAME  # the names are shared with the threaded server
-
     limit = service.config.max_request_bytes
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
@@ -117,10 +117,7 @@ def create_aio_server(address: str, service: AutotuneService, *, tls: Any = None
     return server, port, health_servicer
 
 
-async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
-    """Publish SERVING / NOT_SERVING for "" and the service name."""
-    from .server import SERVICE_NAME
-
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        await servicer.set(name, status)
+async def set_readiness(servicer: health.aio.HealthServicer, ready: bool) -> None:
+    """Publish readiness (SERVING / NOT_SERVING for :data:`SERVICE_NAME`); liveness stays as it is."""
+    await servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ready
+                       else health_pb2.HealthCheckResponse.NOT_SERVING)

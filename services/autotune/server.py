@@ -6,9 +6,9 @@ then marks itself NOT_SERVING, lets in-flight calls finish and exits.
 
 With a token configured every call needs the gRPC metadata ``authorization:
 Bearer <token>`` (UNAUTHENTICATED otherwise), except the health service, which
-stays open so that load balancers and ``docker`` health checks can probe. Health
-is NOT_SERVING while the plan store or the sample log fails (checked every
-``HEALTH_PERIOD_S``).
+stays open so that load balancers, ``docker`` and Kubernetes probes can reach it.
+Health follows the gRPC convention (:mod:`.readiness`): ``""`` is liveness (the
+process serves), the service's own name is readiness (store and sample log work).
 """
 
 from __future__ import annotations
@@ -30,23 +30,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ...proto.autotune.v1 import autotune_pb2 as pb
 from ...proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
+from .aio_server import create_aio_server, set_readiness
 from .config import ServiceConfig
 from .metrics import RpcMetrics, make_registry
 from .persistence import open_store
+from .readiness import LIVENESS, OPEN_PREFIX, SERVICE_NAME, ReadinessMonitor
 from .samplelog import SampleLog
 from .service import AutotuneService
 from .servicer import AutotuneServicer
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AutotuneService"].full_name
 DEFAULT_PORT = 29600
 SHUTDOWN_GRACE_S = 5.0  # seconds in-flight calls get to finish after SIGTERM
 SERVER_KINDS = ("aio", "threads")
-HEALTH_PERIOD_S = 1.0  # seconds between two probes of the store and the sample log
-_OPEN_PREFIX = f"/{health.SERVICE_NAME}/"  # methods callable without a token
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -66,7 +64,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        if details.method.startswith(_OPEN_PREFIX):
+        if details.method.startswith(OPEN_PREFIX):
             return continuation(details)
         for key, value in details.invocation_metadata:
             if key == "authorization":
@@ -90,60 +88,11 @@ def read_token_file(path: str | Path) -> str:
     return token
 
 
-def _publisher(servicer: health.HealthServicer) -> Callable[[bool], None]:
-    def publish(serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            servicer.set(name, status)
+def _readiness_publisher(servicer: health.HealthServicer) -> Callable[[bool], None]:
+    def publish(ready: bool) -> None:
+        servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ready
+                     else health_pb2.HealthCheckResponse.NOT_SERVING)
     return publish
-
-
-class HealthMonitor:
-    """Publishes NOT_SERVING while the service's store or sample log fails, SERVING otherwise.
-
-    Args:
-        service: the service whose store and sample log are probed.
-        publish: sets the health status (True: SERVING).
-        period_s: seconds between two probes.
-    """
-
-    def __init__(self, service: AutotuneService, publish: Callable[[bool], None],
-                 period_s: float = HEALTH_PERIOD_S) -> None:
-        self.service = service
-        self.publish = publish
-        self.period_s = period_s
-        self._stop = threading.Event()
-        self._serving: bool | None = None
-        self._thread = threading.Thread(target=self._run, name="autotune-health", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def check(self) -> bool:
-        """Probe once and publish the status; True when SERVING."""
-        self.service.io.ping()
-        problem = self.service.io.problem()
-        serving = problem is None
-        if serving != self._serving:
-            self.publish(serving)
-            if serving:
-                logger.info("event=health status=SERVING")
-            else:
-                logger.warning("event=health status=NOT_SERVING reason=%r", problem)
-            self._serving = serving
-        return serving
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            try:
-                self.check()
-            except Exception:  # the monitor must outlive any one failed probe
-                logger.exception("event=health_probe_failed")
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.period_s + self.service.io.timeout_s + 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +108,13 @@ class TlsFiles:
 
 def create_server(address: str, service: AutotuneService, *, max_workers: int = 8,
                   tls: TlsFiles | None = None, health_servicer: health.HealthServicer | None = None,
-                  token: str | None = None, metrics: RpcMetrics | None = None) -> tuple[grpc.Server, int]:
+                  token: str | None = None, metrics: RpcMetrics | None = None,
+                  ready: bool = True) -> tuple[grpc.Server, int]:
     """Build a server for ``service`` bound to ``address`` ("host:port"); returns (server, bound port).
 
-    The server is not started. Health status is SERVING for "" and the service name
-    once started by the caller (set here already, as grpc answers only once started).
+    The server is not started. Liveness (``""``) is SERVING once the caller starts it; readiness
+    (:data:`SERVICE_NAME`) is NOT_SERVING until a :class:`ReadinessMonitor` check publishes it, or SERVING
+    at once when ``ready`` (a server without a monitor, e.g. in tests).
     ``token``: require ``authorization: Bearer <token>`` on every call but health checks.
     """
     limit = service.config.max_request_bytes
@@ -177,8 +128,9 @@ def create_server(address: str, service: AutotuneService, *, max_workers: int = 
     pb_grpc.add_AutotuneServiceServicer_to_server(AutotuneServicer(service, metrics), server)
     health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ready
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
@@ -250,8 +202,8 @@ def _serve_threads(service: AutotuneService, address: str, *, max_workers: int, 
                    token: str | None, metrics: RpcMetrics | None, stop: threading.Event) -> None:
     health_servicer = health.HealthServicer()
     server, bound = create_server(address, service, max_workers=max_workers, tls=tls,
-                                  health_servicer=health_servicer, token=token, metrics=metrics)
-    monitor = HealthMonitor(service, _publisher(health_servicer))
+                                  health_servicer=health_servicer, token=token, metrics=metrics, ready=False)
+    monitor = ReadinessMonitor(service, _readiness_publisher(health_servicer))
     server.start()
     monitor.check()
     monitor.start()
@@ -266,15 +218,14 @@ def _serve_threads(service: AutotuneService, address: str, *, max_workers: int, 
 
 async def _serve_aio(service: AutotuneService, address: str, *, tls: TlsFiles | None, token: str | None,
                      metrics: RpcMetrics | None, stop: threading.Event) -> None:
-    from .aio_server import create_aio_server, set_health
-
     loop = asyncio.get_running_loop()
     server, bound, health_servicer = create_aio_server(address, service, tls=tls, token=token, metrics=metrics)
 
-    def publish(serving: bool) -> None:
-        asyncio.run_coroutine_threadsafe(set_health(health_servicer, serving), loop).result(timeout=10)
+    def publish(ready: bool) -> None:
+        asyncio.run_coroutine_threadsafe(set_readiness(health_servicer, ready), loop).result(timeout=10)
 
-    monitor = HealthMonitor(service, publish)
+    monitor = ReadinessMonitor(service, publish)
+    await set_readiness(health_servicer, False)  # not ready until the first check says so
     await server.start()
     await loop.run_in_executor(None, monitor.check)
     monitor.start()

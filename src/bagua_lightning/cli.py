@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from . import __version__
 from .errors import BaguaLightningError, ConfigurationError
 
 # command -> the module that registers it (several commands may share one module).
@@ -92,6 +93,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         help="logging level (DEBUG, INFO, WARNING, ERROR); env BAGUA_LIGHTNING_LOG_LEVEL",
     )
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks of errors")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     command = next((a for a in argv or () if not a.startswith("-")), None)
     modules = [_COMMANDS[command]] if command in _COMMANDS else list(dict.fromkeys(_COMMANDS.values()))

@@ -1,9 +1,8 @@
-"""A real service process: health follows its store, metrics over HTTP, ls/show/plot, the token file."""
+"""A real service process: metrics over HTTP, ls/show/plot, the token file."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,18 +39,6 @@ def _tune(target: str, model: str = MODEL, rounds: int = 6, token: str | None = 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "bagua_lightning.cli", "autotune", *args], capture_output=True,
                           text=True, timeout=120, env=env or dict(os.environ))
-
-
-def test_health_turns_not_serving_while_the_store_fails(start_service, tmp_path: Path) -> None:
-    plans = tmp_path / "plans"
-    with start_service(*FAST, "--state", str(plans)) as (target, _), AutotuneClient(target=target) as client:
-        assert client.health_check() is True
-        shutil.rmtree(plans)
-        plans.write_text("")  # the store's directory is gone: every save and probe fails
-        wait_until(lambda: client.health_check(timeout_s=1.0) is False, 30.0, "health NOT_SERVING")
-        plans.unlink()
-        plans.mkdir()
-        wait_until(lambda: client.health_check(timeout_s=1.0) is True, 30.0, "health SERVING again")
 
 
 def test_metrics_ls_show_and_plot_against_a_real_service(start_service, tmp_path: Path) -> None:
