@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import procs
-from ..cli import port_arg, positive_float_arg, positive_int_arg, size_arg
+from ..cli import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
 from ..errors import ConfigurationError
+from ..redis_server import DEFAULT_NODE_TIMEOUT_MS
 from ..services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, check_host, is_loopback
 from . import redis_cluster
 
@@ -29,7 +30,8 @@ def register(subparsers: Any) -> None:
 
     up = sub.add_parser("up", help="start a local Redis Cluster and wait until all 16384 slots are served")
     up.add_argument("--nodes", type=positive_int_arg, default=None, help="masters (default 3)")
-    up.add_argument("--replicas", type=int, default=0, help="replicas per master (default 0)")
+    up.add_argument("--replicas", type=non_negative_int_arg, default=None,
+                    help="replicas per master: 1 (default for a cluster) fails a dead master over; 0: no failover")
     up.add_argument("--port", type=port_arg, default=redis_cluster.DEFAULT_PORT,
                     help=f"first port; nodes use consecutive ports (default {redis_cluster.DEFAULT_PORT})")
     up.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -39,8 +41,10 @@ def register(subparsers: Any) -> None:
                     help=f"file holding the password (default: ${ENV_REDIS_PASSWORD}, else a random one)")
     up.add_argument("--no-password", action="store_true", help="no password (loopback only)")
     up.add_argument("--single", action="store_true", help="one standalone server instead of a cluster")
-    up.add_argument("--node-timeout-ms", type=positive_int_arg, default=2000,
-                    help="cluster-node-timeout: failover detection time (default 2000)")
+    up.add_argument("--node-timeout-ms", type=positive_int_arg, default=DEFAULT_NODE_TIMEOUT_MS,
+                    help=f"cluster-node-timeout: failover detection time (default {DEFAULT_NODE_TIMEOUT_MS})")
+    up.add_argument("--plain-bus", action="store_true",
+                    help="cluster bus without TLS: any local process can join the cluster (not for shared machines)")
     up.add_argument("--timeout", type=positive_float_arg, default=60.0, help="start-up deadline in seconds (default 60)")
     _state_dir_option(up)
     up.set_defaults(func=_up)
@@ -81,11 +85,15 @@ def _password(args: argparse.Namespace) -> str:
 def _up(args: argparse.Namespace) -> int:
     if args.single and args.nodes not in (None, 1):
         raise ConfigurationError(f"--single starts one standalone server; drop --nodes {args.nodes}.")
+    if args.single and args.replicas:
+        raise ConfigurationError(f"--single starts one standalone server; drop --replicas {args.replicas}.")
+    replicas = args.replicas if args.replicas is not None else 0 if args.single else 1
     check_host(args.host, "--host")
     info = redis_cluster.start_cluster(
-        nodes=1 if args.single else (args.nodes or 3), replicas=args.replicas, port=args.port,
+        nodes=1 if args.single else (args.nodes or 3), replicas=replicas, port=args.port,
         host=args.host, maxmemory=args.maxmemory, password=_password(args), cluster=not args.single,
-        node_timeout_ms=args.node_timeout_ms, state_root=args.state_dir, timeout_s=args.timeout)
+        node_timeout_ms=args.node_timeout_ms, bus_tls=not args.plain_bus, state_root=args.state_dir,
+        timeout_s=args.timeout)
     kind = "Redis Cluster" if info.cluster else "standalone Redis"
     print(f"{kind} up: {len(info.masters)} master(s), {len(info.nodes) - len(info.masters)} replica(s); "
           f"state in {info.state_dir}")
@@ -123,10 +131,12 @@ def _status(args: argparse.Namespace) -> int:
             extra = f" keys={n['keys']} used_memory={n['used_memory']}" if n.get("up") else ""
             print(f"  {n['host']}:{n['port']} pid {n['pid']} {n['role']}: {up}{extra}")
     if local is not None and not args.json:
-        state = "up" if local.get("up") else f"DOWN ({local.get('error', 'no process')})"
+        state = "up" if local.get("up") else "stale record (process gone; `down` removes it)" if local.get(
+            "stale") else f"DOWN ({local.get('error', 'no process')})"
         extra = f" keys={local['keys']} used_memory={local['used_memory']}" if local.get("up") else ""
         print(f"node-local cache server {local['address']} pid {local['pid']} maxmemory {local['maxmemory']}: "
               f"{state}{extra}; state {local['folder']}")
     healthy = all(n.get("up") and n.get("process") for e in entries for n in e["nodes"]) and all(
-        e.get("cluster_state") == "ok" for e in entries if e["cluster"]) and (local is None or local.get("up"))
+        e.get("cluster_state") == "ok" for e in entries if e["cluster"]) and (
+        local is None or local.get("up") or local.get("stale"))
     return 0 if (entries or local) and healthy else 1
