@@ -57,6 +57,15 @@ def register(subparsers: Any) -> None:
     _state_dir_option(down)
     down.set_defaults(func=_down)
 
+    certs = sub.add_parser("certs", help="make a CA and node certificates for a cluster bus over mutual TLS "
+                                         "(docker-compose.yml's redis-certs service); keeps complete existing ones")
+    certs.add_argument("--dir", type=Path, required=True, help="folder for ca.crt and node-<port>.{crt,key} (0700)")
+    certs.add_argument("--ports", required=True, metavar="FIRST-LAST", type=_port_range,
+                       help="the nodes' client ports, e.g. 7000-7005 (one certificate each)")
+    certs.add_argument("--host", action="append", default=[], metavar="ADDRESS",
+                       help="address the nodes are reached at, for the certificates' subjectAltName (repeatable)")
+    certs.set_defaults(func=_certs)
+
     status = sub.add_parser("status", help="show the local Redis deployment(s) and the node-local cache server")
     status.add_argument("--port", type=port_arg, default=None, help="only the deployment with this first port")
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -101,6 +110,31 @@ def _up(args: argparse.Namespace) -> int:
     print(f"export {ENV_REDIS_HOSTS}={info.hosts_string}")
     if info.password_file:
         print(f"export {ENV_REDIS_PASSWORD}=\"$(cat {info.password_file})\"  # the password (0600 file)")
+    return 0
+
+
+def _port_range(text: str) -> list[int]:
+    first, _, last = text.partition("-")
+    try:
+        lo, hi = port_arg(first), port_arg(last or first)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port range; give e.g. 7000-7005") from None
+    if hi < lo:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port range; give e.g. 7000-7005")
+    return list(range(lo, hi + 1))
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from .redis_tls import CA_CERT, make_node_certificates
+
+    wanted = [args.dir / CA_CERT] + [args.dir / f"node-{p}.{ext}" for p in args.ports for ext in ("crt", "key")]
+    if all(f.is_file() for f in wanted):
+        # A restarted compose project keeps its certificates: its running nodes trust only this CA.
+        print(f"certificates for ports {args.ports[0]}-{args.ports[-1]} already in {args.dir}")
+        return 0
+    hosts = [check_host(h, "--host") for h in args.host]
+    make_node_certificates(args.dir, args.ports, hosts)
+    print(f"made a CA and {len(args.ports)} node certificates in {args.dir} (the CA key is deleted)")
     return 0
 
 
