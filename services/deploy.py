@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import ipaddress
 import logging
 import os
 import socket
@@ -55,7 +54,6 @@ from ..services_file import (
     ENV_CACHE_KEY,
     ENV_REDIS_PASSWORD,
     ServicesInfo,
-    check_host,
     check_port,
     format_address,
     is_loopback,
@@ -65,6 +63,7 @@ from ..services_file import (
     state_dir,
     write_services_file,
 )
+from .addresses import WILDCARDS, machine_address, resolve_host
 from .health import Health, check_autotune, check_redis, wait_healthy
 from .redis_tls import remove_tls_dir
 
@@ -78,7 +77,6 @@ AUTOTUNE_LOG = "autotune.log"
 AUTOTUNE_SAMPLES = "autotune-samples"  # folder of the service's per-model sample logs
 SECRETS_DIR = "secrets"
 REDIS_TLS_DIR = "redis-tls"  # under SECRETS_DIR: the bus CA certificate and the node keys and certificates
-WILDCARDS = ("0.0.0.0", "::")
 # secret name in the services file -> (file name in <state_dir>/secrets, environment variable that overrides it)
 SECRETS = {"redis_password": ("redis-password", ENV_REDIS_PASSWORD),
            "autotune_token": ("autotune-token", ENV_AUTOTUNE_TOKEN),
@@ -211,48 +209,6 @@ class UpConfig:
     @property
     def autotune_address(self) -> str:
         return format_address(self.client_host, self.autotune_port)
-
-
-def resolve_host(host: str, what: str) -> str:
-    """``host`` as an IP address: a host name (``localhost``) is resolved; one line naming it otherwise."""
-    host = check_host(host, what)
-    try:
-        ipaddress.ip_address(host)
-        return host
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise ConfigurationError(f"--{what.replace('_', '-')} {host!r} does not resolve ({exc}); give an IP "
-                                 "address such as 127.0.0.1.") from None
-    # Prefer IPv4 (what `localhost` means to most tools); Redis binds and announces one address.
-    addresses = sorted({str(i[4][0]) for i in infos}, key=lambda a: ":" in a)
-    return addresses[0]
-
-
-def machine_address() -> str:
-    """A non-loopback IPv4 (else IPv6) address of an interface that is up: what ``--host 0.0.0.0`` announces.
-
-    Raises:
-        ConfigurationError: the machine has none; name one with ``--announce-ip``.
-    """
-    import psutil
-
-    stats = psutil.net_if_stats()
-    found = []
-    for name, addrs in psutil.net_if_addrs().items():
-        if name in stats and not stats[name].isup:
-            continue
-        for a in addrs:
-            if a.family in (socket.AF_INET, socket.AF_INET6):
-                ip = ipaddress.ip_address(a.address.split("%")[0])
-                if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
-                    found.append(ip)
-    if not found:
-        raise ConfigurationError("--host 0.0.0.0: this machine has no non-loopback address to announce; give "
-                                 "--announce-ip ADDRESS (one other machines reach this one at).")
-    return str(sorted(found, key=lambda ip: ip.version)[0])
 
 
 def start_autotune(cfg: UpConfig, state: str, folder: Path, deployment: str,

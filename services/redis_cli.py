@@ -35,6 +35,8 @@ def register(subparsers: Any) -> None:
     up.add_argument("--port", type=port_arg, default=redis_cluster.DEFAULT_PORT,
                     help=f"first port; nodes use consecutive ports (default {redis_cluster.DEFAULT_PORT})")
     up.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    up.add_argument("--announce-ip", default=None, metavar="ADDRESS",
+                    help="with --host 0.0.0.0: the address nodes give clients and each other")
     up.add_argument("--maxmemory", type=size_arg, default=0,
                     help="per-node memory limit, e.g. 4gb (default: none); LFU eviction beyond it")
     up.add_argument("--password-file", type=Path, default=None,
@@ -100,7 +102,7 @@ def _up(args: argparse.Namespace) -> int:
     check_host(args.host, "--host")
     info = redis_cluster.start_cluster(
         nodes=1 if args.single else (args.nodes or 3), replicas=replicas, port=args.port,
-        host=args.host, maxmemory=args.maxmemory, password=_password(args), cluster=not args.single,
+        host=args.host, announce_ip=args.announce_ip, maxmemory=args.maxmemory, password=_password(args), cluster=not args.single,
         node_timeout_ms=args.node_timeout_ms, bus_tls=not args.plain_bus, state_root=args.state_dir,
         timeout_s=args.timeout)
     kind = "Redis Cluster" if info.cluster else "standalone Redis"

@@ -127,7 +127,7 @@ class ClusterSpec:
                 + (f" (cluster bus = port + {BUS_PORT_OFFSET})" if self.cluster else "") + "; pick another --port."
             )
         if self.announce_ip in ("0.0.0.0", "::") or (self.announce_ip is None and self.host in ("0.0.0.0", "::")):
-            raise ConfigurationError(f"host {self.host} binds every interface: give announce_ip, an address of "
+            raise ConfigurationError(f"host {self.host} binds every interface: give --announce-ip, an address of "
                                      f"this machine that clients and the other nodes can reach.")
         if self.password is None:
             self.password = os.environ.get(ENV_REDIS_PASSWORD) or None
