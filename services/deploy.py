@@ -13,6 +13,13 @@ Authentication is on by default: ``up`` creates a Redis password, an autotune to
 0700 folder). They reach the services through a pipe (Redis) and the environment (autotune), trainers
 through the services file's paths; never through a command line. ``--no-auth`` is refused beyond loopback.
 
+High availability: by default 3 masters with one replica each (replicas on the next ports); a killed
+master's replica takes over within seconds (failover settings in :mod:`bagua_lightning.redis_server`,
+measured in docs/deployment.md). ``--replicas 0`` gives up failover: a dead master's keys miss until ``up``
+runs again. Only the deployment's nodes join its cluster: the bus and replication run over mutual TLS
+with certificates from a CA that ``up`` makes in ``<state_dir>/secrets/redis-tls`` (its key is deleted once
+the node certificates are signed), and the node ids are recorded so ``status`` names any foreign node.
+
 Identity: every process carries the deployment's id; ``down`` signals a recorded process only when pid,
 start time and id match, and only when the state folder's marker names this deployment, this folder and
 this services file (a copied state folder or a stale file stops nothing; see :mod:`bagua_lightning.procs`).
@@ -40,13 +47,13 @@ from pathlib import Path
 from .. import procs
 from ..errors import ConfigurationError
 from ..procs import parse_bytes
+from ..redis_server import BUS_PORT_OFFSET, tls_port
 from ..services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,
     ENV_AUTOTUNE_TOKEN,
     ENV_CACHE_KEY,
     ENV_REDIS_PASSWORD,
     ServicesInfo,
-    check_host,
     check_port,
     format_address,
     is_loopback,
@@ -56,7 +63,9 @@ from ..services_file import (
     state_dir,
     write_services_file,
 )
+from .addresses import WILDCARDS, machine_address, resolve_host
 from .health import Health, check_autotune, check_redis, wait_healthy
+from .redis_tls import remove_tls_dir
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +76,7 @@ DEFAULT_MAXMEMORY = 1024**3  # bytes per Redis node; docker-compose.yml uses the
 AUTOTUNE_LOG = "autotune.log"
 AUTOTUNE_SAMPLES = "autotune-samples"  # folder of the service's per-model sample logs
 SECRETS_DIR = "secrets"
+REDIS_TLS_DIR = "redis-tls"  # under SECRETS_DIR: the bus CA certificate and the node keys and certificates
 # secret name in the services file -> (file name in <state_dir>/secrets, environment variable that overrides it)
 SECRETS = {"redis_password": ("redis-password", ENV_REDIS_PASSWORD),
            "autotune_token": ("autotune-token", ENV_AUTOTUNE_TOKEN),
@@ -106,12 +116,21 @@ class UpConfig:
     """What ``bagua-lightning up`` starts.
 
     Attributes:
-        host: address both services bind and that clients are given; loopback by default. For trainers on
-            other machines give this machine's address (they then need the secrets, see docs/deployment.md).
+        host: address both services bind and that clients are given; loopback by default. A host name
+            (``localhost``) is resolved to its address. For trainers on other machines give this machine's
+            address, or a wildcard (``0.0.0.0``) with ``announce_ip`` (they then need the secrets, see
+            docs/deployment.md).
+        announce_ip: the address clients and the other nodes are given when ``host`` is a wildcard; None:
+            ``host``, or for a wildcard a non-loopback address of this machine (never loopback, which
+            other machines cannot reach).
         autotune_port: gRPC port of the autotune service.
-        redis_port: first Redis port; cluster node i listens on ``redis_port + i`` (bus: ``+ 10000``).
+        redis_port: first Redis port; cluster node i listens on ``redis_port + i`` (bus: ``+ 10000``,
+            TLS port for replication: ``+ 20000``, or ``- 20000`` where that passes 65535).
         nodes: Redis Cluster masters.
-        replicas: replicas per master (0 or 1 make sense on one machine).
+        replicas: replicas per master: 1 fails a dead master over to its replica; 0 means no failover (a
+            dead master's keys miss until the next ``up``). None: 1 for a cluster, 0 with ``single``.
+        bus_tls: the cluster bus and replication over mutual TLS (only this deployment's nodes can join);
+            False leaves the bus open to any local process (tests only, no command line flag).
         single: one standalone Redis instead of a cluster (``nodes``/``replicas`` must stay default).
         maxmemory: bytes per Redis node, 0 for no limit.
         timeout_s: deadline for both services to become healthy, in seconds.
@@ -120,34 +139,49 @@ class UpConfig:
     """
 
     host: str = DEFAULT_HOST
+    announce_ip: str | None = None
     autotune_port: int = DEFAULT_AUTOTUNE_PORT
     redis_port: int = DEFAULT_REDIS_PORT
     nodes: int = 3
-    replicas: int = 0
+    replicas: int | None = None
+    bus_tls: bool = True
     single: bool = False
     maxmemory: int = DEFAULT_MAXMEMORY
     timeout_s: float = 60.0
     auth: bool = True
 
     def __post_init__(self) -> None:
-        check_host(self.host, "host")
+        if self.single and self.replicas:
+            raise ConfigurationError(f"--single starts one standalone Redis; drop --replicas {self.replicas}.")
+        if self.replicas is None:
+            self.replicas = 0 if self.single else 1
+        if self.replicas < 0:
+            raise ConfigurationError(f"replicas={self.replicas} is negative; use 1 (failover) or 0 (none).")
+        self.host = resolve_host(self.host, "host")
+        if self.announce_ip is not None:
+            self.announce_ip = resolve_host(self.announce_ip, "announce_ip")
+        if self.host in WILDCARDS:
+            self.announce_ip = self.announce_ip or machine_address()
+            if self.announce_ip in WILDCARDS or is_loopback(self.announce_ip):
+                raise ConfigurationError(
+                    f"--announce-ip {self.announce_ip} with --host {self.host}: other machines cannot reach a "
+                    "loopback or wildcard address; give this machine's address, or bind --host 127.0.0.1.")
+        elif self.announce_ip is not None and self.announce_ip != self.host:
+            raise ConfigurationError(f"--announce-ip {self.announce_ip} with --host {self.host}: clients are "
+                                     "given the bound address; give --announce-ip only with --host 0.0.0.0.")
         check_port(self.autotune_port, "autotune_port")
         check_port(self.redis_port, "redis_port")
-        last = self.redis_port + self.redis_node_count - 1 + (0 if self.single else 10000)
+        last = self.redis_port + self.redis_node_count - 1 + (0 if self.single else BUS_PORT_OFFSET)
         if last > 65535:
-            raise ConfigurationError(f"redis_port {self.redis_port}: the Redis ports (cluster bus: port + 10000) "
-                                     f"reach {last} > 65535; pick a lower --redis-port.")
+            raise ConfigurationError(f"redis_port {self.redis_port}: the Redis ports (cluster bus: port + "
+                                     f"{BUS_PORT_OFFSET}) reach {last} > 65535; pick a lower --redis-port.")
         if not self.auth and not is_loopback(self.host):
             raise ConfigurationError(f"--no-auth with --host {self.host}: anyone on the network could use the "
                                      "services; drop --no-auth or bind 127.0.0.1.")
         if self.nodes < 1:
             raise ConfigurationError(f"nodes={self.nodes}: a cluster needs at least one master.")
-        if self.replicas < 0:
-            raise ConfigurationError(f"replicas={self.replicas} is negative; use 0 or 1.")
-        if self.single and (self.nodes != 3 or self.replicas):
-            raise ConfigurationError(
-                f"--single starts one standalone Redis; drop --nodes {self.nodes} / --replicas {self.replicas}."
-            )
+        if self.single and self.nodes != 3:
+            raise ConfigurationError(f"--single starts one standalone Redis; drop --nodes {self.nodes}.")
         redis_ports = range(self.redis_port, self.redis_port + self.redis_node_count)
         if self.autotune_port in redis_ports:
             raise ConfigurationError(
@@ -160,12 +194,21 @@ class UpConfig:
             raise ConfigurationError(f"timeout_s {self.timeout_s} must be > 0 seconds.")
 
     @property
+    def replicas_per_master(self) -> int:
+        return self.replicas or 0  # set in __post_init__
+
+    @property
     def redis_node_count(self) -> int:
-        return 1 if self.single else self.nodes * (1 + self.replicas)
+        return 1 if self.single else self.nodes * (1 + self.replicas_per_master)
+
+    @property
+    def client_host(self) -> str:
+        """The address clients are given: ``announce_ip`` for a wildcard bind, else ``host``."""
+        return self.announce_ip or self.host
 
     @property
     def autotune_address(self) -> str:
-        return format_address(self.host, self.autotune_port)
+        return format_address(self.client_host, self.autotune_port)
 
 
 def start_autotune(cfg: UpConfig, state: str, folder: Path, deployment: str,
@@ -211,7 +254,8 @@ def running_services(info: ServicesInfo | None, password: str | None = None,
     if info.redis_hosts:
         gone = [r.pid for r in info.processes.get("redis") or [] if not procs.is_running(r)]
         out["redis"] = (Health(False, f"processes {gone} are gone") if gone
-                        else check_redis(info.redis_hosts, info.redis_cluster, password))
+                        else check_redis(info.redis_hosts, info.redis_cluster, password,
+                                         node_ids=info.redis_node_ids or None))
     return out
 
 
@@ -315,20 +359,22 @@ def _up(cfg: UpConfig) -> ServicesInfo:
         secrets = {name: procs.read_secret(path) for name, path in secret_files.items()}
         deadline = time.monotonic() + cfg.timeout_s
         spec = redis_cluster.ClusterSpec(
-            nodes=1 if cfg.single else cfg.nodes, replicas=cfg.replicas, port=cfg.redis_port, host=cfg.host,
-            maxmemory=cfg.maxmemory, password=secrets.get("redis_password", ""), cluster=not cfg.single,
-            state_root=folder, timeout_s=cfg.timeout_s, deployment=deployment,
+            nodes=1 if cfg.single else cfg.nodes, replicas=cfg.replicas_per_master, port=cfg.redis_port,
+            host=cfg.host, announce_ip=cfg.announce_ip, maxmemory=cfg.maxmemory,
+            password=secrets.get("redis_password", ""), cluster=not cfg.single, bus_tls=cfg.bus_tls,
+            tls_dir=folder / SECRETS_DIR / REDIS_TLS_DIR, state_root=folder, timeout_s=cfg.timeout_s,
+            deployment=deployment,
         )
         cluster = redis_cluster.start_cluster(spec)
         proc: subprocess.Popen[bytes] | None = None
         try:
-            proc = start_autotune(cfg, redis_state_url(cfg.host, cfg.redis_port), folder, deployment, secrets)
+            proc = start_autotune(cfg, redis_state_url(cfg.client_host, cfg.redis_port), folder, deployment, secrets)
             autotune = procs.record(proc.pid, deployment)
             wait_healthy(lambda: check_autotune(cfg.autotune_address, token=secrets.get("autotune_token")),
                          deadline, f"the autotune service on {cfg.autotune_address}", proc, folder / AUTOTUNE_LOG)
             info = ServicesInfo(
                 autotune=cfg.autotune_address, redis_hosts=cluster.hosts, redis_cluster=cluster.cluster,
-                state_dir=str(folder), deployment=deployment, secrets=secret_files,
+                redis_node_ids=cluster.node_ids, state_dir=str(folder), deployment=deployment, secrets=secret_files,
                 processes={"autotune": [autotune], "redis": cluster.processes},
             )
             write_services_file(info)
@@ -369,8 +415,8 @@ def _differences(info: ServicesInfo, cfg: UpConfig) -> list[str]:
     if info.autotune != cfg.autotune_address:
         found.append(f"autotune on {info.autotune}, asked {cfg.autotune_address}")
     first = info.redis_hosts[0] if info.redis_hosts else {}
-    if (first.get("host"), first.get("port")) != (cfg.host, cfg.redis_port):
-        found.append(f"Redis from {first.get('host')}:{first.get('port')}, asked {cfg.host}:{cfg.redis_port}")
+    if (first.get("host"), first.get("port")) != (cfg.client_host, cfg.redis_port):
+        found.append(f"Redis from {first.get('host')}:{first.get('port')}, asked {cfg.client_host}:{cfg.redis_port}")
     if info.redis_cluster == cfg.single:
         found.append("a cluster, asked --single" if info.redis_cluster else "--single, asked a cluster")
     nodes = len(info.processes.get("redis") or [])
@@ -405,23 +451,34 @@ def _down(timeout_s: float = 10.0) -> list[int]:
         return []
     root = Path(info.state_dir) if info.state_dir else None
     marker = procs.read_marker(root) if root is not None else None
-    if root is not None and root.exists() and (
-            marker is None or marker.get("deployment") != info.deployment
-            or marker.get("services_file") != str(path.resolve())):
-        raise ConfigurationError(
-            f"services file {path} records deployment {info.deployment} in {root}, but that folder is not its "
-            "own (a copy, or another deployment's); nothing was stopped. If its services are gone, delete "
-            f"{path}."
-        )
-    stopped = [r.pid for records in info.processes.values() for r in records if procs.stop(r, timeout_s)]
-    if info.redis_hosts and root is not None:
-        stopped += redis_cluster.stop_cluster(int(info.redis_hosts[0]["port"]), root, timeout_s=timeout_s)
+    records = [r for rs in info.processes.values() for r in rs]
+    # Only a state folder whose marker names this deployment and this very services file proves that the
+    # recorded processes are ours to stop. Without that proof (a copied or edited file, a state_dir that
+    # points elsewhere or nowhere), nothing is signalled; a file whose processes are all gone is just removed.
+    own = (root is not None and marker is not None and marker.get("deployment") == info.deployment
+           and marker.get("services_file") == str(path.resolve())
+           and all(r.deployment == info.deployment for r in records))
+    if not own or root is None:
+        if any(procs.is_running(r) for r in records):
+            raise ConfigurationError(
+                f"services file {path} records deployment {info.deployment} in {root or 'no state folder'}, "
+                "but that folder is not its own (a copy, another deployment's, or missing); nothing was "
+                f"stopped. If its services are gone, delete {path}."
+            )
+        remove_services_file(path)
+        return []
+    stopped = [r.pid for r in records if procs.stop(r, timeout_s)]
+    if info.redis_hosts:
+        port = int(info.redis_hosts[0]["port"])
+        for cluster in redis_cluster.read_deployments(root, port):
+            if cluster.deployment == info.deployment:
+                stopped += redis_cluster.stop_deployment(cluster, timeout_s=timeout_s)
     remove_services_file(path)
-    if root is not None and marker is not None:
-        for secret in info.secrets.values():
-            if Path(secret).parent == root / SECRETS_DIR:
-                Path(secret).unlink(missing_ok=True)
-        (root / procs.MARKER_FILE).unlink(missing_ok=True)
+    for secret in info.secrets.values():
+        if Path(secret).parent == root / SECRETS_DIR:
+            Path(secret).unlink(missing_ok=True)
+    remove_tls_dir(root / SECRETS_DIR / REDIS_TLS_DIR)
+    (root / procs.MARKER_FILE).unlink(missing_ok=True)
     return sorted(set(stopped))
 
 
@@ -431,7 +488,11 @@ def _require_free_ports(cfg: UpConfig) -> list[int]:
     for i in range(cfg.redis_node_count):
         wanted.append(("--redis-port", cfg.redis_port + i))
         if not cfg.single:
-            wanted.append(("--redis-port (cluster bus, port + 10000)", cfg.redis_port + i + 10000))
+            wanted.append((f"--redis-port (cluster bus, port + {BUS_PORT_OFFSET})",
+                           cfg.redis_port + i + BUS_PORT_OFFSET))
+            if cfg.bus_tls:
+                wanted.append(("--redis-port (TLS port for replication, port +/- 20000)",
+                               tls_port(cfg.redis_port + i)))
     for flag, port in wanted:
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..cli import port_arg, positive_float_arg, positive_int_arg, size_arg
+from ..cli import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
 from ..services_file import (
     ENV_AUTOTUNE,
     ENV_REDIS_HOSTS,
@@ -45,7 +45,8 @@ def _print_info(info: ServicesInfo) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    cfg = deploy.UpConfig(host=args.host, autotune_port=args.autotune_port, redis_port=args.redis_port,
+    cfg = deploy.UpConfig(host=args.host, announce_ip=args.announce_ip, autotune_port=args.autotune_port,
+                          redis_port=args.redis_port,
                           nodes=args.nodes, replicas=args.replicas, single=args.single, maxmemory=args.maxmemory,
                           timeout_s=args.timeout, auth=not args.no_auth)
     _print_info(deploy.up(cfg))
@@ -73,6 +74,8 @@ def _local_health() -> Health | None:
     detail = f"{found['address']} pid {found['pid']} maxmemory {found['maxmemory']}"
     if found.get("up"):
         return Health(True, f"{detail}, {found['keys']} keys, {found['used_memory']} bytes used")
+    if found.get("stale"):
+        return Health(False, f"{detail}: process gone; `bagua-lightning down` removes the record", stale=True)
     return Health(False, f"{detail}: {found.get('error', 'process gone')}")
 
 
@@ -106,11 +109,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if local is not None:
             report["node-local redis"] = local
     if args.json:
-        print(json.dumps({k: {"healthy": h.healthy, "detail": h.detail} for k, h in report.items()}))
+        print(json.dumps({k: {"healthy": h.healthy, "detail": h.detail, **({"stale": True} if h.stale else {})}
+                          for k, h in report.items()}))
     else:
         for name, health in report.items():
-            print(f"{name}: {'healthy' if health.healthy else 'UNHEALTHY'} ({health.detail})")
-    return 0 if all(h.healthy for h in report.values()) else 1
+            print(f"{name}: {health.label} ({health.detail})")
+    return 0 if all(h.ok for h in report.values()) else 1
 
 
 def register(subparsers: Any) -> None:
@@ -118,12 +122,16 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("up", help="start the autotune service and a local Redis Cluster in the background",
                               description=(deploy.__doc__ or "").split("\n\n")[0] or None)
     p.add_argument("--host", default=deploy.DEFAULT_HOST,
-                   help="address to bind and to give clients (default %(default)s)")
+                   help="address to bind and to give clients; a name is resolved (default %(default)s)")
+    p.add_argument("--announce-ip", default=None, metavar="ADDRESS",
+                   help="with --host 0.0.0.0: the address clients and Redis nodes are given (default: a "
+                        "non-loopback address of this machine)")
     p.add_argument("--autotune-port", type=port_arg, default=deploy.DEFAULT_AUTOTUNE_PORT, help="default %(default)s")
     p.add_argument("--redis-port", type=port_arg, default=deploy.DEFAULT_REDIS_PORT,
                    help="first Redis port; node i uses port + i (default %(default)s)")
     p.add_argument("--nodes", type=positive_int_arg, default=3, help="Redis Cluster masters (default %(default)s)")
-    p.add_argument("--replicas", type=int, default=0, help="replicas per master (default %(default)s)")
+    p.add_argument("--replicas", type=non_negative_int_arg, default=None,
+                   help="replicas per master: 1 (default) fails a dead master over; 0: no failover")
     p.add_argument("--single", action="store_true", help="one standalone Redis instead of a cluster")
     p.add_argument("--maxmemory", type=size_arg, default=deploy.DEFAULT_MAXMEMORY,
                    help="bytes per Redis node, e.g. 1gb, 0 for no limit (default 1gb)")
@@ -139,7 +147,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--keep-local", action="store_true", help="leave the node-local cache server running")
     p.set_defaults(func=_cmd_down)
 
-    p = subparsers.add_parser("status", help="health of the recorded services (exit 1 when one is unhealthy)")
+    p = subparsers.add_parser("status", help="health of the recorded services (exit 1 when one is unhealthy; "
+                                             "a stale node-local record is not)")
     p.add_argument("--autotune", metavar="HOST:PORT", help="check this autotune service instead of the file's")
     p.add_argument("--redis", metavar="HOST:PORT[,...]", help="check these Redis nodes instead of the file's")
     p.add_argument("--single", action="store_true", help="with --redis: standalone servers, not a cluster")

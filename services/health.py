@@ -1,5 +1,6 @@
 """Health checks of the deployed services, each with a deadline: the autotune service's gRPC health and
-the Redis nodes (every node answering; for a cluster, all 16384 slots served).
+the Redis nodes (every node answering; for a cluster, all 16384 slots served and no node in
+``CLUSTER NODES`` that is not the deployment's own).
 
 Used by ``bagua-lightning up``/``status`` and by the services image's healthcheck
 (``bagua-lightning status --autotune HOST:PORT``); no torch here.
@@ -9,22 +10,39 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import procs
 from ..errors import ServiceUnavailableError
 from ..redis_server import CLUSTER_SLOTS, client_for, cluster_info
 
+if TYPE_CHECKING:
+    import redis
+
 
 @dataclass(frozen=True)
 class Health:
-    """Result of one health check: ``healthy`` and a one-line ``detail`` for people."""
+    """Result of one health check: ``healthy`` and a one-line ``detail`` for people.
+
+    ``stale``: not a failure but a leftover record of something that is gone (the node-local cache server
+    after a reboot); reported as "stale record", it does not make ``status`` fail, and ``down`` removes it.
+    """
 
     healthy: bool
     detail: str
+    stale: bool = False
+
+    @property
+    def label(self) -> str:
+        return "healthy" if self.healthy else "stale record" if self.stale else "UNHEALTHY"
+
+    @property
+    def ok(self) -> bool:
+        """Nothing to fix: healthy, or only a stale record."""
+        return self.healthy or self.stale
 
 
 def check_autotune(address: str, timeout_s: float = 2.0, *, token: str | None = None,
@@ -62,8 +80,14 @@ def check_autotune(address: str, timeout_s: float = 2.0, *, token: str | None = 
 
 
 def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | None = None,
-                timeout_s: float = 2.0) -> Health:
-    """Every node answers PING; for a cluster, each reports ``cluster_state:ok`` with all slots served."""
+                timeout_s: float = 2.0, node_ids: Collection[str] | None = None) -> Health:
+    """Every node answers PING; for a cluster, each reports ``cluster_state:ok`` with all slots served.
+
+    Args:
+        node_ids: the cluster's own node ids (recorded when it was created): a node any of ``hosts`` lists
+            in ``CLUSTER NODES`` beyond these is foreign, and the cluster unhealthy (a node that joined
+            through the bus can take slots and receive the clients' passwords). None: not checked.
+    """
     import redis
 
     if not hosts:
@@ -76,8 +100,12 @@ def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | 
                 if not cluster:
                     continue
                 fields = cluster_info(client)
+                foreign = _foreign_nodes(client, node_ids) if node_ids is not None else []
         except (redis.RedisError, OSError) as exc:
             return Health(False, f"{where} not answering ({exc})")
+        if foreign:
+            return Health(False, f"{where} lists foreign node(s) {', '.join(foreign)} in CLUSTER NODES (not this "
+                                 "deployment's; stop them, then restart with `bagua-lightning down` and `up`)")
         slots_ok = int(fields.get("cluster_slots_ok", "0") or 0)
         if fields.get("cluster_state") != "ok" or slots_ok != CLUSTER_SLOTS:
             return Health(False, f"{where}: cluster_state {fields.get('cluster_state')}, "
@@ -85,6 +113,16 @@ def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | 
     if cluster:
         return Health(True, f"cluster ok, {CLUSTER_SLOTS}/{CLUSTER_SLOTS} slots served by {len(hosts)} masters")
     return Health(True, f"{len(hosts)} server(s) answering")
+
+
+def _foreign_nodes(client: redis.Redis, node_ids: Collection[str]) -> list[str]:
+    """``"<id> at <address> (<flags>)"`` for each node in ``CLUSTER NODES`` whose id is not in ``node_ids``."""
+    # The raw text: redis-py's parsed form is keyed by address, and two nodes may claim one address.
+    client.set_response_callback("CLUSTER NODES", lambda response, **_: response)
+    raw = client.execute_command("CLUSTER NODES")
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    entries = [(f[0], f[1], f[2]) for f in (line.split() for line in text.splitlines()) if len(f) > 2]
+    return [f"{nid} at {addr} ({flags})" for nid, addr, flags in entries if nid not in node_ids]
 
 
 def wait_healthy(check: Callable[[], Health], deadline: float, what: str,

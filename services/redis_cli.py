@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import procs
-from ..cli import port_arg, positive_float_arg, positive_int_arg, size_arg
+from ..cli import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
 from ..errors import ConfigurationError
+from ..redis_server import DEFAULT_NODE_TIMEOUT_MS
 from ..services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, check_host, is_loopback
 from . import redis_cluster
 
@@ -29,18 +30,23 @@ def register(subparsers: Any) -> None:
 
     up = sub.add_parser("up", help="start a local Redis Cluster and wait until all 16384 slots are served")
     up.add_argument("--nodes", type=positive_int_arg, default=None, help="masters (default 3)")
-    up.add_argument("--replicas", type=int, default=0, help="replicas per master (default 0)")
+    up.add_argument("--replicas", type=non_negative_int_arg, default=None,
+                    help="replicas per master: 1 (default for a cluster) fails a dead master over; 0: no failover")
     up.add_argument("--port", type=port_arg, default=redis_cluster.DEFAULT_PORT,
                     help=f"first port; nodes use consecutive ports (default {redis_cluster.DEFAULT_PORT})")
     up.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    up.add_argument("--announce-ip", default=None, metavar="ADDRESS",
+                    help="with --host 0.0.0.0: the address nodes give clients and each other")
     up.add_argument("--maxmemory", type=size_arg, default=0,
                     help="per-node memory limit, e.g. 4gb (default: none); LFU eviction beyond it")
     up.add_argument("--password-file", type=Path, default=None,
                     help=f"file holding the password (default: ${ENV_REDIS_PASSWORD}, else a random one)")
     up.add_argument("--no-password", action="store_true", help="no password (loopback only)")
     up.add_argument("--single", action="store_true", help="one standalone server instead of a cluster")
-    up.add_argument("--node-timeout-ms", type=positive_int_arg, default=2000,
-                    help="cluster-node-timeout: failover detection time (default 2000)")
+    up.add_argument("--node-timeout-ms", type=positive_int_arg, default=DEFAULT_NODE_TIMEOUT_MS,
+                    help=f"cluster-node-timeout: failover detection time (default {DEFAULT_NODE_TIMEOUT_MS})")
+    up.add_argument("--plain-bus", action="store_true",
+                    help="cluster bus without TLS: any local process can join the cluster (not for shared machines)")
     up.add_argument("--timeout", type=positive_float_arg, default=60.0, help="start-up deadline in seconds (default 60)")
     _state_dir_option(up)
     up.set_defaults(func=_up)
@@ -52,6 +58,15 @@ def register(subparsers: Any) -> None:
     down.add_argument("--keep-local", action="store_true", help="leave the node-local cache server running")
     _state_dir_option(down)
     down.set_defaults(func=_down)
+
+    certs = sub.add_parser("certs", help="make a CA and node certificates for a cluster bus over mutual TLS "
+                                         "(docker-compose.yml's redis-certs service); keeps complete existing ones")
+    certs.add_argument("--dir", type=Path, required=True, help="folder for ca.crt and node-<port>.{crt,key} (0700)")
+    certs.add_argument("--ports", required=True, metavar="FIRST-LAST", type=_port_range,
+                       help="the nodes' client ports, e.g. 7000-7005 (one certificate each)")
+    certs.add_argument("--host", action="append", default=[], metavar="ADDRESS",
+                       help="address the nodes are reached at, for the certificates' subjectAltName (repeatable)")
+    certs.set_defaults(func=_certs)
 
     status = sub.add_parser("status", help="show the local Redis deployment(s) and the node-local cache server")
     status.add_argument("--port", type=port_arg, default=None, help="only the deployment with this first port")
@@ -81,11 +96,15 @@ def _password(args: argparse.Namespace) -> str:
 def _up(args: argparse.Namespace) -> int:
     if args.single and args.nodes not in (None, 1):
         raise ConfigurationError(f"--single starts one standalone server; drop --nodes {args.nodes}.")
+    if args.single and args.replicas:
+        raise ConfigurationError(f"--single starts one standalone server; drop --replicas {args.replicas}.")
+    replicas = args.replicas if args.replicas is not None else 0 if args.single else 1
     check_host(args.host, "--host")
     info = redis_cluster.start_cluster(
-        nodes=1 if args.single else (args.nodes or 3), replicas=args.replicas, port=args.port,
-        host=args.host, maxmemory=args.maxmemory, password=_password(args), cluster=not args.single,
-        node_timeout_ms=args.node_timeout_ms, state_root=args.state_dir, timeout_s=args.timeout)
+        nodes=1 if args.single else (args.nodes or 3), replicas=replicas, port=args.port,
+        host=args.host, announce_ip=args.announce_ip, maxmemory=args.maxmemory, password=_password(args), cluster=not args.single,
+        node_timeout_ms=args.node_timeout_ms, bus_tls=not args.plain_bus, state_root=args.state_dir,
+        timeout_s=args.timeout)
     kind = "Redis Cluster" if info.cluster else "standalone Redis"
     print(f"{kind} up: {len(info.masters)} master(s), {len(info.nodes) - len(info.masters)} replica(s); "
           f"state in {info.state_dir}")
@@ -93,6 +112,31 @@ def _up(args: argparse.Namespace) -> int:
     print(f"export {ENV_REDIS_HOSTS}={info.hosts_string}")
     if info.password_file:
         print(f"export {ENV_REDIS_PASSWORD}=\"$(cat {info.password_file})\"  # the password (0600 file)")
+    return 0
+
+
+def _port_range(text: str) -> list[int]:
+    first, _, last = text.partition("-")
+    try:
+        lo, hi = port_arg(first), port_arg(last or first)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port range; give e.g. 7000-7005") from None
+    if hi < lo:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port range; give e.g. 7000-7005")
+    return list(range(lo, hi + 1))
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from .redis_tls import CA_CERT, make_node_certificates
+
+    wanted = [args.dir / CA_CERT] + [args.dir / f"node-{p}.{ext}" for p in args.ports for ext in ("crt", "key")]
+    if all(f.is_file() for f in wanted):
+        # A restarted compose project keeps its certificates: its running nodes trust only this CA.
+        print(f"certificates for ports {args.ports[0]}-{args.ports[-1]} already in {args.dir}")
+        return 0
+    hosts = [check_host(h, "--host") for h in args.host]
+    make_node_certificates(args.dir, args.ports, hosts)
+    print(f"made a CA and {len(args.ports)} node certificates in {args.dir} (the CA key is deleted)")
     return 0
 
 
@@ -123,10 +167,12 @@ def _status(args: argparse.Namespace) -> int:
             extra = f" keys={n['keys']} used_memory={n['used_memory']}" if n.get("up") else ""
             print(f"  {n['host']}:{n['port']} pid {n['pid']} {n['role']}: {up}{extra}")
     if local is not None and not args.json:
-        state = "up" if local.get("up") else f"DOWN ({local.get('error', 'no process')})"
+        state = "up" if local.get("up") else "stale record (process gone; `down` removes it)" if local.get(
+            "stale") else f"DOWN ({local.get('error', 'no process')})"
         extra = f" keys={local['keys']} used_memory={local['used_memory']}" if local.get("up") else ""
         print(f"node-local cache server {local['address']} pid {local['pid']} maxmemory {local['maxmemory']}: "
               f"{state}{extra}; state {local['folder']}")
     healthy = all(n.get("up") and n.get("process") for e in entries for n in e["nodes"]) and all(
-        e.get("cluster_state") == "ok" for e in entries if e["cluster"]) and (local is None or local.get("up"))
+        e.get("cluster_state") == "ok" for e in entries if e["cluster"]) and (
+        local is None or local.get("up") or local.get("stale"))
     return 0 if (entries or local) and healthy else 1

@@ -6,6 +6,11 @@ processes themselves are :mod:`bagua_lightning.redis_server`'s; the records of a
 session, so they outlive the command that started them, and are stopped only when pid, start time and
 deployment id all match their record.
 
+For ``up`` and ``redis up`` the cluster bus and replication run over mutual TLS with the deployment's own CA
+(:mod:`.redis_tls`), so only the deployment's nodes can join; clients keep the plain, password-protected
+ports (``CLUSTER SLOTS``/``CLUSTER NODES`` give a plain-port client the plain ports). The node ids are
+recorded at creation, so ``status`` can name a node that is not the deployment's.
+
 The cluster is created with the commands ``redis-cli --cluster create`` uses (CLUSTER MEET, ADDSLOTSRANGE,
 REPLICATE), issued from Python so one master and uneven counts work too; start-up waits, with a deadline,
 until every node reports ``cluster_state:ok`` with all 16384 slots assigned and every replica is linked.
@@ -27,8 +32,10 @@ import redis
 from .. import procs
 from ..errors import ConfigurationError
 from ..redis_server import (
+    BUS_PORT_OFFSET,
     CLUSTER_SLOTS,
     DEFAULT_EVICTION_POLICY,
+    DEFAULT_NODE_TIMEOUT_MS,
     MAX_CLUSTER_PORT,
     NodeConfig,
     client_for,
@@ -36,6 +43,7 @@ from ..redis_server import (
     is_redis_pid,
     launch_node,
     stop_pid,
+    tls_port,
     wait_ready,
 )
 from ..services_file import ENV_REDIS_PASSWORD
@@ -49,6 +57,7 @@ from .redis_records import (
     stop_deployment,
     write_deployment,
 )
+from .redis_tls import make_node_certificates, remove_tls_dir
 
 __all__ = ["DEFAULT_EVICTION_POLICY", "DEFAULT_PORT", "ClusterInfo", "ClusterSpec", "NodeConfig", "NodeInfo",
            "cluster_status", "is_redis_pid", "read_deployments", "running_cluster", "start_cluster",
@@ -72,7 +81,16 @@ class ClusterSpec:
         password: ``requirepass`` for every node; None reads ``BAGUA_LIGHTNING_REDIS_PASSWORD`` (and no
             password when that is unset). It is kept in the deployment's 0600 ``password`` file.
         cluster: a Redis Cluster (True) or independent standalone servers (False).
-        node_timeout_ms: failover detection time of the cluster.
+        node_timeout_ms: failover detection time of the cluster, in milliseconds.
+        bus_tls: run the cluster bus and replication over mutual TLS with a fresh CA of this deployment
+            (only its nodes can join; the TLS ports, :func:`~bagua_lightning.redis_server.tls_port`, must
+            be free too). False: a plain bus,
+            which any local process can join: the default of this library call for throw-away test
+            clusters only; ``bagua-lightning up`` and ``redis up`` always ask for TLS.
+        tls_dir: where the CA certificate and the node keys and certificates go (made 0700); None: the
+            deployment folder's ``tls``.
+        announce_ip: the address nodes give each other and clients (``cluster-announce-ip``); required
+            when ``host`` is a wildcard (0.0.0.0, ::); None: ``host``.
         state_root: the state folder; None: ``bagua_lightning.services_file.state_dir()``.
         timeout_s: deadline for the whole start-up.
         deployment: the id the processes carry; None: a fresh one.
@@ -85,7 +103,10 @@ class ClusterSpec:
     maxmemory: int = 0
     password: str | None = None
     cluster: bool = True
-    node_timeout_ms: int = 2000
+    node_timeout_ms: int = DEFAULT_NODE_TIMEOUT_MS
+    bus_tls: bool = False
+    tls_dir: Path | None = None
+    announce_ip: str | None = None
     state_root: Path | None = None
     timeout_s: float = 60.0
     deployment: str | None = None
@@ -103,8 +124,11 @@ class ClusterSpec:
                 or self.port + total - 1 > limit:
             raise ConfigurationError(
                 f"ports {self.port}..{self.port + total - 1} are not all in 1..{limit}"
-                + (" (cluster bus = port + 10000)" if self.cluster else "") + "; pick another --port."
+                + (f" (cluster bus = port + {BUS_PORT_OFFSET})" if self.cluster else "") + "; pick another --port."
             )
+        if self.announce_ip in ("0.0.0.0", "::") or (self.announce_ip is None and self.host in ("0.0.0.0", "::")):
+            raise ConfigurationError(f"host {self.host} binds every interface: give --announce-ip, an address of "
+                                     f"this machine that clients and the other nodes can reach.")
         if self.password is None:
             self.password = os.environ.get(ENV_REDIS_PASSWORD) or None
         if self.deployment is None:
@@ -113,6 +137,20 @@ class ClusterSpec:
     @property
     def total_nodes(self) -> int:
         return self.nodes * (1 + self.replicas)
+
+    @property
+    def tls(self) -> bool:
+        """True when the cluster bus speaks TLS (a cluster with ``bus_tls``)."""
+        return self.cluster and self.bus_tls
+
+    @property
+    def ports(self) -> list[int]:
+        """Every port the deployment listens on: clients', and for a cluster the bus and TLS ports."""
+        out = []
+        for port in range(self.port, self.port + self.total_nodes):
+            out += [port, *([port + BUS_PORT_OFFSET] if self.cluster else []),
+                    *([tls_port(port)] if self.tls else [])]
+        return out
 
 
 def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo:
@@ -143,22 +181,26 @@ def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo
     procs.write_marker(folder, deployment)
     password_file = str(procs.write_private(folder / PASSWORD_FILE, spec.password)) if spec.password else None
     started: list[tuple[subprocess.Popen[bytes], NodeInfo]] = []
+    address = spec.announce_ip or spec.host
+    ports = list(range(spec.port, spec.port + spec.total_nodes))
+    tls_dir = spec.tls_dir or folder / "tls"
     try:
-        for i in range(spec.total_nodes):
-            port = spec.port + i
+        certificates = make_node_certificates(tls_dir, ports, [address]) if spec.tls else {}
+        for i, port in enumerate(ports):
             cfg = NodeConfig(port=port, host=spec.host, data_dir=folder / f"node-{port}", cluster=spec.cluster,
                              maxmemory=spec.maxmemory, password=spec.password, deployment=deployment,
-                             node_timeout_ms=spec.node_timeout_ms)
+                             node_timeout_ms=spec.node_timeout_ms, tls=certificates.get(port),
+                             announce_ip=spec.announce_ip if spec.cluster else None)
             proc = launch_node(cfg)
             role = ("master" if i < spec.nodes else "replica") if spec.cluster else "standalone"
-            started.append((proc, NodeInfo(host=spec.host, port=port, role=role,
+            started.append((proc, NodeInfo(host=address, port=port, role=role,
                                            process=procs.record(proc.pid, deployment))))
         deadline = time.monotonic() + spec.timeout_s
         for proc, node in started:
             wait_ready(node.host, node.port, spec.password, proc, timeout_s=max(1.0, deadline - time.monotonic()))
         info = ClusterInfo(nodes=[n for _, n in started], cluster=spec.cluster, replicas=spec.replicas,
                            state_dir=folder, deployment=deployment, maxmemory=spec.maxmemory,
-                           password_file=password_file)
+                           password_file=password_file, tls_dir=str(tls_dir) if spec.tls else None)
         if spec.cluster:
             _create_cluster(info, spec.password, deadline)
         write_deployment(info)
@@ -167,6 +209,8 @@ def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo
         for proc, _ in started:
             procs.stop_child(proc)
         procs.remove_tree(folder, deployment)
+        if spec.tls and spec.tls_dir is not None:
+            remove_tls_dir(spec.tls_dir)
         raise
 
 
@@ -176,6 +220,8 @@ def _create_cluster(info: ClusterInfo, password: str | None, deadline: float) ->
     clients = {n.port: client_for(n.host, n.port, password) for n in info.nodes}
     try:
         ids = {port: c.execute_command("CLUSTER MYID").decode() for port, c in clients.items()}
+        for n in info.nodes:
+            n.node_id = ids[n.port]
         first = info.nodes[0]
         for n in info.nodes[1:]:
             clients[n.port].execute_command("CLUSTER MEET", first.host, first.port)

@@ -20,6 +20,7 @@ from .. import procs
 from ..procs import ProcessRecord
 from ..redis_server import client_for, cluster_info
 from ..services_file import state_dir
+from .redis_tls import remove_tls_dir
 
 DEPLOYMENT_FILE = "deployment.json"
 PASSWORD_FILE = "password"
@@ -27,12 +28,14 @@ PASSWORD_FILE = "password"
 
 @dataclass(kw_only=True)
 class NodeInfo:
-    """One started node: where it listens, its process and its role (``master``, ``replica``, ``standalone``)."""
+    """One started node: where clients reach it, its process, its role (``master``, ``replica``,
+    ``standalone``) and, in a cluster, the node id it had when the cluster was created."""
 
     host: str
     port: int
     process: ProcessRecord
     role: str
+    node_id: str = ""
 
     @property
     def pid(self) -> int:
@@ -56,6 +59,7 @@ class ClusterInfo:
         deployment: the id its processes and its folder's marker carry.
         maxmemory: per-node byte limit (0: none).
         password_file: the 0600 file holding the password; None when the nodes have none.
+        tls_dir: the folder of the bus certificates (CA certificate, node keys); None: a plain bus.
     """
 
     nodes: list[NodeInfo]
@@ -65,6 +69,12 @@ class ClusterInfo:
     deployment: str
     maxmemory: int = 0
     password_file: str | None = None
+    tls_dir: str | None = None
+
+    @property
+    def node_ids(self) -> list[str]:
+        """The cluster node ids recorded at creation (empty for standalone servers)."""
+        return [n.node_id for n in self.nodes if n.node_id]
 
     @property
     def password_set(self) -> bool:
@@ -97,22 +107,24 @@ class ClusterInfo:
         return [n.process for n in self.nodes]
 
     def to_json(self) -> dict[str, Any]:
-        return {"nodes": [{"host": n.host, "port": n.port, "role": n.role, "process": n.process.to_json()}
-                          for n in self.nodes],
+        return {"nodes": [{"host": n.host, "port": n.port, "role": n.role, "node_id": n.node_id,
+                           "process": n.process.to_json()} for n in self.nodes],
                 "cluster": self.cluster, "replicas": self.replicas, "deployment": self.deployment,
-                "maxmemory": self.maxmemory, "password_file": self.password_file}
+                "maxmemory": self.maxmemory, "password_file": self.password_file, "tls_dir": self.tls_dir}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], folder: Path) -> ClusterInfo:
         return cls(
             nodes=[NodeInfo(host=str(n["host"]), port=int(n["port"]), role=str(n["role"]),
-                            process=ProcessRecord.from_json(n["process"])) for n in data["nodes"]],
+                            node_id=str(n.get("node_id") or ""), process=ProcessRecord.from_json(n["process"]))
+                   for n in data["nodes"]],
             cluster=bool(data["cluster"]),
             replicas=int(data.get("replicas", 0)),
             state_dir=folder,
             deployment=str(data["deployment"]),
             maxmemory=int(data.get("maxmemory", 0)),
             password_file=data.get("password_file"),
+            tls_dir=data.get("tls_dir"),
         )
 
 
@@ -149,6 +161,8 @@ def stop_deployment(info: ClusterInfo, remove_data: bool = True, timeout_s: floa
     stopped = [n.pid for n in info.nodes if procs.stop(n.process, timeout_s)]
     if remove_data:
         procs.remove_tree(info.state_dir, info.deployment)
+        if info.tls_dir:
+            remove_tls_dir(Path(info.tls_dir))
     return stopped
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...cli import bind_port_arg
 from ...proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration
 from ...services_file import ENV_AUTOTUNE_TOKEN
 from .config import TUNERS, ServiceConfig
@@ -30,7 +31,7 @@ def register(subparsers: Any) -> None:
 
     s = sub.add_parser("serve", help="run the autotune service until SIGTERM")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks one)")
+    s.add_argument("--port", type=bind_port_arg, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks one)")
     _add_tuning_options(s, warmup_time_s=None, sampling_confidence_time_s=None, max_samples=None)
     s.add_argument("--state", default=None,
                    help="where best plans persist: a directory, or a redis:// URL (default: memory only)")
@@ -48,7 +49,7 @@ def register(subparsers: Any) -> None:
     s.add_argument("--token-file", type=Path, default=None,
                    help="file holding the bearer token every call must carry (default: "
                         "$BAGUA_LIGHTNING_AUTOTUNE_TOKEN, else no token); health checks stay open")
-    s.add_argument("--metrics-port", type=int, default=None,
+    s.add_argument("--metrics-port", type=bind_port_arg, default=None,
                    help="serve Prometheus metrics over HTTP on this port (default: off; 0 picks one)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default 127.0.0.1)")
     s.set_defaults(func=_serve)

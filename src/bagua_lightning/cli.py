@@ -45,10 +45,22 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
+def _ascii_number(text: str) -> bool:
+    # str.isdigit() accepts "²" and "٣" too; int() then fails or reads another number.
+    return text.strip().isascii() and text.strip().isdigit()
+
+
 def port_arg(text: str) -> int:
     """argparse type: a TCP port in 1..65535."""
-    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+    if not _ascii_number(text) or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; give a number in 1..65535")
+    return int(text)
+
+
+def bind_port_arg(text: str) -> int:
+    """argparse type: a TCP port to bind, 0..65535 (0: the system picks a free one)."""
+    if not _ascii_number(text) or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; give a number in 0..65535 (0 picks one)")
     return int(text)
 
 
@@ -73,9 +85,16 @@ def positive_float_arg(text: str) -> float:
     return value
 
 
+def non_negative_int_arg(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    if not _ascii_number(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return int(text)
+
+
 def positive_int_arg(text: str) -> int:
     """argparse type: an integer >= 1."""
-    if not text.strip().isdigit() or int(text) < 1:
+    if not _ascii_number(text) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
 

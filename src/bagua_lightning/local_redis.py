@@ -204,13 +204,21 @@ def stop_server(folder: Path | None = None, timeout_s: float = 10.0) -> list[int
 
 
 def server_status(folder: Path | None = None) -> dict[str, Any] | None:
-    """``{"address", "pid", "maxmemory", "keys", "used_memory", "up", ...}`` of the recorded server, or None."""
+    """``{"address", "pid", "maxmemory", "keys", "used_memory", "up", ...}`` of the recorded server, or None.
+
+    ``"stale": True`` when the recorded process is gone: the record is left for ``down`` to remove.
+    """
     server = read_server(folder)
     if server is None:
         return None
     status: dict[str, Any] = {"address": f"{server.host}:{server.port}", "binds": list(server.binds),
                               "pid": server.pid, "maxmemory": server.maxmemory, "folder": str(server.folder),
                               "process": procs.is_running(server.process)}
+    if not status["process"]:
+        # A stale record: the server is gone (e.g. the machine rebooted). Nothing is asked of whatever may
+        # listen on its port now (it would get the password); `down` removes the record.
+        status.update(up=False, stale=True, error="process gone")
+        return status
     import redis
 
     try:

@@ -27,13 +27,24 @@ from . import procs
 from .errors import ConfigurationError, ServiceUnavailableError
 
 CLUSTER_SLOTS = 16384
-BUS_PORT_OFFSET = 10000  # Redis Cluster's bus port is always port + 10000
+BUS_PORT_OFFSET = 10000  # a node's cluster bus listens on port + 10000
+TLS_PORT_OFFSET = 20000  # with a TLS bus, a node's TLS port (replication, certified peers only): see tls_port
 MAX_CLUSTER_PORT = 65535 - BUS_PORT_OFFSET
+# Failover of a cache (see docs/deployment.md for the measured recovery time): a master unreachable for
+# NODE_TIMEOUT_MS is failed over to its replica. A replica may take over however long its link was down
+# (validity factor 0): a cache replica's data is never "too old" to serve, missing entries are only misses.
+DEFAULT_NODE_TIMEOUT_MS = 2000
 # Epoch-order scans: LRU evicts exactly the entry the next epoch needs first (a cyclic scan larger than
 # memory never hits). LFU keeps the entries that were hit before and lets stale datasets decay away.
 DEFAULT_EVICTION_POLICY = "allkeys-lfu"
 CONFIG_FILE = "redis.conf"
 LOG_FILE = "redis.log"
+
+
+def tls_port(port: int) -> int:
+    """The TLS port of the node with client port ``port`` when its bus speaks TLS: ``port + 20000``, or
+    ``port - 20000`` where that would pass 65535 (the bus takes ``port + 10000``, so ``port`` >= 45536)."""
+    return port + TLS_PORT_OFFSET if port + TLS_PORT_OFFSET <= 65535 else port - TLS_PORT_OFFSET
 
 
 def redis_server_binary() -> str:
@@ -48,6 +59,20 @@ def redis_server_binary() -> str:
 
 def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeTLS:
+    """The certificate files of one cluster node (PEM; the key file is 0600 in a 0700 folder).
+
+    With these, the cluster bus and replication run over mutual TLS: a peer is accepted only with a
+    certificate signed by ``ca_file``, the deployment's own CA. Clients keep the plain, password-protected
+    port; the TLS port also demands a certificate and the password.
+    """
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
 
 
 @dataclass(kw_only=True)
@@ -66,6 +91,10 @@ class NodeConfig:
             which is only safe on loopback for a single user.
         node_timeout_ms: ``cluster-node-timeout``: how long a master may be unreachable before its replica
             is promoted.
+        tls: certificate files: the cluster bus (``port + 10000``) and replication (TLS port
+            :func:`tls_port`) run over mutual TLS; None: a plain bus that any local process may join.
+        announce_ip: ``cluster-announce-ip``, the address other nodes and clients are given (needed when
+            ``host`` is a wildcard); None: the address Redis finds itself.
     """
 
     port: int
@@ -76,14 +105,18 @@ class NodeConfig:
     maxmemory: int = 0
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     password: str | None = None
-    node_timeout_ms: int = 2000
+    node_timeout_ms: int = DEFAULT_NODE_TIMEOUT_MS
+    tls: NodeTLS | None = None
+    announce_ip: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tls is not None and not self.cluster:
+            raise ConfigurationError(f"port {self.port}: TLS is for the cluster bus; a standalone server has none.")
         limit = MAX_CLUSTER_PORT if self.cluster else 65535
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= limit:
             raise ConfigurationError(
                 f"port {self.port!r} is out of range 1..{limit}"
-                + (" (the cluster bus uses port + 10000)" if self.cluster else "") + "; pick a lower --port."
+                + (f" (the cluster bus uses port + {BUS_PORT_OFFSET})" if self.cluster else "") + "; pick a lower --port."
             )
         if self.maxmemory < 0:
             raise ConfigurationError(f"maxmemory {self.maxmemory} is negative; give bytes, 0 for no limit.")
@@ -113,11 +146,26 @@ class NodeConfig:
                 "cluster-enabled yes",
                 "cluster-config-file nodes.conf",
                 f"cluster-node-timeout {self.node_timeout_ms}",
+                "cluster-replica-validity-factor 0",
                 # Serve the slots that are up while another master fails over; clients fall back per key.
                 "cluster-require-full-coverage no",
                 "cluster-allow-reads-when-down no",
                 # Replicas of a cache need no batching of full syncs (the default waits 5 s).
                 "repl-diskless-sync-delay 0",
+            ]
+            if self.announce_ip:
+                lines.append(f"cluster-announce-ip {self.announce_ip}")
+        if self.tls is not None:
+            lines += [
+                # The bus port is derived from the TLS port when the bus speaks TLS: pin it to port + 10000.
+                f"cluster-port {self.port + BUS_PORT_OFFSET}",
+                f"tls-port {tls_port(self.port)}",
+                f"tls-cert-file {_quote(str(self.tls.cert_file))}",
+                f"tls-key-file {_quote(str(self.tls.key_file))}",
+                f"tls-ca-cert-file {_quote(str(self.tls.ca_file))}",
+                "tls-cluster yes",
+                "tls-replication yes",
+                "tls-auth-clients yes",
             ]
         return "\n".join(lines) + "\n"
 

@@ -15,7 +15,8 @@ The file is JSON (mode 0600)::
     {"version": 2,
      "deployment": "3f9c...",                      # id of the `up` that wrote it
      "autotune": "127.0.0.1:29600",
-     "redis": {"hosts": [{"host": "127.0.0.1", "port": 7000}, ...], "cluster": true},
+     "redis": {"hosts": [{"host": "127.0.0.1", "port": 7000}, ...], "cluster": true,
+               "node_ids": ["e4c1...", ...]},            # the cluster's own nodes, recorded at creation
      "state_dir": "/home/me/.local/state/bagua-lightning",
      "secrets": {"redis_password": "<state_dir>/secrets/redis-password",
                  "autotune_token": "<state_dir>/secrets/autotune-token",
@@ -81,9 +82,16 @@ def services_file_path() -> Path:
 # ------------------------------------------------------------------------------------------- addresses
 
 
+def is_ascii_number(text: str) -> bool:
+    """True for ASCII decimal digits only (``str.isdigit`` also accepts ``²`` and ``٣``, which ``int`` then
+    rejects or reads as another number)."""
+    text = text.strip()
+    return bool(text) and text.isascii() and text.isdigit()
+
+
 def check_port(port: Any, what: str = "port") -> int:
     """``port`` as an int in 1..65535; :class:`ConfigurationError` naming ``what`` and the value otherwise."""
-    if isinstance(port, str) and port.strip().isdigit():
+    if isinstance(port, str) and is_ascii_number(port):
         port = int(port)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise ConfigurationError(f"{what} {port!r} is not a TCP port; give a number in 1..65535.")
@@ -116,7 +124,7 @@ def parse_address(text: Any, what: str = "address") -> tuple[str, int]:
     if not isinstance(text, str) or ":" not in text:
         raise ConfigurationError(f"{what} {text!r} is not host:port; give e.g. 127.0.0.1:7000.")
     host, _, port = text.strip().rpartition(":")
-    if not port.strip().isdigit():
+    if not is_ascii_number(port):
         raise ConfigurationError(f"{what} {text!r} has no numeric port; give e.g. 127.0.0.1:7000.")
     return check_host(host, what), check_port(int(port), f"{what} {text!r}: port")
 
@@ -157,6 +165,8 @@ class ServicesInfo:
         autotune: ``host:port`` of the autotune gRPC service, or None.
         redis_hosts: Redis nodes as ``{"host", "port"}`` dicts; empty when none runs.
         redis_cluster: True when ``redis_hosts`` form a Redis Cluster.
+        redis_node_ids: the cluster's node ids, recorded when it was created (``status`` names any other
+            node in ``CLUSTER NODES`` as foreign); empty: not checked.
         state_dir: where the services keep their state.
         deployment: id of the deployment that wrote the file (its processes carry it).
         processes: what ``bagua-lightning up`` started, by service, for ``down``.
@@ -166,6 +176,7 @@ class ServicesInfo:
     autotune: str | None = None
     redis_hosts: list[dict[str, Any]] = field(default_factory=list)
     redis_cluster: bool = False
+    redis_node_ids: list[str] = field(default_factory=list)
     state_dir: str | None = None
     deployment: str = ""
     processes: dict[str, list[ProcessRecord]] = field(default_factory=dict)
@@ -183,7 +194,7 @@ class ServicesInfo:
             "version": FILE_VERSION,
             "deployment": self.deployment,
             "autotune": self.autotune,
-            "redis": {"hosts": self.redis_hosts, "cluster": self.redis_cluster},
+            "redis": {"hosts": self.redis_hosts, "cluster": self.redis_cluster, "node_ids": self.redis_node_ids},
             "state_dir": self.state_dir,
             "secrets": dict(self.secrets),
             "processes": {k: [r.to_json() for r in v] for k, v in self.processes.items()},
@@ -208,6 +219,9 @@ class ServicesInfo:
         deployment = data.get("deployment")
         if not isinstance(deployment, str) or not deployment:
             raise ValueError(f"'deployment' {deployment!r} is not an id")
+        node_ids = redis.get("node_ids") or []
+        if not isinstance(node_ids, list) or not all(isinstance(i, str) and i for i in node_ids):
+            raise ValueError(f"'redis.node_ids' {node_ids!r} is not a list of node ids")
         secrets, processes = data.get("secrets") or {}, data.get("processes") or {}
         if not isinstance(secrets, dict) or not all(isinstance(v, str) for v in secrets.values()):
             raise ValueError("'secrets' is not an object of file paths")
@@ -217,6 +231,7 @@ class ServicesInfo:
             autotune=autotune,
             redis_hosts=_host_entries(redis.get("hosts") or [], "'redis.hosts'"),
             redis_cluster=bool(redis.get("cluster", False)),
+            redis_node_ids=list(node_ids),
             state_dir=state,
             deployment=deployment,
             processes={str(k): [ProcessRecord.from_json(r) for r in v] for k, v in processes.items()},

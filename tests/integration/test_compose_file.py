@@ -2,8 +2,9 @@
 
 What ``docker compose config`` would check (the Compose Specification schema, interpolation, references
 between services), plus what this project promises: every service has a real healthcheck, each command is
-the one the native launcher (``bagua-lightning up``) runs, and the published ports are the ones the
-trainer's clients use by default.
+the one the native launcher (``bagua-lightning up``) runs, the published ports are the ones the trainer's
+clients use by default, and compose is as safe as ``up``: a password and a token are required, the password
+reaches Redis on stdin, every master has a replica, and the cluster bus runs over mutual TLS.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import jsonschema
 import pytest
 
 from bagua_lightning.cli import build_parser
-from bagua_lightning.services import deploy, deploy_cli
+from bagua_lightning.redis_server import DEFAULT_NODE_TIMEOUT_MS, NodeTLS, tls_port
+from bagua_lightning.services import deploy, deploy_cli, redis_cli
 from bagua_lightning.services.redis_cluster import DEFAULT_EVICTION_POLICY, NodeConfig
 from bagua_lightning.services_file import DEFAULT_AUTOTUNE_ADDRESS
 from tests.integration.compose import (
@@ -48,14 +50,18 @@ SETTINGS = {
     "BAGUA_LIGHTNING_ANNOUNCE_IP": "127.0.0.1",
     "BAGUA_LIGHTNING_AUTOTUNE_PORT": str(DEFAULT_AUTOTUNE_PORT),
     "BAGUA_LIGHTNING_REDIS_MAXMEMORY": "1gb",
-    "BAGUA_LIGHTNING_REDIS_PASSWORD": "",
     "BAGUA_LIGHTNING_REDIS_IMAGE": "redis:7.2-alpine",
     # Empty: `autotune serve` falls back to its own defaults (60 plans, 30 s warm-up, 5 s per plan).
     "BAGUA_LIGHTNING_AUTOTUNE_MAX_SAMPLES": "",
     "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S": "",
     "BAGUA_LIGHTNING_AUTOTUNE_SAMPLING_CONFIDENCE_TIME_S": "",
 }
+# Variables without a default: compose refuses to start without them (`${VAR:?message}`).
+REQUIRED = {"BAGUA_LIGHTNING_REDIS_PASSWORD", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN"}
+SECRETS_ENV = {"BAGUA_LIGHTNING_REDIS_PASSWORD": "pw-0123", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN": "token-4567"}
+TLS_DIR = "/var/lib/bagua-lightning/redis-tls"
 CUSTOM_ENV = {
+    "BAGUA_LIGHTNING_AUTOTUNE_TOKEN": "t0ken",
     "BAGUA_LIGHTNING_BIND_IP": "0.0.0.0",
     "BAGUA_LIGHTNING_ANNOUNCE_IP": "10.1.2.3",
     "BAGUA_LIGHTNING_AUTOTUNE_PORT": "29777",
@@ -71,7 +77,7 @@ _DURATION = re.compile(r"^(\d+(\.\d+)?(ns|us|ms|s|m|h))+$")
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return load_compose()
+    return load_compose(SECRETS_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +95,7 @@ def _validator() -> jsonschema.Draft7Validator:
 # ------------------------------------------------------------------------------------------- the schema
 
 
-@pytest.mark.parametrize("env", [{}, CUSTOM_ENV], ids=["defaults", "custom-env"])
+@pytest.mark.parametrize("env", [SECRETS_ENV, CUSTOM_ENV], ids=["defaults", "custom-env"])
 def test_valid_against_compose_spec_schema(env: dict[str, str]) -> None:
     errors = sorted(_validator().iter_errors(load_compose(env)), key=lambda e: list(e.absolute_path))
     assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
@@ -120,11 +126,12 @@ def test_schema_check_catches_mistakes(compose: dict[str, Any]) -> None:
 
 def test_every_variable_is_a_documented_setting_with_a_default() -> None:
     found = variables()
-    assert set(found) == set(SETTINGS), "variables in docker-compose.yml differ from the documented settings"
+    assert set(found) == set(SETTINGS) | REQUIRED, "variables in docker-compose.yml differ from the documented settings"
     header = COMPOSE_FILE.read_text().split("\nname:", 1)[0]
     docs = (ROOT / "docs" / "deployment.md").read_text()
     for name, defaults in found.items():
-        assert defaults == {SETTINGS[name]}, f"{name} has defaults {defaults}, expected {SETTINGS[name]!r}"
+        expected = {None} if name in REQUIRED else {SETTINGS[name]}
+        assert defaults == expected, f"{name} has defaults {defaults}, expected {expected}"
         assert name in header, f"{name} is not described in the comment at the top of docker-compose.yml"
         assert name in docs, f"{name} is not described in docs/deployment.md"
 
@@ -147,25 +154,58 @@ def test_custom_settings_reach_every_use(services: dict[str, dict[str, Any]]) ->
     assert custom["autotune"]["command"][custom["autotune"]["command"].index("--port") + 1] == "29777"
     assert "127.0.0.1:29777" in custom["autotune"]["healthcheck"]["test"]
     assert custom["autotune"]["environment"]["BAGUA_LIGHTNING_REDIS_PASSWORD"] == "s3cret"
+    assert custom["autotune"]["environment"]["BAGUA_LIGHTNING_AUTOTUNE_TOKEN"] == "t0ken"
     for name in _redis_nodes(custom):
         d = redis_directives(custom[name]["command"])
         assert (d["maxmemory"], d["cluster-announce-ip"]) == ("256mb", "10.1.2.3")
-        assert d["requirepass"] == d["masterauth"] == "s3cret"
         assert custom[name]["environment"]["REDISCLI_AUTH"] == "s3cret"
     assert custom["redis-init"]["environment"]["REDISCLI_AUTH"] == "s3cret"
+    assert "10.1.2.3" in custom["redis-certs"]["command"]
+
+
+@pytest.mark.parametrize("missing", sorted(REQUIRED))
+def test_a_password_and_a_token_are_required(missing: str) -> None:
+    with pytest.raises(InterpolationError, match=missing):
+        load_compose({k: v for k, v in SECRETS_ENV.items() if k != missing})
+    with pytest.raises(InterpolationError, match=missing):
+        load_compose({**SECRETS_ENV, missing: ""})
+
+
+def test_the_password_reaches_redis_on_stdin_never_on_a_command_line(services: dict[str, dict[str, Any]]) -> None:
+    password = SECRETS_ENV["BAGUA_LIGHTNING_REDIS_PASSWORD"]
+    for name, svc in services.items():
+        for key in ("command", "entrypoint"):
+            assert password not in json.dumps(svc.get(key)), f"{name}'s {key} holds the password"
+    for name in _redis_nodes(services):
+        svc = services[name]
+        d = redis_directives(svc["command"])
+        assert "requirepass" not in d and "masterauth" not in d
+        # The entrypoint hands the password over in a here-document and runs the command with `-`
+        # (redis-server then reads the rest of its configuration from stdin). Run it with `cat` instead.
+        shell, flag, script, arg0 = svc["entrypoint"]
+        assert (shell, flag) == ("sh", "-c")
+        fed = subprocess.run([shell, flag, script, arg0, "sh", "-c", 'printf "%s|" "$@"; cat', "-", *svc["command"]],
+                             env={"PATH": "/usr/bin:/bin", "REDISCLI_AUTH": password}, capture_output=True,
+                             text=True, timeout=30)
+        assert fed.returncode == 0, fed.stderr
+        argv, stdin = fed.stdout.split("\n", 1)[0], fed.stdout.split("|")[-1]
+        assert argv.split("|")[:len(svc["command"]) + 1] == [*svc["command"], "-"]
+        assert config_directives(stdin) == {"requirepass": password, "masterauth": password}
+        refused = subprocess.run([shell, flag, script, arg0, "true"], env={"REDISCLI_AUTH": 'a"b'},
+                                 capture_output=True, text=True, timeout=30)
+        assert refused.returncode == 2 and "double quotes" in refused.stderr
 
 
 # ---------------------------------------------------------------------------------- services and health
 
 
 def test_expected_services(services: dict[str, dict[str, Any]]) -> None:
-    assert set(services) == {"net", "autotune", "redis-init", *(f"redis-{i}" for i in range(6))}
-    assert [n for n in _redis_nodes(services) if "profiles" not in services[n]] == ["redis-0", "redis-1", "redis-2"]
-    for name in ("redis-3", "redis-4", "redis-5"):
-        assert services[name]["profiles"] == ["replicas"]
+    assert set(services) == {"net", "autotune", "redis-certs", "redis-init", *(f"redis-{i}" for i in range(6))}
+    # Replicas by default, as `bagua-lightning up`: no profile to forget.
+    assert not any("profiles" in svc for svc in services.values())
 
 
-@pytest.mark.parametrize("name", ["net", "autotune", "redis-init", *(f"redis-{i}" for i in range(6))])
+@pytest.mark.parametrize("name", ["net", "autotune", "redis-certs", "redis-init", *(f"redis-{i}" for i in range(6))])
 def test_every_service_has_a_working_healthcheck(services: dict[str, dict[str, Any]], name: str) -> None:
     check = services[name].get("healthcheck")
     assert check, f"service {name} has no healthcheck"
@@ -201,8 +241,8 @@ def test_references_between_services_resolve(services: dict[str, dict[str, Any]]
 def test_one_shot_services_are_awaited_by_a_long_running_one(services: dict[str, dict[str, Any]]) -> None:
     # `docker compose up --wait` counts an exited container as a failure unless a running service waits
     # for it with `service_completed_successfully`; that service must run whatever profiles are active.
-    one_shot = [n for n, s in services.items() if s.get("restart") == "no"]
-    assert one_shot == ["redis-init"]
+    one_shot = sorted(n for n, s in services.items() if s.get("restart") == "no")
+    assert one_shot == ["redis-certs", "redis-init"]
     for name in one_shot:
         adopters = [n for n, s in services.items() if not s.get("profiles") and n not in one_shot
                     and s.get("depends_on", {}).get(name, {}).get("condition") == "service_completed_successfully"]
@@ -231,13 +271,14 @@ def _assert_acyclic(services: dict[str, dict[str, Any]]) -> None:
 def test_published_ports_match_client_defaults(services: dict[str, dict[str, Any]]) -> None:
     published = {pub: (ip, tgt) for spec in services["net"]["ports"] for ip, pub, tgt in parse_port(spec)}
     assert len(published) == sum(len(parse_port(s)) for s in services["net"]["ports"]), "a port is published twice"
-    for port in [DEFAULT_AUTOTUNE_PORT, *MASTER_PORTS, *REPLICA_PORTS]:
+    for port in [DEFAULT_AUTOTUNE_PORT, *MASTER_PORTS, *REPLICA_PORTS,
+                 *(tls_port(p) for p in MASTER_PORTS + REPLICA_PORTS)]:
         assert port in published, f"port {port} is not published"
         ip, target = published[port]
         assert ip == "127.0.0.1", f"port {port} must be published on loopback by default, not {ip}"
         # The announced address must be valid inside the shared namespace and on the host alike.
         assert target == port, f"port {port} is published to container port {target}"
-        if port != DEFAULT_AUTOTUNE_PORT:
+        if port in MASTER_PORTS + REPLICA_PORTS:
             assert port + 10000 in published, f"cluster bus port {port + 10000} is not published"
     assert deploy.DEFAULT_AUTOTUNE_PORT == DEFAULT_AUTOTUNE_PORT
     assert MASTER_PORTS[0] == deploy.DEFAULT_REDIS_PORT
@@ -296,17 +337,58 @@ def test_autotune_healthcheck_is_the_status_command(services: dict[str, dict[str
 def test_redis_node_settings_are_the_native_launchers(services: dict[str, dict[str, Any]], name: str) -> None:
     compose = redis_directives(services[name]["command"])
     port = int(compose["port"])
-    native = config_directives(NodeConfig(port=port, data_dir=Path("/data"), cluster=True, deployment="d",
-                                          maxmemory=deploy.DEFAULT_MAXMEMORY).config_text())
-    # No password by default: compose passes an empty one, the native config omits it.
-    for key in ("requirepass", "masterauth"):
-        assert compose.pop(key) == "" and key not in native
+    tls = NodeTLS(cert_file=Path(f"{TLS_DIR}/node-{port}.crt"), key_file=Path(f"{TLS_DIR}/node-{port}.key"),
+                  ca_file=Path(f"{TLS_DIR}/ca.crt"))
+    node = NodeConfig(port=port, data_dir=Path("/data"), cluster=True, deployment="d", tls=tls,
+                      maxmemory=deploy.DEFAULT_MAXMEMORY, announce_ip="127.0.0.1", password="pw")
+    native = config_directives(node.config_text())
+    assert node.node_timeout_ms == DEFAULT_NODE_TIMEOUT_MS
+    # The password is in neither: both hand it over on stdin.
+    assert not {"requirepass", "masterauth"} & (set(compose) | set(native))
+    assert (compose["tls-cluster"], compose["tls-replication"], compose["tls-auth-clients"]) == ("yes",) * 3
     compose["maxmemory"] = str(deploy.parse_bytes(compose["maxmemory"]))
     shared = {k: v for k, v in compose.items() if k not in CONTAINER_ONLY}
     assert shared == {k: v for k, v in native.items() if k not in CONTAINER_ONLY}
     assert compose["maxmemory-policy"] == DEFAULT_EVICTION_POLICY
     assert compose["protected-mode"] == "no" and compose["bind"] == "0.0.0.0"  # reached only via BIND_IP
     assert compose["cluster-announce-ip"] == "127.0.0.1"
+
+
+def test_certificates_service_makes_what_the_nodes_use(services: dict[str, dict[str, Any]]) -> None:
+    svc = services["redis-certs"]
+    assert svc["restart"] == "no" and svc["build"] == services["autotune"]["build"]
+    assert svc["image"] == services["autotune"]["image"]
+    args = build_parser().parse_args(svc["command"])
+    assert args.func is redis_cli._certs and str(args.dir) == TLS_DIR
+    assert args.ports == MASTER_PORTS + REPLICA_PORTS
+    assert svc["volumes"] == [{"type": "volume", "source": "redis-tls", "target": TLS_DIR}]
+    assert "redis-tls" in raw_compose()["volumes"]
+    for name in _redis_nodes(services):
+        node = services[name]
+        assert node["depends_on"]["redis-certs"] == {"condition": "service_completed_successfully"}
+        assert node["volumes"] == [{"type": "volume", "source": "redis-tls", "target": TLS_DIR, "read_only": True}]
+        # The nodes run as the image's user, who owns the 0600 keys.
+        assert node["user"].split(":")[0] == "10001"
+    dockerfile = DOCKERFILE.read_text()
+    assert "openssl" in dockerfile and f"install -d -o bagua -g bagua -m 0700 {TLS_DIR}" in dockerfile
+    assert "--uid 10001" in dockerfile
+
+
+def test_certificates_command_makes_certificates_the_nodes_accept(tmp_path: Path) -> None:
+    from bagua_lightning.cli import main
+
+    folder = tmp_path / "tls"
+    assert main(["redis", "certs", "--dir", str(folder), "--ports", "7000-7001", "--host", "127.0.0.1"]) == 0
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == ["ca.crt", "node-7000.crt", "node-7000.key", "node-7001.crt", "node-7001.key"]  # no CA key
+    assert all(oct((folder / f).stat().st_mode & 0o777) == "0o600" for f in files)
+    for port in (7000, 7001):
+        verified = subprocess.run(["openssl", "verify", "-CAfile", str(folder / "ca.crt"), str(folder / f"node-{port}.crt")],
+                                  capture_output=True, text=True, timeout=30)
+        assert verified.returncode == 0, verified.stderr
+    before = (folder / "ca.crt").read_bytes()
+    assert main(["redis", "certs", "--dir", str(folder), "--ports", "7000-7001"]) == 0
+    assert (folder / "ca.crt").read_bytes() == before  # complete certificates are kept
 
 
 def test_cluster_init_service(services: dict[str, dict[str, Any]]) -> None:
@@ -324,7 +406,7 @@ def test_cluster_init_service(services: dict[str, dict[str, Any]]) -> None:
 
 def test_same_redis_image_everywhere(compose: dict[str, Any]) -> None:
     raw = raw_compose()
-    images = {s.get("image") for n, s in compose["services"].items() if n != "autotune"}
+    images = {s.get("image") for n, s in compose["services"].items() if n not in ("autotune", "redis-certs")}
     assert images == {SETTINGS["BAGUA_LIGHTNING_REDIS_IMAGE"]}
     assert raw["name"] == "bagua-lightning"
 

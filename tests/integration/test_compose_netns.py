@@ -57,22 +57,35 @@ def _order(services: dict[str, dict[str, Any]], active: set[str]) -> list[str]:
     return order
 
 
-def _argv(name: str, svc: dict[str, Any], data_dir: Path) -> list[str]:
-    # Bind mounts become their source; named volumes and the image's /data volume, folders of data_dir.
+def _mounts(svc: dict[str, Any], data_dir: Path, volumes_dir: Path) -> dict[str, str]:
+    # Bind mounts become their source; named volumes folders of volumes_dir (shared by the services that
+    # mount them, as Docker's are), the image's /data volume a folder of data_dir.
     mounts = {"/data": str(data_dir)}
     for volume in svc.get("volumes", []):
         if volume["type"] == "bind":
             mounts[volume["target"]] = str(ROOT / volume["source"])
         else:
-            mounts[volume["target"]] = str(data_dir / volume["source"])
-    argv = [mounts.get(a, a) for a in svc["command"]]
+            mounts[volume["target"]] = str(volumes_dir / volume["source"])
+    return mounts
+
+
+def _mapped(arg: str, mounts: dict[str, str]) -> str:
+    for target, source in mounts.items():
+        if arg == target or arg.startswith(target + "/"):
+            return source + arg[len(target):]
+    return arg
+
+
+def _argv(name: str, svc: dict[str, Any], mounts: dict[str, str]) -> list[str]:
+    argv = [_mapped(a, mounts) for a in svc.get("entrypoint", []) + svc["command"]]
     return [*CLI, *argv] if "build" in svc else argv  # built image: entrypoint `bagua-lightning`
 
 
-def _healthcheck_argv(svc: dict[str, Any]) -> list[str]:
+def _healthcheck_argv(svc: dict[str, Any], mounts: dict[str, str] | None = None) -> list[str]:
     kind, *rest = svc["healthcheck"]["test"]
     if kind == "CMD-SHELL":
         return ["sh", "-c", rest[0]]
+    rest = [_mapped(a, mounts or {}) for a in rest]
     return [*CLI, *rest[1:]] if rest[0] == "bagua-lightning" else rest
 
 
@@ -88,8 +101,8 @@ def _in(ns: str, argv: list[str]) -> list[str]:
     return ["ip", "netns", "exec", ns, *argv]
 
 
-def _healthy(ns: str, svc: dict[str, Any]) -> bool:
-    result = subprocess.run(_in(ns, _healthcheck_argv(svc)), env=_env(svc), capture_output=True, timeout=30)
+def _healthy(ns: str, svc: dict[str, Any], mounts: dict[str, str] | None = None) -> bool:
+    result = subprocess.run(_in(ns, _healthcheck_argv(svc, mounts)), env=_env(svc), capture_output=True, timeout=30)
     return result.returncode == 0
 
 
@@ -111,9 +124,9 @@ print("client ok")
 
 
 @pytest.mark.skipif(not netns_usable(), reason="needs root, `ip netns` and redis-server")
-@pytest.mark.parametrize(("env", "profiles"), [({}, set()),
-                                               ({"BAGUA_LIGHTNING_REDIS_PASSWORD": "s3cret"}, {"replicas"})],
-                         ids=["defaults", "password-and-replicas"])
+@pytest.mark.parametrize(("env", "profiles"), [({"BAGUA_LIGHTNING_REDIS_PASSWORD": "s3cret",
+                                                 "BAGUA_LIGHTNING_AUTOTUNE_TOKEN": "t0ken"}, set())],
+                         ids=["defaults"])
 def test_compose_services_run_and_pass_their_healthchecks(tmp_path: Path, env: dict[str, str],
                                                            profiles: set[str]) -> None:
     services = load_compose(env)["services"]
@@ -128,11 +141,12 @@ def test_compose_services_run_and_pass_their_healthchecks(tmp_path: Path, env: d
                 continue
             data_dir = tmp_path / name
             data_dir.mkdir()
-            argv = _in(ns, _argv(name, svc, data_dir))
+            mounts = _mounts(svc, data_dir, tmp_path / "volumes")
+            argv = _in(ns, _argv(name, svc, mounts))
             if name in one_shot:
                 done = subprocess.run(argv, env=_env(svc), cwd=data_dir, capture_output=True, text=True, timeout=120)
                 assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
-                assert _healthy(ns, svc), f"{name}'s healthcheck fails after it completed"
+                assert _healthy(ns, svc, mounts), f"{name}'s healthcheck fails after it completed"
                 continue
             proc = stack.enter_context(running(argv, env=_env(svc), cwd=str(data_dir),
                                                log_path=str(tmp_path / f"{name}.log")))
@@ -149,7 +163,7 @@ def test_compose_services_run_and_pass_their_healthchecks(tmp_path: Path, env: d
         result = subprocess.run(_in(ns, [sys.executable, "-c", CLIENT, f"127.0.0.1:{port}"]), env=client_env,
                                 capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert result.returncode == 0 and "client ok" in result.stdout, result.stdout + result.stderr
-        if "replicas" in profiles:
-            nodes = subprocess.run(_in(ns, ["redis-cli", "-p", "7000", "cluster", "nodes"]), capture_output=True,
-                                   text=True, env={**os.environ, "REDISCLI_AUTH": env["BAGUA_LIGHTNING_REDIS_PASSWORD"]})
-            assert nodes.stdout.count("slave") == 3 and nodes.stdout.count("master") == 3, nodes.stdout
+        # Replicas by default: three masters, three replicas.
+        nodes = subprocess.run(_in(ns, ["redis-cli", "-p", "7000", "cluster", "nodes"]), capture_output=True,
+                               text=True, env={**os.environ, "REDISCLI_AUTH": env["BAGUA_LIGHTNING_REDIS_PASSWORD"]})
+        assert nodes.stdout.count("slave") == 3 and nodes.stdout.count("master") == 3, nodes.stdout

@@ -42,6 +42,15 @@ from tests.services.test_deploy_safety import cli, env, one_line_error  # noqa: 
     ["status", "--autotune", "127.0.0.1:99999"],
     ["status", "--redis", "127.0.0.1:7000,nohost"],
     ["demo", "--redis-port", "99999"],
+    ["autotune", "serve", "--port", "99999"],
+    ["autotune", "serve", "--metrics-port", "70000"],
+    ["up", "--redis-port", "7²"],
+    ["up", "--autotune-port", "٣٣"],
+    ["up", "--replicas", "-1"],
+    ["up", "--host", "0.0.0.0", "--announce-ip", "127.0.0.1"],
+    ["redis", "up", "--port", "\u0667\u0660\u0660\u0660"],
+    ["status", "--autotune", "127.0.0.1:7²"],
+    ["status", "--redis", "127.0.0.1:٣"],
     ["cache", "ls", "--hosts", "127.0.0.1:65536"],
     ["--log-level", "LOUD", "status"],
     ["no-such-command"],
@@ -97,6 +106,27 @@ def test_port_validation_in_the_library(monkeypatch: pytest.MonkeyPatch) -> None
         resolve_redis_hosts()
     with pytest.raises(ConfigurationError, match="60000"):
         deploy.UpConfig(redis_port=60000)
+    # str.isdigit() accepts these; int() would then fail with a ValueError or read another number.
+    for text in ("²", "7²", "٣", "\u0667\u0660\u0660\u0660", "\uff17\uff10\uff10\uff10"):
+        with pytest.raises(ConfigurationError, match=text):
+            check_port(text)
+        with pytest.raises(ConfigurationError, match=text):
+            parse_address(f"127.0.0.1:{text}")
+    monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", "127.0.0.1:7²")
+    with pytest.raises(ConfigurationError, match="7²"):
+        resolve_redis_hosts()
+
+
+def test_up_host_localhost_is_resolved(env: dict[str, str]) -> None:  # noqa: F811
+    # Redis nodes meet and announce by address: a name is resolved once, where it enters.
+    assert deploy.UpConfig(host="localhost", single=True).host == "127.0.0.1"
+    result = cli(env, "up", "--host", "localhost", "--single", "--autotune-port", str(free_port()),
+                 "--redis-port", str(free_port()), "--maxmemory", "32mb")
+    try:
+        assert result.returncode == 0, result.stderr
+        assert "redis server: 127.0.0.1:" in result.stdout
+    finally:
+        assert cli(env, "down").returncode == 0
 
 
 def test_deep_services_file_is_an_error_not_a_recursion(tmp_path: Path) -> None:

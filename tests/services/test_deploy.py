@@ -69,7 +69,7 @@ def test_parse_bytes_rejects_with_the_value(text: str) -> None:
     ({"nodes": 0}, "nodes=0"),
     ({"replicas": -1}, "replicas=-1"),
     ({"single": True, "nodes": 5}, "--nodes 5"),
-    ({"autotune_port": 7001, "redis_port": 7000}, "collides with the Redis ports 7000..7002"),
+    ({"autotune_port": 7001, "redis_port": 7000}, "collides with the Redis ports 7000..7005"),
     ({"maxmemory": -1}, "maxmemory -1"),
     ({"timeout_s": 0}, "timeout_s 0"),
 ])

@@ -221,3 +221,65 @@ def test_stale_redis_deployment_record_leaves_innocent_processes_alone(env: dict
     assert down.returncode == 0 and "stopped 0" in down.stdout, down.stdout + down.stderr
     assert all(p.poll() is None for p in decoys), "redis down signalled a process it did not start"
     assert not folder.exists()  # the folder was this deployment's own: its data is removed
+
+
+@pytest.fixture
+def deployment_process() -> Iterator[tuple[subprocess.Popen[bytes], ProcessRecord]]:
+    """A live process carrying deployment ``other``'s id: what another deployment's service looks like."""
+    proc = subprocess.Popen(["sleep", "300"], env=procs.child_env("other"), start_new_session=True)
+    try:
+        wait_until(lambda: procs.pid_alive(proc.pid), 10, "the other deployment's process")
+        yield proc, procs.record(proc.pid, "other")
+    finally:
+        stop_process(proc)
+
+
+@pytest.mark.parametrize("where", ["nowhere", "missing", "another folder", "no marker"])
+def test_services_file_with_a_foreign_state_dir_stops_nothing(
+        env: dict[str, str], tmp_path: Path, where: str,
+        deployment_process: tuple[subprocess.Popen[bytes], ProcessRecord]) -> None:
+    proc, record = deployment_process
+    services_file = Path(env["BAGUA_LIGHTNING_SERVICES_FILE"])
+    other = tmp_path / "other-state"
+    state = {"nowhere": None, "missing": str(tmp_path / "gone"), "another folder": str(other),
+             "no marker": str(tmp_path / "bare")}[where]
+    if where == "another folder":  # a real deployment folder, but its marker names another services file
+        procs.private_dir(other)
+        procs.write_marker(other, "other", services_file=str(tmp_path / "elsewhere.json"))
+    if where == "no marker":
+        (tmp_path / "bare").mkdir()
+    write_services_file(ServicesInfo(autotune=f"127.0.0.1:{free_port()}", state_dir=state, deployment="other",
+                                     processes={"autotune": [record]}), services_file)
+
+    one_line_error(cli(env, "down"), 2, "nothing was stopped", str(services_file))
+    assert proc.poll() is None and procs.is_running(record), "down stopped another deployment's process"
+    assert services_file.exists()
+    # Once its processes are gone, the leftover file is simply removed.
+    stop_process(proc)
+    result = cli(env, "down")
+    assert result.returncode == 0, result.stderr
+    assert not services_file.exists()
+
+
+def test_dead_node_local_server_is_a_stale_record_until_down(env: dict[str, str]) -> None:
+    up = cli(env, "up", "--single", "--autotune-port", str(free_port()), "--redis-port", str(free_port()),
+             "--maxmemory", "32mb")
+    assert up.returncode == 0, up.stderr
+    try:
+        start = "from bagua_lightning.local_redis import ensure_server; print(ensure_server(1 << 26).pid)"
+        made = subprocess.run([*CLI[:1], "-c", start], env=env, capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        os.kill(int(made.stdout), 9)
+        wait_until(lambda: not procs.pid_alive(int(made.stdout)), 10, "the node-local server to die")
+        folder = Path(env["XDG_STATE_HOME"]) / "bagua-lightning" / "redis-local"
+
+        status = cli(env, "status")
+        assert status.returncode == 0, status.stdout + status.stderr  # a leftover record is not a failure
+        line = next(ln for ln in status.stdout.splitlines() if ln.startswith("node-local redis"))
+        assert "stale record" in line and "UNHEALTHY" not in line and "down" in line, line
+        report = json.loads(cli(env, "status", "--json").stdout)["node-local redis"]
+        assert report["stale"] is True and report["healthy"] is False
+        assert (folder / "server.json").exists()  # status reports it, only down cleans it
+    finally:
+        assert cli(env, "down").returncode == 0
+    assert not folder.exists()
