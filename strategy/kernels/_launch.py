@@ -7,7 +7,8 @@ server CPU, more than the GPU spends on a bucket of 25 MiB. The launchers of thi
 build a :class:`Launch` per layout (shapes, dtypes, alignments, block size: everything the
 specialisation depends on is in the layout's key), launch it once through the JIT, and from
 then on call the compiled kernel's own launcher (``CompiledKernel.run``, Triton's C function
-around ``cuLaunchKernelEx``) with the same arguments, as the JIT itself does after its lookup.
+around ``cuLaunchKernelEx``) with the same arguments, as the JIT itself does after its lookup,
+the tensors passed by address.
 
 The direct call is taken only where it is the JIT's own call: a compiled kernel (not Triton's
 interpreter), no launch hooks installed (a profiler's hooks get the JIT's path). Anything else
@@ -64,12 +65,13 @@ class Launch:
             tensor addressed as int32 words). The direct launch passes the tensor itself: only its
             address reaches the kernel, and the compiled kernel already has the view's type.
 
-    The caller guarantees that every call's arguments specialise as the first call's did (the
-    layout caches of ``kernels`` key on all of it). Arguments are positional, constexprs included,
-    in the kernel's order (the JIT's and the compiled launcher's calling convention).
+    The caller guarantees that every call's arguments specialise as the first call's did and
+    that its tensors sit at the same positions, on the device of the first launch (the layout
+    caches of ``kernels`` key on all of it). Arguments are positional, constexprs included, in
+    the kernel's order (the JIT's and the compiled launcher's calling convention).
     """
 
-    __slots__ = ("_direct", "_fn", "_grid", "_options", "_tried", "_views")
+    __slots__ = ("_direct", "_fn", "_grid", "_options", "_pointers", "_tried", "_views")
 
     def __init__(self, fn: Any, grid: tuple[int, ...], options: dict[str, Any],
                  views: tuple[tuple[int, torch.dtype], ...] = ()) -> None:
@@ -78,6 +80,7 @@ class Launch:
         self._fn, self._options, self._views = fn, options, views
         self._grid = (*grid, *(1,) * (3 - len(grid)))
         self._direct: _Direct | None = None
+        self._pointers: tuple[int, ...] = ()  # positions of the tensor arguments
         self._tried = False
 
     @property
@@ -88,8 +91,14 @@ class Launch:
     def __call__(self, *args: Any) -> None:
         d = self._direct
         if d is not None and _idle(d.runtime.launch_enter_hook) and _idle(d.runtime.launch_exit_hook):
+            # Addresses as integers: the launcher then skips its per-pointer driver query
+            # (cuPointerGetAttribute), about a microsecond each; the layout key already
+            # guarantees that every tensor is on the launch's device.
+            call = list(args)
+            for i in self._pointers:
+                call[i] = call[i].data_ptr()
             g0, g1, g2 = self._grid
-            d.launcher(g0, g1, g2, d.stream(d.device), d.function, d.metadata, None, None, None, *args)
+            d.launcher(g0, g1, g2, d.stream(d.device), d.function, d.metadata, None, None, None, *call)
             return
         call = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         for i, dtype in self._views:
@@ -97,6 +106,7 @@ class Launch:
         compiled = self._fn[self._grid](*call, **self._options)
         if not self._tried:
             self._tried = True
+            self._pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
             self._direct = _direct(compiled)
 
 
