@@ -71,15 +71,22 @@ def timed(fn: Callable[[], Any], warmup: int, repeats: int, batch: int = 1) -> f
     return statistics.median(times)
 
 
-def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
-    """Microseconds of host time per call (launch work only: a tiny input, synchronised once at the end)."""
+def host_us(fn: Callable[[], Any], calls: int = 200, rounds: int = 5) -> float:
+    """Microseconds of host time per call: the median of ``rounds`` rounds of ``calls`` calls.
+
+    Launch work only (a tiny input, synchronised once per round); the median of several
+    rounds, as the host's speed wanders between rounds (other processes, clocks).
+    """
     fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    per_round = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        per_round.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(per_round)
 
 
 def torch_compress(x: torch.Tensor, chunks: int, out: torch.Tensor) -> None:

@@ -33,9 +33,9 @@ class _Direct(NamedTuple):
     runtime: Any  # triton.knobs.runtime (its launch hooks)
 
 
-def _idle(hook: Any) -> bool:
-    """True for no hook: None (Triton 3.6) or an empty ``HookChain`` (Triton 3.9)."""
-    return not getattr(hook, "calls", hook)
+def _idle(enter: Any, exit: Any) -> bool:
+    """True for no launch hooks: None (Triton 3.6) or an empty ``HookChain`` (Triton 3.9)."""
+    return not getattr(enter, "calls", enter) and not getattr(exit, "calls", exit)
 
 
 def _direct(compiled: Any) -> _Direct | None:
@@ -90,7 +90,7 @@ class Launch:
 
     def __call__(self, *args: Any) -> None:
         d = self._direct
-        if d is not None and _idle(d.runtime.launch_enter_hook) and _idle(d.runtime.launch_exit_hook):
+        if d is not None and _idle(d.runtime.launch_enter_hook, d.runtime.launch_exit_hook):
             # Addresses as integers: the launcher then skips its per-pointer driver query
             # (cuPointerGetAttribute), about a microsecond each; the layout key already
             # guarantees that every tensor is on the launch's device.
