@@ -164,7 +164,12 @@ def micro(sizes_mib: list[float], chunk_counts: list[int], warmup: int, repeats:
                 "compress_torch": host_us(lambda: torch_compress(small, 4, ref)),
                 "decompress": host_us(lambda: kernels.decompress(packed, small_copy)),
                 "decompress_torch": host_us(lambda: torch_decompress(packed, small_copy)),
-                "owner": host_us(lambda: kernels.reduce_compressed(packed, 0.25, own))}
+                "owner": host_us(lambda: kernels.reduce_compressed(packed, 0.25, own)),
+                # decompress's one kernel launched through Triton's JIT (what every launch cost before the
+                # launchers called the compiled kernels directly), against "decompress": the whole launcher
+                "decompress_jit_launch": host_us(lambda: kernels._k()._decompress_kernel[(1, 4)](
+                    packed.view(torch.int32), small_copy, 256, (HEADER_BYTES + 256) // 4, BLOCK=kernels.BLOCK,
+                    PACK=4, num_warps=kernels.NUM_WARPS, enable_fp_fusion=False))}
     print("host time per call (us): " + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()), flush=True)
     rows.append({"host_us_per_call": overhead})
     return rows
