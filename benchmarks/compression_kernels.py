@@ -16,7 +16,10 @@ the median of ``--repeats`` runs):
 
 "of copy" is the bandwidth a pass achieves over the copy's: a compression moves
 ``4 + 4 + 1`` bytes per value (values read twice, a level written), a decompression
-``1 + 4``, the copy ``4 + 4``. ``x torch`` is the torch-op path's time over ours.
+``1 + 4``, the owner step ``2 * chunks + 1`` bytes per value of its chunk (every received
+level read twice, a level written), the copy ``4 + 4``. ``x torch`` is the torch-op path's
+time over ours. "host" is the host time of one call (a tiny input, no GPU wait): when it
+exceeds the GPU's time, calls queued back to back run at the host's pace.
 
 ``--model``: one GPU trains the Transformer of ``allreduce_vs_ddp.py`` (AdamW) with its
 gradients in flat buckets, and each step runs bytegrad's compressed exchange on every bucket
@@ -68,15 +71,22 @@ def timed(fn: Callable[[], Any], warmup: int, repeats: int, batch: int = 1) -> f
     return statistics.median(times)
 
 
-def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
-    """Microseconds of host time per call (launch work only: a tiny input, synchronised once at the end)."""
+def host_us(fn: Callable[[], Any], calls: int = 200, rounds: int = 5) -> float:
+    """Microseconds of host time per call: the median of ``rounds`` rounds of ``calls`` calls.
+
+    Launch work only (a tiny input, synchronised once per round); the median of several
+    rounds, as the host's speed wanders between rounds (other processes, clocks).
+    """
     fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    per_round = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        per_round.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(per_round)
 
 
 def torch_compress(x: torch.Tensor, chunks: int, out: torch.Tensor) -> None:
@@ -132,35 +142,47 @@ def micro(sizes_mib: list[float], chunk_counts: list[int], warmup: int, repeats:
             for name, fn in passes.items():
                 row[f"{name}_ms"] = timed(fn, warmup, repeats, batch)
                 row[f"{name}_latency_ms"] = timed(fn, warmup, repeats, 1)
-            for name, nbytes in (("compress", 9), ("decompress", 5)):
-                row[f"{name}_of_copy"] = nbytes * numel / row[f"{name}_ms"] / copy_bw
-                row[f"{name}_torch_of_copy"] = nbytes * numel / row[f"{name}_torch_ms"] / copy_bw
+            moved = {"compress": 9 * numel, "decompress": 5 * numel, "owner": (2 * chunks + 1) * n}
+            for name, nbytes in moved.items():
+                row[f"{name}_of_copy"] = nbytes / row[f"{name}_ms"] / copy_bw
+                row[f"{name}_torch_of_copy"] = nbytes / row[f"{name}_torch_ms"] / copy_bw
             rows.append(row)
             print(f"{mib:>6} MiB x{chunks}: copy {t_copy:.3f} ms | " + " | ".join(
-                f"{name} {row[name + '_ms']:.3f} ms ({row.get(name + '_of_copy', 0):.2f} of copy; "
+                f"{name} {row[name + '_ms']:.3f} ms ({row[name + '_of_copy']:.2f} of copy; "
                 f"torch {row[name + '_torch_ms']:.3f} ms, {row[name + '_torch_ms'] / row[name + '_ms']:.1f}x; "
                 f"latency {row[name + '_latency_ms']:.3f} vs {row[name + '_torch_latency_ms']:.3f} ms)"
                 for name in ("compress", "decompress", "owner")), flush=True)
         torch.cuda.empty_cache()
     small = torch.randn(1024, device="cuda")
+    small_copy = torch.empty_like(small)
     packed = torch.empty(4, HEADER_BYTES + 256, dtype=torch.uint8, device="cuda")
     ref = torch.empty_like(packed)
-    overhead = {"compress": host_us(lambda: kernels.compress(small, 4, packed)),
+    own = torch.empty(1, HEADER_BYTES + 256, dtype=torch.uint8, device="cuda")
+    kernels.compress(small, 4, packed)
+    overhead = {"copy": host_us(lambda: small_copy.copy_(small)),  # one torch launch, for reference
+                "compress": host_us(lambda: kernels.compress(small, 4, packed)),
                 "compress_torch": host_us(lambda: torch_compress(small, 4, ref)),
-                "decompress": host_us(lambda: kernels.decompress(packed, small)),
-                "decompress_torch": host_us(lambda: torch_decompress(packed, small))}
+                "decompress": host_us(lambda: kernels.decompress(packed, small_copy)),
+                "decompress_torch": host_us(lambda: torch_decompress(packed, small_copy)),
+                "owner": host_us(lambda: kernels.reduce_compressed(packed, 0.25, own)),
+                # decompress's one kernel launched through Triton's JIT (what every launch cost before the
+                # launchers called the compiled kernels directly), against "decompress": the whole launcher
+                "decompress_jit_launch": host_us(lambda: kernels._k()._decompress_kernel[(1, 4)](
+                    packed.view(torch.int32), small_copy, 256, (HEADER_BYTES + 256) // 4, BLOCK=kernels.BLOCK,
+                    PACK=4, num_warps=kernels.NUM_WARPS, enable_fp_fusion=False))}
     print("host time per call (us): " + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()), flush=True)
     rows.append({"host_us_per_call": overhead})
     return rows
 
 
-def sweep(configs: list[tuple[int, int, int]], warmup: int, repeats: int) -> tuple[int, int, int]:
-    """Time compress + decompress of 100 and 420 MiB in 4 chunks per (block, warps, programs per SM); the best."""
+def sweep(configs: list[tuple[int, int, int]], warmup: int, repeats: int,
+          sizes_mib: tuple[int, ...] = (100, 420)) -> tuple[int, int, int]:
+    """Time compress + decompress of each size in 4 chunks per (block, warps, programs per SM); the best."""
     best, best_t = configs[0], float("inf")
     for block, warps, per_sm in configs:
         kernels.BLOCK, kernels.NUM_WARPS, kernels.PROGRAMS_PER_SM = block, warps, per_sm
         total = 0.0
-        for mib in (100, 420):
+        for mib in sizes_mib:
             numel = mib * MIB // 4
             x = torch.randn(numel, device="cuda")
             packed = torch.empty(4, HEADER_BYTES + numel // 4, dtype=torch.uint8, device="cuda")
@@ -256,6 +278,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sweep", default=None,
                         help="BLOCK:WARPS:PROGRAMS_PER_SM,... to try first; the best one is used for the rest")
+    parser.add_argument("--sweep-sizes", default="100,420", help="bucket sizes (MiB) the sweep times")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -264,7 +287,8 @@ def main() -> None:
     results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     if args.sweep:
         configs = [tuple(int(v) for v in c.split(":")) for c in args.sweep.split(",")]
-        results["config"] = sweep(configs, args.warmup, args.repeats)  # type: ignore[arg-type]
+        results["config"] = sweep(configs, args.warmup, args.repeats,  # type: ignore[arg-type]
+                                  tuple(int(s) for s in args.sweep_sizes.split(",")))
     results["kernel_config"] = {"block": kernels.BLOCK, "warps": kernels.NUM_WARPS,
                                 "programs_per_sm": kernels.PROGRAMS_PER_SM}
     sizes, chunks = [float(s) for s in args.sizes.split(",")], [int(c) for c in args.chunks.split(",")]

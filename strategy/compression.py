@@ -218,7 +218,8 @@ def decompress_chunks(
     ``out`` (1-D, ``num_chunks * n`` elements of ``dtype``, contiguous, on ``packed``'s
     device) receives the values instead of a new tensor, e.g. a gradient bucket.
     """
-    mins, maxs = read_header(packed)
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] < HEADER_BYTES:
+        raise ValueError(f"expected a (chunks, 8 + n) uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
     num_chunks, n = packed.shape[0], packed.shape[1] - HEADER_BYTES
     if out is None:
         out = torch.empty(num_chunks * n, dtype=dtype, device=packed.device)
@@ -230,7 +231,8 @@ def decompress_chunks(
     if _use_kernels(packed.device, dtype) and packed.stride(1) == 1:
         from . import kernels
 
-        return kernels.decompress(packed, out)
+        return kernels.decompress(packed, out)  # the kernels read the header themselves
+    mins, maxs = read_header(packed)
     target = out.view(num_chunks, n) if dtype == torch.float32 else torch.empty(num_chunks, n, device=out.device)
     dequantise_into(packed[:, HEADER_BYTES:], mins, maxs, target)
     if dtype != torch.float32:

@@ -9,6 +9,11 @@ torch path (``_minmax``'s docstring says how), so the two paths interoperate.
 Importing this package is cheap; Triton is imported on the first launch. The
 launchers take CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set
 before Triton was imported (how the tests run them without a GPU).
+
+Host time: a launcher validates a layout (shapes, dtypes, strides, alignments, devices) once
+and keeps its plan under a key of exactly those properties; later calls with the same layout
+read the key, take a kept scratch buffer and call the compiled kernels' launchers directly
+(``_launch``): a few microseconds per kernel instead of the JIT's tens.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..compression import HEADER_BYTES
+from ._launch import Launch, Layouts, Scratch
 
 __all__ = [
     "add_decompressed",
@@ -68,7 +74,7 @@ def _k() -> ModuleType:
 
 
 class _Plan(NamedTuple):
-    """How a pass over ``rows`` rows of ``n`` values is launched (cached: launches are host-bound when small)."""
+    """How a pass over ``rows`` rows of ``n`` values is launched."""
 
     block: int
     nblocks: int  # blocks per row
@@ -99,11 +105,16 @@ def _plan_for(device: torch.device, n: int, rows: int, block: int | None) -> _Pl
     return _plan(device, n, rows, block, NUM_WARPS, PROGRAMS_PER_SM, BLOCK)
 
 
-def _packed_view(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, int, int]:
-    """``(view, row_stride, PACK)``: the int32 view of a word-aligned packed tensor, else the bytes."""
+def _packed_layout(packed: torch.Tensor, n: int) -> tuple[int, int]:
+    """``(row_stride, PACK)``: int32 words (``PACK=4``) for a word-aligned contiguous packed tensor, else bytes."""
     if n % 4 == 0 and packed.data_ptr() % 4 == 0 and packed.is_contiguous():
-        return packed.view(torch.int32), (HEADER_BYTES + n) // 4, 4
-    return packed, packed.stride(0) if packed.dim() == 2 else HEADER_BYTES + n, 1
+        return (HEADER_BYTES + n) // 4, 4
+    return packed.stride(0) if packed.dim() == 2 else HEADER_BYTES + n, 1
+
+
+def _words(position: int, pack: int) -> tuple[tuple[int, torch.dtype], ...]:
+    """The view a :class:`Launch` applies to a packed argument: int32 words when ``pack == 4``."""
+    return ((position, torch.int32),) if pack == 4 else ()
 
 
 def _check_packed(packed: torch.Tensor, rows: int | None, n: int, device: torch.device, what: str) -> None:
@@ -117,34 +128,66 @@ def _check_packed(packed: torch.Tensor, rows: int | None, n: int, device: torch.
         raise ValueError(f"{what} must have contiguous rows, got strides {packed.stride()}")
 
 
-def _compress_rows(
-    src: torch.Tensor, num_chunks: int, out: torch.Tensor, block: int | None,
-    combine: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, float, float, float] | None = None,
-) -> torch.Tensor:
-    n = src.numel() // num_chunks
-    device = src.device
-    _check_packed(out, num_chunks, n, device, "out")
-    plan = _plan_for(device, n, num_chunks, block)
-    blk, nblocks, programs, opts = plan.block, plan.nblocks, plan.programs, plan.options
-    partials = torch.empty(num_chunks * programs * 2, dtype=torch.float32, device=device)
-    k = _k()
-    if combine is None:
-        k._extrema_kernel[(programs, num_chunks)](
-            src, src, src, src, partials, n, nblocks, programs, 0.0, 0.0, 0.0,
-            BLOCK=blk, COMBINE=False, HAS_RIGHT=False, **opts,
-        )
-    else:
-        left, right, weight, c_left, c_right, c_weight = combine
-        k._extrema_kernel[(programs, num_chunks)](
-            src, left, right if right is not None else left, weight, partials, n, nblocks, programs,
-            c_left, c_right, c_weight, BLOCK=blk, COMBINE=True, HAS_RIGHT=right is not None, **opts,
-        )
-    view, row_stride, pack = _packed_view(out, n)
-    k._quantise_kernel[(programs, num_chunks)](
-        src, partials, view, n, nblocks, programs, row_stride,
-        BLOCK=blk, PACK=pack, PB=plan.pb, **opts,
-    )
-    return out
+#: Validated layouts (key: every property a check or a kernel's specialisation depends on -> plan).
+_LAYOUTS = Layouts()
+_SCRATCH = Scratch()
+
+
+def _current(t: torch.Tensor) -> int:
+    """The current CUDA device when ``t`` is a CUDA tensor (where the kernels launch), else -1."""
+    return torch.cuda.current_device() if t.is_cuda else -1
+
+
+def _key(t: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor's part of a layout key: dtype, shape, strides, device, and its address modulo 16.
+
+    The address bits decide the word layout (4-byte alignment) and Triton's pointer
+    specialisation (16-byte alignment).
+    """
+    return t.dtype, t.shape, t.stride(), t.get_device(), t.data_ptr() & 15
+
+
+class _Runner:
+    """A validated layout's launches; ``device_switch`` when the tensors live on another than the current device."""
+
+    device: torch.device
+    index: int  # the tensors' CUDA device index, -1 on CPU
+    device_switch: bool
+
+    def _locate(self, device: torch.device, current: int) -> None:
+        self.device = device
+        self.index = device.index if device.type == "cuda" and device.index is not None else (
+            current if device.type == "cuda" else -1)
+        self.device_switch = device.type == "cuda" and self.index != current
+
+
+class _CompressRows(_Runner):
+    """Both passes of a compression of ``chunks`` rows of ``n`` values into a packed tensor."""
+
+    def __init__(self, src: torch.Tensor, chunks: int, out: torch.Tensor, block: int | None, combine: bool,
+                 has_right: bool, current: int) -> None:
+        self._locate(src.device, current)
+        n = src.numel() // chunks
+        _check_packed(out, chunks, n, src.device, "out")
+        p = _plan_for(src.device, n, chunks, block)
+        row_stride, pack = _packed_layout(out, n)
+        k = _k()
+        self.extrema = Launch(k._extrema_kernel, (p.programs, chunks), p.options)
+        self.quantise = Launch(k._quantise_kernel, (p.programs, chunks), p.options, _words(2, pack))
+        self.partials = chunks * p.programs * 2
+        self.ints = (n, p.nblocks, p.programs)
+        self.consts = (p.block, combine, has_right)
+        self.tail = (row_stride, p.block, pack, p.pb)
+
+    def run(self, src: torch.Tensor, out: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
+            weight: torch.Tensor, coefficients: tuple[float, float, float]) -> None:
+        partials = _SCRATCH.get("extrema", self.device, self.index, self.partials)
+        n, nblocks, programs = self.ints
+        self.extrema(src, left, right, weight, partials, n, nblocks, programs, *coefficients, *self.consts)
+        self.quantise(src, partials, out, n, nblocks, programs, *self.tail)
+
+
+_NO_COMBINE = (0.0, 0.0, 0.0)
 
 
 def compress(x: torch.Tensor, num_chunks: int, out: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
@@ -153,13 +196,40 @@ def compress(x: torch.Tensor, num_chunks: int, out: torch.Tensor, *, block: int 
     ``out``: uint8 ``(num_chunks, 8 + x.numel() // num_chunks)`` with contiguous rows.
     ``block``: elements per block (a power of two; tests use small ones). Returns ``out``.
     """
-    if x.dim() != 1 or not x.is_contiguous() or x.numel() % num_chunks != 0:
-        raise ValueError(
-            f"compress needs a contiguous 1-D tensor whose length divides into {num_chunks} chunks, "
-            f"got shape {tuple(x.shape)}"
-        )
-    _check_dtype(x, "x")
-    return _compress_rows(x.detach(), num_chunks, out, block)
+    current = _current(x)
+    key = ("compress", num_chunks, block, BLOCK, NUM_WARPS, PROGRAMS_PER_SM, current, *_key(x), *_key(out))
+    plan = _LAYOUTS.get(key)
+    if plan is None:
+        if x.dim() != 1 or not x.is_contiguous() or num_chunks <= 0 or x.numel() % num_chunks != 0:
+            raise ValueError(
+                f"compress needs a contiguous 1-D tensor whose length divides into {num_chunks} chunks, "
+                f"got shape {tuple(x.shape)}"
+            )
+        _check_dtype(x, "x")
+        plan = _LAYOUTS.put(key, _CompressRows(x, num_chunks, out, block, False, False, current))
+    if plan.device_switch:
+        with torch.cuda.device(plan.index):
+            plan.run(x, out, x, x, x, _NO_COMBINE)
+    else:
+        plan.run(x, out, x, x, x, _NO_COMBINE)
+    return out
+
+
+class _Decompress(_Runner):
+    def __init__(self, packed: torch.Tensor, out: torch.Tensor, block: int | None, current: int) -> None:
+        rows, n = packed.shape[0], packed.shape[1] - HEADER_BYTES
+        _check_packed(packed, None, n, out.device, "packed")
+        _check_dtype(out, "out")
+        if out.dim() != 1 or not out.is_contiguous() or out.numel() != rows * n:
+            raise ValueError(f"out must be a contiguous 1-D tensor of {rows * n} elements, got {tuple(out.shape)}")
+        self._locate(out.device, current)
+        p = _plan_for(out.device, n, rows, block)
+        row_stride, pack = _packed_layout(packed, n)
+        self.kernel = Launch(_k()._decompress_kernel, (p.nblocks, rows), p.options, _words(0, pack))
+        self.args = (n, row_stride, p.block, pack)
+
+    def run(self, packed: torch.Tensor, out: torch.Tensor) -> None:
+        self.kernel(packed, out, *self.args)
 
 
 def decompress(packed: torch.Tensor, out: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
@@ -167,16 +237,45 @@ def decompress(packed: torch.Tensor, out: torch.Tensor, *, block: int | None = N
 
     ``out``'s dtype (fp32, bf16 or fp16) is the dtype of the values; ``chunks * n`` elements.
     """
-    rows, n = packed.shape[0], packed.shape[1] - HEADER_BYTES
-    _check_packed(packed, None, n, out.device, "packed")
-    _check_dtype(out, "out")
-    if out.dim() != 1 or not out.is_contiguous() or out.numel() != rows * n:
-        raise ValueError(f"out must be a contiguous 1-D tensor of {rows * n} elements, got {tuple(out.shape)}")
-    plan = _plan_for(out.device, n, rows, block)
-    view, row_stride, pack = _packed_view(packed, n)
-    _k()._decompress_kernel[(plan.nblocks, rows)](view, out, n, row_stride, BLOCK=plan.block, PACK=pack,
-                                                 **plan.options)
+    current = _current(out)
+    key = ("decompress", block, BLOCK, NUM_WARPS, current, *_key(packed), *_key(out))
+    plan = _LAYOUTS.get(key)
+    if plan is None:
+        plan = _LAYOUTS.put(key, _Decompress(packed, out, block, current))
+    if plan.device_switch:
+        with torch.cuda.device(plan.index):
+            plan.run(packed, out)
+    else:
+        plan.run(packed, out)
     return out
+
+
+class _ReduceCompressed(_Runner):
+    def __init__(self, received: torch.Tensor, out: torch.Tensor, block: int | None, current: int) -> None:
+        world, n = received.shape[0], received.shape[1] - HEADER_BYTES
+        _check_packed(received, None, n, received.device, "received")
+        _check_packed(out, 1, n, received.device, "out")
+        self._locate(received.device, current)
+        p = _plan_for(received.device, n, 1, block)
+        row_stride, pack = _packed_layout(received, n)
+        if _packed_layout(out, n)[1] != pack:  # both word-aligned or neither: one layout inside the kernel
+            row_stride, pack = received.stride(0), 1
+        k = _k()
+        self.table = Launch(k._decode_table_kernel, (world,), p.options, _words(0, pack))
+        self.extrema = Launch(k._reduce_extrema_kernel, (p.programs,), p.options, _words(0, pack))
+        self.quantise = Launch(k._reduce_quantise_kernel, (p.programs,), p.options,
+                               _words(0, pack) + _words(3, pack))
+        self.sizes = (p.programs * 2, world * 256)
+        self.ints = (world, n, p.nblocks, p.programs, row_stride)
+        self.consts = (p.block, pack)
+        self.pb = p.pb
+
+    def run(self, received: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        partials = _SCRATCH.get("reduce-extrema", self.device, self.index, self.sizes[0])
+        tables = _SCRATCH.get("decode-tables", self.device, self.index, self.sizes[1])  # each row's 256 values
+        self.table(received, tables, self.ints[4], self.consts[1])
+        self.extrema(received, tables, partials, *self.ints, scale, *self.consts)
+        self.quantise(received, tables, partials, out, *self.ints, scale, *self.consts, self.pb)
 
 
 def reduce_compressed(
@@ -189,29 +288,16 @@ def reduce_compressed(
     multiplied by ``scale``; the sum is compressed with its own min/max. Two passes over
     ``received``; the sum is never stored.
     """
-    world, n = received.shape[0], received.shape[1] - HEADER_BYTES
-    device = received.device
-    _check_packed(received, None, n, device, "received")
-    _check_packed(out, 1, n, device, "out")
-    plan = _plan_for(device, n, 1, block)
-    blk, nblocks, programs, opts = plan.block, plan.nblocks, plan.programs, plan.options
-    partials = torch.empty(programs * 2, dtype=torch.float32, device=device)
-    recv_view, row_stride, pack = _packed_view(received, n)
-    out_view, _, out_pack = _packed_view(out, n)
-    if out_pack != pack:  # both word-aligned or neither: one layout inside the kernel
-        recv_view, row_stride, pack = received, received.stride(0), 1
-        out_view = out
-    k = _k()
-    tables = torch.empty(world * 256, dtype=torch.float32, device=device)  # each row's 256 decoded values
-    k._decode_table_kernel[(world,)](recv_view, tables, row_stride, PACK=pack, **opts)
-    k._reduce_extrema_kernel[(programs,)](
-        recv_view, tables, partials, world, n, nblocks, programs, row_stride, float(scale), BLOCK=blk, PACK=pack,
-        **opts,
-    )
-    k._reduce_quantise_kernel[(programs,)](
-        recv_view, tables, partials, out_view, world, n, nblocks, programs, row_stride, float(scale),
-        BLOCK=blk, PACK=pack, PB=plan.pb, **opts,
-    )
+    current = _current(received)
+    key = ("reduce", block, BLOCK, NUM_WARPS, PROGRAMS_PER_SM, current, *_key(received), *_key(out))
+    plan = _LAYOUTS.get(key)
+    if plan is None:
+        plan = _LAYOUTS.put(key, _ReduceCompressed(received, out, block, current))
+    if plan.device_switch:
+        with torch.cuda.device(plan.index):
+            plan.run(received, float(scale), out)
+    else:
+        plan.run(received, float(scale), out)
     return out
 
 
@@ -231,22 +317,54 @@ def weight_difference_compress(
     term (two ranks: one neighbour). ``coefficients``: ``(a, b, c)``. The combination is
     written into ``diff`` by the first pass, which the second pass then quantises.
     """
-    tensors = [t for t in (diff, left, right, weight) if t is not None]
-    if any(t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous() or t.numel() != diff.numel()
-           for t in tensors):
-        raise ValueError("weight_difference_compress needs contiguous 1-D float32 tensors of one length")
+    current = _current(diff)
+    tensors = (diff, left, weight) if right is None else (diff, left, right, weight)
+    key = ("difference", block, BLOCK, NUM_WARPS, PROGRAMS_PER_SM, current, *_key(out),
+           *(part for t in tensors for part in _key(t)))
+    plan = _LAYOUTS.get(key)
+    if plan is None:
+        if any(t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous() or t.numel() != diff.numel()
+               or t.device != diff.device for t in tensors):
+            raise ValueError("weight_difference_compress needs contiguous 1-D float32 tensors of one length "
+                             "on one device")
+        plan = _LAYOUTS.put(key, _CompressRows(diff, 1, out, block, True, right is not None, current))
     a, b, c = (float(v) for v in coefficients)
-    return _compress_rows(diff, 1, out, block, combine=(left, right, weight, a, b, c))
+    args = (diff, out, left, right if right is not None else left, weight, (a, b, c))
+    if plan.device_switch:
+        with torch.cuda.device(plan.index):
+            plan.run(*args)
+    else:
+        plan.run(*args)
+    return out
+
+
+class _AddDecompressed(_Runner):
+    def __init__(self, target: torch.Tensor, packed: torch.Tensor, block: int | None, current: int) -> None:
+        n = packed.shape[1] - HEADER_BYTES
+        _check_packed(packed, 1, n, target.device, "packed")
+        if target.dtype != torch.float32 or target.dim() != 1 or not target.is_contiguous() or target.numel() != n:
+            raise ValueError(f"target must be a contiguous 1-D float32 tensor of {n} elements, got "
+                             f"{target.dtype} {tuple(target.shape)}")
+        self._locate(target.device, current)
+        p = _plan_for(target.device, n, 1, block)
+        pack = _packed_layout(packed, n)[1]
+        self.kernel = Launch(_k()._apply_kernel, (p.nblocks,), p.options, _words(0, pack))
+        self.args = (n, p.block, pack)
+
+    def run(self, target: torch.Tensor, packed: torch.Tensor) -> None:
+        self.kernel(packed, target, *self.args)
 
 
 def add_decompressed(target: torch.Tensor, packed: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
     """``target += decompress(packed)`` for a single-chunk ``(1, 8 + n)`` packed tensor; float32 ``target``."""
-    n = packed.shape[1] - HEADER_BYTES
-    _check_packed(packed, 1, n, target.device, "packed")
-    if target.dtype != torch.float32 or target.dim() != 1 or not target.is_contiguous() or target.numel() != n:
-        raise ValueError(f"target must be a contiguous 1-D float32 tensor of {n} elements, got "
-                         f"{target.dtype} {tuple(target.shape)}")
-    plan = _plan_for(target.device, n, 1, block)
-    view, _, pack = _packed_view(packed, n)
-    _k()._apply_kernel[(plan.nblocks,)](view, target, n, BLOCK=plan.block, PACK=pack, **plan.options)
+    current = _current(target)
+    key = ("apply", block, BLOCK, NUM_WARPS, current, *_key(target), *_key(packed))
+    plan = _LAYOUTS.get(key)
+    if plan is None:
+        plan = _LAYOUTS.put(key, _AddDecompressed(target, packed, block, current))
+    if plan.device_switch:
+        with torch.cuda.device(plan.index):
+            plan.run(target, packed)
+    else:
+        plan.run(target, packed)
     return target

@@ -192,6 +192,44 @@ def add_decompressed_matches_torch(device: torch.device, block: int | None) -> N
 
 
 @check
+def repeated_layouts_match_cpu(device: torch.device, block: int | None) -> None:
+    # The launchers keep a validated plan per layout and, on a GPU, launch the compiled kernels directly
+    # from the second call on. Calls on one layout with new values, new buffers, and aligned and unaligned
+    # buffers of one shape in turn must each give the CPU path's bytes and values.
+    n, chunks = 64, 2
+    backing = torch.zeros(2 * (chunks * (HEADER_BYTES + n) + 4), dtype=torch.uint8, device=device)
+    size = chunks * (HEADER_BYTES + n)
+    for step in range(4):
+        x = _inputs(n, chunks, torch.float32, 40 + step)
+        ref = compress_chunks(x, chunks)
+        offset = 0 if step % 2 == 0 else 1  # word layout, then byte layout, for one shape
+        out = backing[offset + (step // 2) * (size + 4): offset + (step // 2) * (size + 4) + size].view(ref.shape)
+        kernels.compress(x.to(device), chunks, out, block=block)
+        _same(out.cpu(), ref, f"compress, call {step}")
+        values = torch.empty(n * chunks, device=device)
+        kernels.decompress(out, values, block=block)
+        _same(values.cpu(), decompress_chunks(ref), f"decompress, call {step}")
+        received = torch.cat([compress_chunks(_inputs(n, 1, torch.float32, 60 + step + i), 1) for i in range(3)])
+        total = torch.zeros(n)
+        for i in range(3):
+            total += decompress_chunks(received[i : i + 1])
+        own = torch.empty(1, HEADER_BYTES + n, dtype=torch.uint8, device=device)
+        kernels.reduce_compressed(received.to(device), 0.25 + step, own, block=block)
+        _same(own.cpu(), compress_chunks(total * (0.25 + step), 1), f"owner step, call {step}")
+        target = _inputs(n, 1, torch.float32, 80 + step)
+        expected = target.clone()
+        _add_decompressed(expected, own.cpu(), torch.empty(n))
+        applied = target.to(device)
+        kernels.add_decompressed(applied, own, block=block)
+        _same(applied.cpu(), expected, f"add_decompressed, call {step}")
+    if device.type == "cuda":  # the later calls took the direct launch
+        plans = list(kernels._LAYOUTS._plans.values())
+        launches = [v for p in plans for v in vars(p).values() if isinstance(v, kernels.Launch)]
+        if not launches or not all(launch.direct for launch in launches):
+            raise AssertionError("a launcher still goes through Triton's JIT after its first launch")
+
+
+@check
 def bad_arguments_are_refused(device: torch.device, block: int | None) -> None:
     x = torch.zeros(8, device=device)
     for call, match in [

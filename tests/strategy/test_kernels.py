@@ -33,6 +33,7 @@ CHECKS = [
     "owner_step_matches_decompress_sum_recompress",
     "weight_difference_matches_torch",
     "add_decompressed_matches_torch",
+    "repeated_layouts_match_cpu",
     "bad_arguments_are_refused",
 ]
 HERE = Path(__file__).parent
