@@ -235,7 +235,7 @@ def main() -> None:
         n_params = sum(p.numel() for p in make_model(args).parameters())
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         print(f"model {args.model} ({n_params / 1e6:.1f}M params), {comm.world_size} x {name}, "
-              f"batch {args.batch_size}{"" if args.model in VISION else f"x{args.seq_len}"} per rank, {args.rounds} interleaved steps per variant; "
+              f"batch {args.batch_size}{'' if args.model in VISION else f'x{args.seq_len}'} per rank, {args.rounds} interleaved steps per variant; "
               "speed vs DDP = median(DDP) / median(variant) [95 % bootstrap interval]")
         baseline = "ddp" if "ddp" in times else variants[0]
         result = {}
