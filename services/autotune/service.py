@@ -286,13 +286,14 @@ class AutotuneService:
             raise InvalidArgumentError(f"resume_hyperparameters does not cover exactly the {len(tensors)} tensors of "
                                        f"tensor_list; send the plan the job runs, or none")
         with self._lock:
-            current = self._sessions.get(key)
-            if current is session:  # nobody registered (or re-registered) this key meanwhile
-                if current is None:
+            held = self._sessions.get(key)
+            current: ModelSession = fresh if held is None or held is session else held
+            if current is fresh:  # nobody registered (or re-registered) this key meanwhile
+                if held is None:
                     self._evict_for_one()
                 else:
-                    self._retired_plans += current.plans_issued
-                current = self._sessions[key] = fresh
+                    self._retired_plans += held.plans_issued
+                self._sessions[key] = fresh
                 old = session.registration if session is not None else None
                 logger.info("event=%s model=%s job=%s tensors=%d world_size=%d nproc_per_node=%d "
                             "whether_to_bucket=%s%s", "model_registered" if old is None else "job_reregistered",
