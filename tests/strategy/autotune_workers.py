@@ -160,7 +160,8 @@ def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3
     return {"losses": losses, "records": records, "warnings": counter.messages, "completed_at": completed_at,
             "applied": ctl.applied if ctl else [], "registered": ctl.registered if ctl else False,
             "summary": summary.line() if summary else "", "speeds": ctl.speeds if ctl else [],
-            "threads": sorted(t.name for t in threading.enumerate() if "autotune" in t.name)}
+            "threads": sorted(t.name for t in threading.enumerate() if "autotune" in t.name),
+            "job_id": ctl.job_id if ctl else "", "model_name": ctl.model_name if ctl else ""}
 
 
 def main() -> int:
