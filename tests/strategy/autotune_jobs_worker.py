@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 
 from bagua_lightning.strategy.comm import CommContext
-from tests.strategy.autotune_workers import run
+from tests.strategy.autotune_workers import run, wait_for
+
+
+def meet(out: Path, name: str, other: str) -> None:
+    (out / f"{name}.ready").touch()
+    wait_for(out / f"{other}.ready", timeout_s=120.0)
 
 
 def main() -> int:
@@ -28,6 +33,9 @@ def main() -> int:
     parser.add_argument("--address", required=True)
     parser.add_argument("--prefix", required=True)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--meet", default="",
+                        help="NAME,OTHER: after set-up, write <out>/NAME.ready and wait for <out>/OTHER.ready "
+                             "(both jobs registered before either tunes: they run concurrently)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -36,7 +44,8 @@ def main() -> int:
     result: dict[str, Any] = {}
     rc = 0
     try:
-        result = run(comm, args.steps, address=args.address, model_name="shared-net")
+        result = run(comm, args.steps, address=args.address, model_name="shared-net",
+                     after_setup=(lambda: meet(Path(args.out), *args.meet.split(","))) if args.meet else None)
     except Exception:
         result = {"error": traceback.format_exc()}
         rc = 1

@@ -28,10 +28,11 @@ INTERVAL = 3
 
 
 def _job(tmp_path: Path, target: str, prefix: str, *, world_size: int = 2, steps: int = STEPS,
-         env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+         env: dict[str, str] | None = None, meet: str = "") -> list[dict[str, Any]]:
     logs = tmp_path / prefix
     logs.mkdir()
-    run_ranks(WORKER, [str(tmp_path), "--address", target, "--prefix", prefix, "--steps", str(steps)],
+    run_ranks(WORKER, [str(tmp_path), "--address", target, "--prefix", prefix, "--steps", str(steps),
+                       *(["--meet", meet] if meet else [])],
               world_size=world_size, log_dir=logs, timeout_s=300, env=env)
     res = [json.loads((tmp_path / f"{prefix}rank{r}.json").read_text()) for r in range(world_size)]
     for r in res:
@@ -48,7 +49,8 @@ def test_concurrent_jobs_tune_apart_and_a_third_starts_from_their_best(tmp_path:
 
         def job(prefix: str, env: dict[str, str]) -> None:
             try:
-                results[prefix] = _job(tmp_path, target, prefix, env=env)
+                # Both jobs register before either reports: neither starts from the other's plan.
+                results[prefix] = _job(tmp_path, target, prefix, env=env, meet="a,b" if prefix == "a" else "b,a")
             except BaseException as exc:  # reported by the main thread
                 errors.append(exc)
 
