@@ -15,8 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.utils.data import ConcatDataset, DataLoader, Subset
 
 from bagua_lightning.client.autotune import AutotuneClient
+from bagua_lightning.client.cache.dataset import CachedDataset
+from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
+from bagua_lightning.strategy.autotune import AutotuneSettings, AutotuneState, launcher_job_id
+from bagua_lightning.strategy.logged_metrics import cached_datasets, training_metrics
 from tests.services.conftest import FAST, autotune_service
 from tests.strategy.launch import run_ranks
 
@@ -25,6 +31,63 @@ WORKER = str(HERE / "autotune_jobs_worker.py")
 SERVICE_ARGS = (*FAST, "--max-samples", "4")
 STEPS = 24
 INTERVAL = 3
+
+
+# ------------------------------------------------------------------ in-process: names, state, metrics
+
+
+def test_the_job_id_comes_from_the_launcher() -> None:
+    assert launcher_job_id({}) is None
+    assert launcher_job_id({"TORCHELASTIC_RUN_ID": "none"}) is None  # torchrun without --rdzv-id
+    assert launcher_job_id({"TORCHELASTIC_RUN_ID": "abc", "SLURM_JOB_ID": "7"}) == "torchrun-abc"
+    assert launcher_job_id({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "2"}) == "slurm-7.2"
+    assert launcher_job_id({"BAGUA_LIGHTNING_JOB_ID": "mine", "TORCHELASTIC_RUN_ID": "abc"}) == "mine"
+    assert launcher_job_id({"BAGUA_LIGHTNING_JOB_ID": "bad\x07", "SLURM_JOB_ID": "7"}) == "slurm-7"
+
+
+def test_model_name_and_job_id_are_validated() -> None:
+    import lightning.pytorch  # noqa: F401  # loads first, so its import hook registers the strategy
+
+    from bagua_lightning.strategy import BaguaStrategy
+
+    named = BaguaStrategy(autotune=True, autotune_service="h:1", autotune_model_name="resnet50 / imagenet")
+    assert named._autotune_settings is not None and named._autotune_settings.model_name == "resnet50 / imagenet"
+    for bad, match in (("a\nb", "control character"), ("x" * 201, "201 characters long"), ("  ", "non-empty")):
+        with pytest.raises(ConfigurationError, match=f"autotune_model_name.*{match}"):
+            BaguaStrategy(autotune=True, autotune_service="h:1", autotune_model_name=bad)
+        with pytest.raises(ConfigurationError, match="autotune_model_name"):
+            BaguaStrategy(autotune_model_name=bad)  # checked even before autotune is switched on
+    with pytest.raises(ConfigurationError, match="job_id"):
+        AutotuneSettings(address="h:1", job_id="x\ty")
+
+
+def test_the_checkpointed_state_round_trips_and_checks_the_model() -> None:
+    tensors = [TensorDeclaration("a", 4), TensorDeclaration("b", 8), TensorDeclaration("c", 2)]
+    plan = BucketPlan(buckets=((tensors[2], tensors[0]), (tensors[1],)), bucket_size=64, version=5)
+    state = AutotuneState.of(job_id="job-1", model_name="m", model_fingerprint="f", plan=plan, version=5,
+                             completed=False, plans_applied=3)
+    again = AutotuneState.from_dict(state.to_dict())
+    assert again == state and again.bucket_plan(tensors) == plan
+    with pytest.raises(ValueError, match="tensor 'c'"):
+        again.bucket_plan(tensors[:2])
+    with pytest.raises(ValueError, match="malformed"):
+        AutotuneState.from_dict({**state.to_dict(), "job_id": "a\x00b"})
+    default = AutotuneState.of(job_id="j", model_name="m", model_fingerprint="f", plan=plan, version=-1,
+                               completed=False, plans_applied=0)
+    assert default.plan is None and default.bucket_plan(tensors) is None  # the default plan is not resumed
+
+
+def test_cache_hit_rate_found_through_dataset_wrappers() -> None:
+    cached = CachedDataset(list(range(10)), dataset_name="wrapped", hosts=["127.0.0.1:1"])
+    loaders = [DataLoader(Subset(ConcatDataset([list(range(3)), cached]), [1, 2])), {"b": DataLoader(cached)}]
+    assert cached_datasets(loaders) == [cached]
+    assert cached_datasets(DataLoader(list(range(5)))) == []
+    plan = BucketPlan(buckets=((TensorDeclaration("a", 4),),), version=2)
+    assert training_metrics(plan, None, []) == {"bagua/plan_version": 2.0, "bagua/num_buckets": 1.0}
+    assert training_metrics(None, None, [cached]) == {"cache/hits": 0.0, "cache/misses": 0.0, "cache/hit_rate": 0.0}
+
+
+# ------------------------------------------------------------------ real jobs against a real service
 
 
 def _job(tmp_path: Path, target: str, prefix: str, *, world_size: int = 2, steps: int = STEPS,
