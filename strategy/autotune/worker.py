@@ -95,6 +95,8 @@ class AutotuneWorker:
         self._order_sent = False
         self._reconnect = False
         self._unexpected: set[str] = set()
+        # Only the first registration resumes: after a service restart the shape's best plan is the start.
+        self._resume = job.resume
         self.outage = Outage(job.address, loud=job.rank == 0)
         self.closed = False
 
@@ -182,13 +184,14 @@ class AutotuneWorker:
         job = self.job
         try:
             answer = client.register_job(job.model_name, job.tensors, job_id=job.job_id, world_size=job.world_size,
-                                         nproc_per_node=job.nproc_per_node, resume=job.resume,
+                                         nproc_per_node=job.nproc_per_node, resume=self._resume,
                                          resume_completed=job.resume_completed)
         except (AutotuneError, ServiceUnavailableError) as exc:
             self._reconnect = isinstance(exc, ServiceUnavailableError)
             self.outage.failed(f"registering model {job.model_name!r} with {job.address}", exc)
             return
         plan = answer.plan
+        self._resume = None
         with self._lock:
             self._pending = Pending(plan, answer.completed)
             self.registered = True
