@@ -40,6 +40,7 @@ def register_inspection(sub: Any) -> None:
     plot = sub.add_parser("plot", help="plot a model's speed per measured plan and its bucket layouts")
     common(plot)
     plot.add_argument("model", help="model name (see `autotune ls`)")
+    plot.add_argument("--job", default="", help="the job's id when several jobs tune the model (see `autotune ls`)")
     plot.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
     plot.add_argument("--log-file", type=Path, default=None,
                       help="read this sample log (serve --log-dir) instead of asking the service")
@@ -137,7 +138,7 @@ def _plot(args: argparse.Namespace) -> int:
             raise SystemExit(f"{args.log_file} holds no samples of model {args.model!r}")
     else:
         with _client(args) as client:
-            d = client.describe_model(args.model)
+            d = client.describe_model(args.model, args.job)
         rows = [{"index": s.index, "speed": s.speed, "score": s.score, "plan_version": s.plan_version,
                  "bucket_bytes": list(s.bucket_bytes)} for s in d.samples]
         if not rows:
