@@ -4,10 +4,13 @@
 Lightning (``BaguaStrategy(autotune=True)`` drives it from its hooks, a hand-written
 loop can call :meth:`AutotuneController.on_batch_start` itself). Protocol:
 
-* **set-up** (a collective): every rank declares its trainable parameters. Rank 0
-  registers them with the service under a model name stable across jobs
-  (:func:`model_name_for`) and broadcasts the initial plan; every rank applies it. A
-  second job of the same model thus starts from the best plan the service remembers.
+* **set-up** (collectives): rank 0 picks the job id (:mod:`.jobstate`: the launcher's
+  run id, else a resumed checkpoint's, else a new one) and broadcasts it. Every rank
+  declares its trainable parameters. Rank 0 registers them with the service under the
+  job id and a model name stable across jobs (:func:`model_name_for`, or the one the
+  user gave): the job gets its own tuning session, which starts from the best plan any
+  job of the same model and shape reached (or from the plan a resumed job saved), and
+  rank 0 broadcasts that initial plan; every rank applies it.
   No service within ``connect_timeout_s``: the job trains on the strategy's default
   plan, with one warning, and rank 0 keeps trying to register in the background.
 * **after the first step**: rank 0 sends the gradient-ready order the bucket engine
@@ -48,9 +51,17 @@ from torch.utils._pytree import tree_flatten
 from ...errors import ConfigurationError, ServiceUnavailableError
 from ...proto.plan import BucketPlan, StepTimings, TensorDeclaration, tensor_list_fingerprint
 from ..buckets import declare, trainable_parameters
+from .jobstate import (
+    MAX_JOB_ID_CHARS,
+    MAX_MODEL_NAME_CHARS,
+    AutotuneState,
+    check_name,
+    launcher_job_id,
+    new_job_id,
+)
 from .measurement import AutotuneSummary, BoundaryReport, IntervalMeter, Measurement, reduce_over_ranks
-from .plansync import BoundaryMessage, broadcast_message, check_agreement
-from .worker import AutotuneWorker, Job
+from .plansync import BoundaryMessage, broadcast_from_main, broadcast_message, check_agreement
+from .worker import AutotuneWorker, Job, Pending
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +93,11 @@ class AutotuneSettings:
         rpc_retries: retries of an RPC that failed with UNAVAILABLE/DEADLINE_EXCEEDED.
         connect_timeout_s: how long set-up waits for the service before training on
             the default plan, in seconds.
-        model_name: name under which the model is tuned; None: :func:`model_name_for`.
+        model_name: name under which the model is tuned (printable, at most 200 characters);
+            None: :func:`model_name_for`.
+        job_id: the job's id on the service (printable, at most 128 characters); None: the
+            launcher's run id, else a resumed checkpoint's, else a new random one
+            (:func:`~.jobstate.launcher_job_id`).
         apply_delay: steps after a boundary at which the service's answer is applied
             (0: at the next boundary); None: ``interval // 4``.
         aggregate_reports: True: one report per interval for the whole job (rank 0,
@@ -99,6 +114,7 @@ class AutotuneSettings:
     rpc_retries: int = 1
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     model_name: str | None = None
+    job_id: str | None = None
     apply_delay: int | None = None
     aggregate_reports: bool = True
     token: str | None = None
@@ -131,6 +147,10 @@ class AutotuneSettings:
             raise ConfigurationError(
                 f"apply_delay must be a whole number of steps in [0, autotune_interval={self.interval}), got "
                 f"{self.apply_delay!r}; or None for interval // 4")
+        if self.model_name is not None:
+            check_name("autotune_model_name", self.model_name, MAX_MODEL_NAME_CHARS)
+        if self.job_id is not None:
+            check_name("autotune job_id", self.job_id, MAX_JOB_ID_CHARS)
         if self.token is not None and (not isinstance(self.token, str) or not self.token.strip()):
             raise ConfigurationError("autotune_token must be a non-empty string, or None to read "
                                      "BAGUA_LIGHTNING_AUTOTUNE_TOKEN")
@@ -181,11 +201,15 @@ class AutotuneController:
         device: where the control collectives' tensors live (CUDA for NCCL).
         group: the job's process group (None: the default group).
         client_factory: builds the client from the settings (default: :func:`default_client`).
+        resume: the state a checkpoint saved (:meth:`state`); the job starts on its plan and,
+            unless the launcher names the job otherwise, continues its job id. Ignored (with a
+            warning) when it belongs to another model.
     """
 
     def __init__(self, settings: AutotuneSettings, target: PlanTarget, module: nn.Module, *, model_prefix: str,
                  nproc_per_node: int, device: torch.device | None = None, group: dist.ProcessGroup | None = None,
-                 client_factory: Callable[[AutotuneSettings], Any] | None = None) -> None:
+                 client_factory: Callable[[AutotuneSettings], Any] | None = None,
+                 resume: AutotuneState | None = None) -> None:
         self.settings = settings
         self.target = target
         self.group = group
@@ -216,6 +240,18 @@ class AutotuneController:
         self.applied: list[tuple[int, int, str]] = []
         self._order_taken = False
         self.closed = False
+        self.job_id = ""  # agreed at set-up
+        self._resume: AutotuneState | None = None
+        self._resume_plan: BucketPlan | None = None
+        if resume is not None:
+            try:
+                if resume.model_fingerprint != self.model_fingerprint:
+                    raise ValueError(f"it was saved for model {resume.model_name!r} (fingerprint "
+                                     f"{resume.model_fingerprint}), this is {self.model_fingerprint}")
+                self._resume_plan = resume.bucket_plan(self.tensors)
+                self._resume = resume
+            except ValueError as exc:
+                log.warning("autotune: not resuming the checkpoint's tuning state: %s", exc)
 
     @property
     def is_main(self) -> bool:
@@ -227,12 +263,23 @@ class AutotuneController:
 
     # ---------------------------------------------------------------- life cycle
 
+    def _pick_job_id(self) -> str:
+        """Rank 0: the settings' id, the launcher's, the resumed checkpoint's, else a new one."""
+        resumed = self._resume.job_id if self._resume is not None else None
+        return self.settings.job_id or launcher_job_id() or resumed or new_job_id()
+
     def setup(self) -> BoundaryReport:
-        """Register (rank 0), broadcast and apply the initial plan; a collective on every rank."""
+        """Agree on the job id, register (rank 0), broadcast and apply the initial plan; collectives on every
+        rank."""
         iter_base = 0
+        self.job_id = str(broadcast_from_main(self._pick_job_id() if self.is_main else None, group=self.group,
+                                              device=self.device, world_size=self.world_size))
         if self._talks_to_service:
+            resume = self._resume
             job = Job(address=self.settings.address, model_name=self.model_name, tensors=self.tensors,
-                      rank=self.rank, world_size=self.world_size, nproc_per_node=self.nproc_per_node)
+                      rank=self.rank, world_size=self.world_size, nproc_per_node=self.nproc_per_node,
+                      job_id=self.job_id, resume=self._resume_plan,
+                      resume_completed=bool(resume and resume.completed))
             self.worker = AutotuneWorker(job, lambda: self._client_factory(self.settings))
         if self.is_main:
             assert self.worker is not None
@@ -279,10 +326,11 @@ class AutotuneController:
         plan = self.target.bucket_plan
         num_buckets = len(plan.buckets) if plan else 0
         self.meter.add_timings(self.target.last_step_timings(), num_buckets)
-        if global_step >= 1 and not self._order_taken:
-            self._order_taken = True
-            if self.is_main and self.worker is not None:
-                self.worker.set_ready_order(_ready_order(self.target))
+        if global_step >= 1 and not self._order_taken and self.is_main and self.worker is not None:
+            order = _ready_order(self.target)  # empty until a backward ran in this process (a resumed fit)
+            if order:
+                self._order_taken = True
+                self.worker.set_ready_order(order)
         report = None
         delay = self.settings.delay
         if global_step % self.settings.interval == 0 and global_step > self.last_boundary and global_step > 0:
@@ -308,6 +356,14 @@ class AutotuneController:
             self.meter.count(batch_size, time.monotonic())
         return report
 
+    def state(self) -> AutotuneState:
+        """What a checkpoint keeps (the same on every rank)."""
+        before = self._resume.plans_applied if self._resume is not None else 0
+        return AutotuneState.of(job_id=self.job_id, model_name=self.model_name,
+                                model_fingerprint=self.model_fingerprint, plan=self.target.bucket_plan,
+                                version=self.version, completed=self.completed,
+                                plans_applied=before + len(self.applied))
+
     def summary(self) -> AutotuneSummary:
         plan = self.target.bucket_plan
         return AutotuneSummary(
@@ -316,7 +372,7 @@ class AutotuneController:
             bucket_size=plan.bucket_size if plan else 0,
             hierarchical=bool(plan and plan.is_hierarchical_reduce), completed=self.completed,
             plans_applied=len(self.applied), speed_before=self._speed_by_version.get(self.first_version),
-            speed_after=self._speed_by_version.get(self.version))
+            speed_after=self._speed_by_version.get(self.version), job_id=self.job_id)
 
     # ---------------------------------------------------------------- the boundary collective
 
@@ -326,6 +382,9 @@ class AutotuneController:
         if self.is_main:
             worker = self.worker
             pending = worker.take() if worker is not None else None
+            if pending is None and self._resume_plan is not None and step == 0:
+                # No answer from the service at set-up: the resumed job still starts on its saved plan.
+                pending = Pending(self._resume_plan, bool(self._resume and self._resume.completed))
             packed = None
             if pending is not None and not self._is_current(pending.plan):
                 try:

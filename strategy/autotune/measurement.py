@@ -194,6 +194,7 @@ class AutotuneSummary:
     plans_applied: int
     speed_before: float | None
     speed_after: float | None
+    job_id: str = ""
 
     @property
     def ratio(self) -> float | None:
@@ -206,7 +207,8 @@ class AutotuneSummary:
         def fmt(v: float | None) -> str:
             return "n/a" if v is None else f"{v:.1f}"
 
-        head = f"autotune [{self.model_name} @ {self.service}]: "
+        job = f", job {self.job_id}" if self.job_id else ""
+        head = f"autotune [{self.model_name}{job} @ {self.service}]: "
         if not self.registered:
             return (f"{head}the service was not reachable; trained on the default plan ({self.num_buckets} "
                     f"buckets, bucket_size {self.bucket_size} B); no tuning, nothing to compare")

@@ -66,6 +66,17 @@ def broadcast_message(message: BoundaryMessage | None, *, group: dist.ProcessGro
     return received
 
 
+def broadcast_from_main(value: object, *, group: dist.ProcessGroup | None, device: torch.device,
+                        world_size: int) -> object:
+    """Rank 0's ``value`` (a small picklable object) on every rank; a collective."""
+    if world_size == 1:
+        return value
+    box: list[object] = [value]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group, device=device if device.type == "cuda" else None)
+    return box[0]
+
+
 def _hash63(hex_digest: str) -> int:
     return int(hex_digest[:16], 16) >> 1  # fits int64 with room for negation
 

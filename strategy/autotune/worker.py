@@ -6,7 +6,8 @@ gradient-ready order once and asks for the plan; the answer waits in
 :attr:`AutotuneWorker.pending` for the next step boundary. Failures never reach
 training: the current plan stays, one warning per outage (:class:`Outage`), and a
 service that no longer holds the model (:class:`ModelNotRegisteredError`) gets
-the model registered again.
+the model registered again. Every call names the job (:attr:`Job.job_id`): the
+service keeps one tuning session per job and model.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ class Outage:
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """What the worker needs to know about the job (fixed for a fit)."""
+    """What the worker needs to know about the job (fixed for a fit).
+
+    ``resume``/``resume_completed``: the plan a resumed job runs (from its checkpoint), sent
+    with the registration so that a session the service creates starts from it.
+    """
 
     address: str
     model_name: str
@@ -63,6 +68,9 @@ class Job:
     rank: int
     world_size: int
     nproc_per_node: int
+    job_id: str = ""
+    resume: BucketPlan | None = None
+    resume_completed: bool = False
 
 
 class AutotuneWorker:
@@ -87,6 +95,8 @@ class AutotuneWorker:
         self._order_sent = False
         self._reconnect = False
         self._unexpected: set[str] = set()
+        # Only the first registration resumes: after a service restart the shape's best plan is the start.
+        self._resume = job.resume
         self.outage = Outage(job.address, loud=job.rank == 0)
         self.closed = False
 
@@ -130,7 +140,8 @@ class AutotuneWorker:
             if plan is not None and m is not None and m.speed is not None:
                 client.report_metrics(job.model_name, job.rank, train_iter, plan, m.speed, m.timings,
                                       backward_ms=m.backward_ms, ranks=m.ranks if m.ranks > 1 else 0,
-                                      speed_min=m.speed_min, speed_max=m.speed_max, speed_stddev=m.speed_stddev)
+                                      speed_min=m.speed_min, speed_max=m.speed_max, speed_stddev=m.speed_stddev,
+                                      job_id=job.job_id)
             if self.is_main:
                 if not self.registered:
                     self._register(client)
@@ -138,9 +149,9 @@ class AutotuneWorker:
                 if self._order and not self._order_sent:
                     spans = [{"trace_id": 1, "action": "tensor_ready", "tensor_name": name, "start_time": i,
                               "end_time": i} for i, name in enumerate(self._order)]
-                    client.report_tensor_execution_order(spans, model_name=job.model_name)
+                    client.report_tensor_execution_order(spans, model_name=job.model_name, job_id=job.job_id)
                     self._order_sent = True
-                answer = client.ask_hyperparameters(job.model_name, 0, train_iter)
+                answer = client.ask_hyperparameters(job.model_name, 0, train_iter, job_id=job.job_id)
                 with self._lock:
                     self._pending = Pending(answer.plan, answer.completed)
             self.outage.ok()
@@ -172,18 +183,22 @@ class AutotuneWorker:
     def _register(self, client: Any) -> None:
         job = self.job
         try:
-            plan = client.register_tensors(job.model_name, job.tensors, world_size=job.world_size,
-                                           nproc_per_node=job.nproc_per_node)
+            answer = client.register_job(job.model_name, job.tensors, job_id=job.job_id, world_size=job.world_size,
+                                         nproc_per_node=job.nproc_per_node, resume=self._resume,
+                                         resume_completed=job.resume_completed)
         except (AutotuneError, ServiceUnavailableError) as exc:
             self._reconnect = isinstance(exc, ServiceUnavailableError)
             self.outage.failed(f"registering model {job.model_name!r} with {job.address}", exc)
             return
+        plan = answer.plan
+        self._resume = None
         with self._lock:
-            self._pending = Pending(plan, False)
+            self._pending = Pending(plan, answer.completed)
             self.registered = True
         self.outage.ok()
-        log.info("autotune: registered %s (%d tensors) with %s; initial plan v%d, %d buckets", job.model_name,
-                 len(job.tensors), job.address, plan.version, len(plan.buckets))
+        log.info("autotune: registered %s (job %s, %d tensors) with %s; initial plan v%d, %d buckets%s",
+                 job.model_name, job.job_id, len(job.tensors), job.address, plan.version, len(plan.buckets),
+                 " (final)" if answer.completed else "")
 
     def close(self) -> None:
         """Stop (an RPC in flight is cancelled by closing the channel); idempotent."""
