@@ -87,6 +87,10 @@ class Backend(ABC):
         """Write; per key whether it was written (False: existed and not ``overwrite``, or its node failed)."""
 
     @abstractmethod
+    def writable(self) -> bool:
+        """Whether some master is not backing off (no network call)."""
+
+    @abstractmethod
     def primaries(self) -> list[redis.Redis]:
         """One client per master, for administration (DBSIZE, SCAN, FLUSHDB)."""
 
@@ -313,6 +317,9 @@ class NodesBackend(Backend):
             except STORE_ERRORS as exc:
                 failed.append((name, exc))
         return done, self._account(tried, failed) or backing_off(self.skipped)
+
+    def writable(self) -> bool:
+        return any(map(self.breakers.available, self.names))
 
     def primaries(self) -> list[redis.Redis]:
         return list(self.clients)

@@ -229,6 +229,9 @@ class ClusterBackend(Backend):
             self._refresh()
         return done, self._account(tried, failed, uncovered, keys) or backing_off(self.skipped)
 
+    def writable(self) -> bool:
+        return any(self.breakers.available(n.name) for n in self._slot_table()[0])
+
     def primaries(self) -> list[redis.Redis]:
         return [n.redis_connection for n in self.rc.get_primaries() if n.redis_connection is not None]
 

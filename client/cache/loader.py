@@ -117,7 +117,8 @@ class CacheLoader:
         """Values of ``keys`` in order, fetched in one batched read; misses come from ``load_many_fn(missing)``.
 
         Raises:
-            TypeError: a loaded value the codec cannot store (the message names it and the opt-in).
+            TypeError: a loaded value the codec cannot store (the message names it and the opt-in); checked when
+                the value is written, so not while every node of the store is unavailable.
         """
         if _registered_pid[0] != os.getpid():  # first use in a forked DataLoader worker
             _register_exit_flush(self)
@@ -168,6 +169,10 @@ class CacheLoader:
                 raise ValueError(f"load function returned {len(loaded)} values for {len(missing)} keys")
             for j, value in zip(missing, loaded, strict=True):
                 out[j] = value
+            if not self.store.writable():  # every node backing off: no entry could be written, skip encoding
+                counters.add("write_errors", len(missing))
+                return out
+            for j, value in zip(missing, loaded, strict=True):
                 entry = codec.encode(value, rkeys[j].encode(), allow_pickle=self._allow_pickle, secret=self._secret)
                 self._buffer[rkeys[j]] = (entry, overwrite[j])
             _pending[id(self)] = self  # kept alive until flushed, at the latest at exit

@@ -124,6 +124,11 @@ class Store(ABC):
         """The datasets catalog this store keeps, or None (the loader then keeps no bookkeeping)."""
         return None
 
+    def writable(self) -> bool:
+        """False when a write now would reach no node at all (every one backing off): the loader then skips
+        encoding entries it could not write. Without a network call."""
+        return True
+
 
 def _raise(error: BaseException | None) -> None:
     if error is not None:
@@ -187,6 +192,9 @@ class ClusterStore(Store):
 
     def mset(self, dictionary: Mapping[str, Value]) -> None:
         _raise(self.put(list(dictionary.items()))[1])
+
+    def writable(self) -> bool:
+        return any(s.writable() for s in self.stores)
 
     def num_keys(self) -> int:
         return sum(s.num_keys() for s in self.stores)
@@ -355,6 +363,14 @@ class RedisStore(Store):
 
     def mset(self, dictionary: Mapping[str, Value]) -> None:
         _raise(self.put(list(dictionary.items()), overwrite=True)[1])
+
+    def writable(self) -> bool:
+        if not self.breakers.down:
+            return True
+        backend = self._backend_obj
+        if backend is None or self._pid != os.getpid():
+            return self.breakers.available(CONNECT)
+        return backend.writable()
 
     def catalog(self) -> Catalog:
         return RedisCatalog(self.backend.client_for_key(RESERVED_KEYS[0]), self.backend.primaries)
