@@ -208,10 +208,10 @@ def full_outage(args: argparse.Namespace, root: Path) -> None:
           f"source {args.transform_ms} ms/sample, {args.rounds} interleaved rounds ==")
     for name, ts in times.items():
         print(f"{name:20s}: median epoch {statistics.median(ts[1:]):.3f} s")
-    for a, b in (("full outage", "no cache (source)"), ("full outage", "all hits"),
+    for x, y in (("full outage", "no cache (source)"), ("full outage", "all hits"),
                  ("no cache (source)", "all hits")):
-        r, lo, hi = bootstrap(times[a][1:], times[b][1:])
-        print(f"{a} / {b}: {r:.3f}x [{lo:.3f}, {hi:.3f}]")
+        r, lo, hi = bootstrap(times[x][1:], times[y][1:])
+        print(f"{x} / {y}: {r:.3f}x [{lo:.3f}, {hi:.3f}]")
     print(f"hits of the dead cluster's dataset while it was down: {hits_out}")
 
 
