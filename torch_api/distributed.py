@@ -200,7 +200,7 @@ def _unfuse(optimizer: torch.optim.Optimizer) -> None:
         def plain_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
             return self.step(closure)
 
-        optimizer.fuse_step = types.MethodType(plain_step, optimizer)  # type: ignore[attr-defined]
+        optimizer.fuse_step = types.MethodType(plain_step, optimizer)
 
 
 def _patch_module() -> None:

@@ -47,7 +47,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = N
 
 class _AllReduce(Function):
     @staticmethod
-    def forward(ctx: Any, op: Any, group: Any, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, op: Any, group: Any, tensor: torch.Tensor) -> torch.Tensor:
         from ..communication import allreduce_inplace
 
         ctx.group, ctx.op = group, op
@@ -56,5 +56,5 @@ class _AllReduce(Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         return (None, None, _AllReduce.apply(ctx.op, ctx.group, grad_output))
