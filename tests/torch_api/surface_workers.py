@@ -195,4 +195,7 @@ CASES: dict[str, Callable[..., None]] = {"compare": case_compare, "surface": cas
                                          "fork": case_fork, "launched": case_launched}
 
 if __name__ == "__main__":
-    CASES[sys.argv[1]](*sys.argv[2:])
+    # Started with Bagua's --set_additional_flag, the script's first argument is --local_rank=N.
+    local_rank = [a for a in sys.argv[1:2] if a.startswith("--local_rank=")]
+    rest = sys.argv[1 + len(local_rank):]
+    CASES[rest[0]](*local_rank, *rest[1:])
