@@ -67,6 +67,15 @@ def test_launch_module_starts_a_two_rank_job(tmp_path: Path) -> None:
                 f"args=['--local_rank={rank}', '--x', '1']") in res.stdout, res.stdout + res.stderr
 
 
+def test_run_module_is_torchrun_with_baguas_flags(tmp_path: Path) -> None:
+    service = free_port()
+    res = _run([sys.executable, "-m", "bagua_lightning.distributed.run", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                "--bagua_service_port", str(service), str(WORKERS), "launched"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count(f"service_port={service} extra=None args=[]") == 2, res.stdout + res.stderr
+
+
 def test_baguarun_starts_a_two_rank_job_on_this_host(tmp_path: Path) -> None:
     """One local host: no SSH; -x sets a variable on every rank."""
     res = _run([sys.executable, "-m", "bagua_lightning.distributed.baguarun", "--host_list", "127.0.0.1",
