@@ -185,10 +185,15 @@ class CommunicatorOps:
         self._run(self._fns().alltoall_v, send_tensor, send_counts, send_displs, recv_tensor, recv_counts,
                   recv_displs)
 
-    def alltoall_v_inplace(self, tensor: torch.Tensor, send_counts: list[int], send_displs: list[int],
-                           recv_counts: list[int], recv_displs: list[int]) -> None:
-        """:meth:`alltoall_v` with ``tensor`` as both input and output."""
-        self._run(self._fns().alltoall_v_inplace, tensor, send_counts, send_displs, recv_counts, recv_displs)
+    def alltoall_v_inplace(self, tensor: torch.Tensor, counts: list[int], displs: list[int],
+                           recv_counts: list[int] | None = None, recv_displs: list[int] | None = None) -> None:
+        """:meth:`alltoall_v` with ``tensor`` as both input and output (``counts``/``displs`` serve both
+        directions unless ``recv_counts``/``recv_displs`` are given)."""
+        if recv_counts is None and recv_displs is None:
+            self._run(self._fns().alltoall_v_inplace, tensor, counts, displs)
+        else:
+            self._run(self._fns().alltoall_v, tensor, counts, displs, tensor,
+                      counts if recv_counts is None else recv_counts, displs if recv_displs is None else recv_displs)
 
     def barrier(self) -> None:
         """Wait until every rank of the communicator reaches this call."""
