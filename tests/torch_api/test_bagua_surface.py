@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from bagua_lightning.distributed import baguarun, launch
 from tests.procs import free_port
