@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bagua_lightning.engine.algorithms.base import get_algorithm_class
+from bagua_lightning.engine.comm import CommContext
+from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-from bagua_lightning.strategy.comm import CommContext
-from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
 
 SIZES = {  # vocab, width, layers, heads
     "100m": (32000, 768, 12, 12),

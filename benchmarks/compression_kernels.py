@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from bagua_lightning.strategy import compressed_comm as comm_module
-from bagua_lightning.strategy import kernels
-from bagua_lightning.strategy.compression import HEADER_BYTES, ChunkRanges, dequantise_into, read_header
+from bagua_lightning.engine import compressed_comm as comm_module
+from bagua_lightning.engine import kernels
+from bagua_lightning.engine.compression import HEADER_BYTES, ChunkRanges, dequantise_into, read_header
 
 MIB = 1 << 20
 

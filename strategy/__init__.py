@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..engine.algorithms.q_adam import QAdamOptimizer
 from ..proto.plan import BucketPlan
-from .algorithms.q_adam import QAdamOptimizer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .ddp import BaguaDistributedDataParallel
+    from ..engine.ddp import BaguaDistributedDataParallel
     from .strategy import BaguaStrategy
 
 __all__ = ["BaguaDistributedDataParallel", "BaguaStrategy", "BucketPlan", "QAdamOptimizer"]

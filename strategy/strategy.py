@@ -30,21 +30,21 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from ..errors import ConfigurationError
-from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
-from ..services_file import resolve_autotune_address
-from .algorithms.base import Algorithm, get_algorithm_class
-from .algorithms.q_adam import QAdamOptimizerError
-from .autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
-from .autotune import (
+from ..engine.algorithms.base import Algorithm, get_algorithm_class
+from ..engine.algorithms.q_adam import QAdamOptimizerError
+from ..engine.autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
+from ..engine.autotune import (
     AutotuneController,
     AutotuneSettings,
     AutotuneSummary,
     BoundaryReport,
     batch_size_of,
 )
-from .comm import CommContext
-from .ddp import BaguaDistributedDataParallel
+from ..engine.comm import CommContext
+from ..engine.ddp import BaguaDistributedDataParallel
+from ..errors import ConfigurationError
+from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
+from ..services_file import resolve_autotune_address
 from .registry import register_bagua_strategy
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bagua_lightning.strategy.contrib.sync_batchnorm import SyncBatchNorm
+from bagua_lightning.engine.contrib.sync_batchnorm import SyncBatchNorm
 from tests.strategy.launch import run_ranks
 
 WORKER = str(Path(__file__).with_name("workers.py"))

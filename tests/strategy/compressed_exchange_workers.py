@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_lightning.strategy import compressed_comm as comm_module
-from bagua_lightning.strategy.compressed_comm import ExchangeBuffers, compressed_exchange_
-from bagua_lightning.strategy.compression import (
+from bagua_lightning.engine import compressed_comm as comm_module
+from bagua_lightning.engine.compressed_comm import ExchangeBuffers, compressed_exchange_
+from bagua_lightning.engine.compression import (
     LEVELS,
     compress_chunks,
     decompress_chunks,

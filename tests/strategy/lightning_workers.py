@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import bagua_lightning  # noqa: F401  (registers "bagua")
+from bagua_lightning.engine.buckets import declare, trainable_parameters
 from bagua_lightning.proto.plan import BucketPlan
 from bagua_lightning.strategy import BaguaStrategy, QAdamOptimizer
-from bagua_lightning.strategy.buckets import declare, trainable_parameters
 
 SMALL_BUCKET = 2048
 
@@ -263,7 +263,7 @@ def nodes_mode(out: Path) -> dict[str, Any]:
         hierarchical = False
 
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            comm = trainer.strategy.comm  # type: ignore[attr-defined]
+            comm = trainer.engine.comm  # type: ignore[attr-defined]
             Probe.hierarchical = bool(comm.is_hierarchical_possible and comm.num_nodes == 2)
 
     model = Model()

@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from bagua_lightning.engine.algorithms.base import Algorithm, get_algorithm_class
+from bagua_lightning.engine.comm import CommContext
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration, split_into_buckets
-from bagua_lightning.strategy.algorithms.base import Algorithm, get_algorithm_class
-from bagua_lightning.strategy.comm import CommContext
 from tests.procs import free_port
 
 Scenario = Callable[..., Any]
@@ -183,7 +183,7 @@ def decentralized_traces(comm: CommContext, configs: list[dict[str, Any]], steps
 
 def low_precision_trace(comm: CommContext, kwargs: dict[str, Any], steps: int, lr: float = 0.1) -> dict[str, Any]:
     """Train ``steps`` steps and check the DCD-PSGD update of every communicating step on this rank."""
-    from bagua_lightning.strategy.compression import max_quantisation_error
+    from bagua_lightning.engine.compression import max_quantisation_error
 
     model = make_model()
     algo: Any = build("low_precision_decentralized", comm, model, **kwargs)
@@ -248,7 +248,7 @@ def _thread_alive() -> bool:
 
 
 def _wrapped(comm: CommContext, lr: float, **kwargs: Any) -> tuple[Any, Any, torch.optim.Optimizer]:
-    from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+    from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
     model = make_model()
     algo = get_algorithm_class("async").from_kwargs(**kwargs)

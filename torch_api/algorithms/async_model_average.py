@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ...strategy.algorithms.async_model_average import AsyncModelAverageAlgorithm as _Engine
+from ...engine.algorithms.async_model_average import AsyncModelAverageAlgorithm as _Engine
 from .base import Algorithm, EngineAlgorithmImpl
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -13,7 +13,7 @@ mark each parameter's gradient ready as autograd produces it, and wait for nothi
 (bucket operations finish in the thread that marks the last tensor ready).
 
 The builtin algorithms are :class:`EngineAlgorithmImpl` subclasses: each holds one
-instance of the engine's algorithm (``bagua_lightning.strategy.algorithms``), the
+instance of the engine's algorithm (``bagua_lightning.engine.algorithms``), the
 implementation ``BaguaStrategy`` runs too, and ``with_bagua`` drives that instance
 directly (overlapping communication with backward). Their Bagua hooks call the same
 engine hooks, so calling them by hand behaves as the engine does.
@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from ...engine.algorithms.base import Algorithm as EngineAlgorithm
+from ...engine.buckets import trainable_parameters
+from ...engine.comm import CommContext
 from ...proto.plan import BucketPlan
-from ...strategy.algorithms.base import Algorithm as EngineAlgorithm
-from ...strategy.buckets import trainable_parameters
-from ...strategy.comm import CommContext
 from ..bucket import BaguaBucket
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...strategy.algorithms.bytegrad import ByteGradAlgorithm as _Engine
+from ...engine.algorithms.bytegrad import ByteGradAlgorithm as _Engine
 from .base import Algorithm, EngineAlgorithmImpl
 
 if TYPE_CHECKING:  # pragma: no cover

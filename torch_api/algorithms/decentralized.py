@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from ...strategy.algorithms.decentralized import DecentralizedAlgorithm as _Decentralized
-from ...strategy.algorithms.low_precision_decentralized import (
+from ...engine.algorithms.decentralized import DecentralizedAlgorithm as _Decentralized
+from ...engine.algorithms.low_precision_decentralized import (
     LowPrecisionDecentralizedAlgorithm as _LowPrecision,
 )
 from .base import Algorithm, EngineAlgorithmImpl

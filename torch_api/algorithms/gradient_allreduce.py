@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...strategy.algorithms.gradient_allreduce import GradientAllReduceAlgorithm as _Engine
+from ...engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm as _Engine
 from .base import Algorithm, EngineAlgorithmImpl
 
 if TYPE_CHECKING:  # pragma: no cover

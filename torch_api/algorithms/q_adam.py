@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...strategy.algorithms.q_adam import QAdamAlgorithm as _Engine
-from ...strategy.algorithms.q_adam import QAdamOptimizer, QAdamOptimizerError
+from ...engine.algorithms.q_adam import QAdamAlgorithm as _Engine
+from ...engine.algorithms.q_adam import QAdamOptimizer, QAdamOptimizerError
 from .base import Algorithm, EngineAlgorithmImpl
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -8,7 +8,7 @@ header and the payload in one ``uint8`` tensor lets one collective move both.
 The worst-case error of a value is half a level, ``(max - min + 1e-7) / 510``, plus
 float32 rounding.
 
-On CUDA the work goes to the fused Triton kernels of :mod:`bagua_lightning.strategy.kernels`,
+On CUDA the work goes to the fused Triton kernels of :mod:`bagua_lightning.engine.kernels`,
 which write the same bytes and values as the torch code here (see ``docs/kernels.md``).
 
 Speed matters on CPU (Gloo), where compression competes with the network for the

@@ -4,7 +4,7 @@ An engine algorithm instance holds one model's state between ``setup`` and
 ``teardown``. ``bagua_lightning.torch_api``'s ``Algorithm`` objects are factories
 over these classes (one instance per wrapped model).
 
-Life cycle, driven by :class:`~bagua_lightning.strategy.ddp.AlgorithmDriver` (behind
+Life cycle, driven by :class:`~bagua_lightning.engine.ddp.AlgorithmDriver` (behind
 ``BaguaDistributedDataParallel`` and ``with_bagua``) and by the strategy's hooks::
 
     algo = AlgorithmClass.from_kwargs(**bagua_kwargs)   # validates kwargs (ValueError names them)
@@ -36,9 +36,9 @@ replaced). The wrapper calls ``on_optimizer_step_end`` from a step post-hook it
 registers on each of them, so it also runs outside Lightning.
 
 Shared machinery for gradient-bucket algorithms lives in
-:mod:`bagua_lightning.strategy.buckets` (``BucketEngine``: flat buckets, in-order
+:mod:`bagua_lightning.engine.buckets` (``BucketEngine``: flat buckets, in-order
 launch as buckets become ready, per-bucket timings, plan re-application) and the
-collectives in :mod:`bagua_lightning.strategy.comm` (``all_reduce_``,
+collectives in :mod:`bagua_lightning.engine.comm` (``all_reduce_``,
 ``hierarchical_all_reduce_``, ``compressed_all_reduce_``).
 """
 

@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def _add_decompressed(target: torch.Tensor, packed: torch.Tensor, scratch: torch.Tensor) -> None:
     """``target += decompress(packed)`` for one single-chunk ``(1, 8 + n)`` MinMax uint8 tensor.
 
-    The decoded values (:func:`~bagua_lightning.strategy.compression.decompress_chunks`'s)
+    The decoded values (:func:`~bagua_lightning.engine.compression.decompress_chunks`'s)
     are formed in the float32 ``scratch``, then added: one float32 rounding of the sum,
     as in Bagua. Every rank applies a given message with this same function, so
     replicas stay bit-identical.

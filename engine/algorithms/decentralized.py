@@ -11,7 +11,7 @@ Steps with ``step % communication_interval != 0`` are purely local SGD.
 
 ``peer_selection_mode="all"`` averages with every rank (an allreduce of the
 weights); ``"shift_one"`` averages with one peer that changes every communicating
-step (see :func:`bagua_lightning.strategy.topology.shift_one_peer`), with
+step (see :func:`bagua_lightning.engine.topology.shift_one_peer`), with
 point-to-point send/recv. ``hierarchical=True`` (on several nodes with several
 ranks each) averages within the node on the node leader first, runs the exchange
 among node leaders, then broadcasts the result within the node.

@@ -21,7 +21,7 @@ class ByteGradAlgorithm(GradientBucketAlgorithm):
     Each bucket is split into one chunk per rank, every chunk compressed to uint8
     with its own min/max and sent all-to-all; the owner of a chunk decompresses and
     reduces it, recompresses it, and an all-gather hands every reduced chunk to every
-    rank (see :func:`~bagua_lightning.strategy.compressed_comm.compressed_exchange_`). About 4x
+    rank (see :func:`~bagua_lightning.engine.compressed_comm.compressed_exchange_`). About 4x
     fewer bytes than a float32 allreduce; the error per value is at most half a
     quantisation level of its chunk, twice (before and after the reduction).
 
