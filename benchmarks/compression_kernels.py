@@ -41,7 +41,8 @@ import torch
 
 from bagua_lightning.engine import compressed_comm as comm_module
 from bagua_lightning.engine import kernels
-from bagua_lightning.engine.compression import HEADER_BYTES, ChunkRanges, dequantise_into, read_header
+from bagua_lightning.engine.chunk_format import HEADER_BYTES
+from bagua_lightning.engine.compression import ChunkRanges, dequantise_into, read_header
 
 MIB = 1 << 20
 

@@ -30,8 +30,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from ..engine.algorithms.base import Algorithm, get_algorithm_class
-from ..engine.algorithms.q_adam import QAdamOptimizerError
+from ..engine.algorithms.base import (
+    Algorithm,
+    AlgorithmOptimizerError,
+    algorithm_classes,
+    get_algorithm_class,
+)
 from ..engine.autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
 from ..engine.autotune import (
     AutotuneController,
@@ -172,21 +176,18 @@ class BaguaStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if (
-            trainer.state.fn == TrainerFn.FITTING
-            and self.algorithm_name == "qadam"
-            and getattr(self.precision_plugin, "precision", None) == "16-mixed"
-        ):
+        precision = getattr(self.precision_plugin, "precision", None)
+        refused = self._algorithm_class.unsupported_precisions.get(str(precision))
+        if trainer.state.fn == TrainerFn.FITTING and refused is not None:
             raise MisconfigurationException(
-                    "Bagua QAdam does not support precision='16-mixed' (the loss-scaled gradient would enter "
-                    "the momentum); use precision='bf16-mixed' or '32-true'."
-                )
+                f"Bagua {self.algorithm_name} does not support precision={precision!r} ({refused})."
+            )
         super().setup(trainer)
         wrapper = self.bagua_module
         if wrapper is not None:
             try:
                 wrapper.attach_optimizers([self._unwrap(o) for o in self.optimizers])
-            except QAdamOptimizerError as exc:
+            except AlgorithmOptimizerError as exc:
                 raise MisconfigurationException(str(exc)) from exc
             if self._autotune_settings is not None and trainer.state.fn == TrainerFn.FITTING:
                 self._start_autotune(wrapper)
@@ -339,23 +340,13 @@ class BaguaStrategy(DDPStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="Bagua's algorithms on torch.distributed (bagua-lightning)"
         )
-        for name, description in ALGORITHM_ALIASES.items():
+        # One alias per registered algorithm (``Trainer(strategy="bagua_bytegrad")``), as Lightning registers
+        # ``ddp_spawn``.
+        for name, algorithm in algorithm_classes().items():
             strategy_registry.register(
-                f"{cls.strategy_name}_{name}", cls, description=description, algorithm=name
+                f"{cls.strategy_name}_{name}", cls,
+                description=f"BaguaStrategy with {name}: {algorithm.spec.description}", algorithm=name,
             )
-
-
-#: One registered strategy name per algorithm (``Trainer(strategy="bagua_bytegrad")``), as Lightning
-#: registers ``ddp_spawn``; the value is the registry's description.
-ALGORITHM_ALIASES: dict[str, str] = {
-    "gradient_allreduce": "BaguaStrategy with gradient_allreduce: bucketed gradient allreduce (like DDP)",
-    "bytegrad": "BaguaStrategy with bytegrad: gradients reduced with MinMax uint8 compression",
-    "decentralized": "BaguaStrategy with decentralized: weights averaged with all ranks or one changing peer",
-    "low_precision_decentralized": "BaguaStrategy with low_precision_decentralized: compressed weight "
-    "differences on a ring",
-    "qadam": "BaguaStrategy with qadam: Adam whose compressed first moment is exchanged after warm-up",
-    "async": "BaguaStrategy with async: weights averaged by a background thread, training never waits",
-}
 
 
 register_bagua_strategy()

@@ -14,7 +14,11 @@ from .base import register_algorithm
 from .bucketed import GradientBucketAlgorithm
 
 
-@register_algorithm
+@register_algorithm(
+    name="bytegrad",
+    description="gradients reduced with MinMax uint8 compression",
+    bagua_name="ByteGradAlgorithm",
+)
 class ByteGradAlgorithm(GradientBucketAlgorithm):
     """A compressed reduce-scatter + all-gather of each gradient bucket.
 
@@ -36,7 +40,6 @@ class ByteGradAlgorithm(GradientBucketAlgorithm):
         average: average the gradients (True) or sum them.
     """
 
-    name = "bytegrad"
 
     def __init__(self, hierarchical: bool = True, average: bool = True) -> None:
         super().__init__(hierarchical=hierarchical, average=average)

@@ -76,7 +76,12 @@ class _PendingAverage:
     works: list[dist.Work]
 
 
-@register_algorithm
+@register_algorithm(
+    name="decentralized",
+    description="weights averaged with all ranks or one changing peer",
+    bagua_name="DecentralizedAlgorithm",
+    bucket_state={"_peer_weight": "peer_weights"},
+)
 class DecentralizedAlgorithm(Algorithm):
     """Decentralized SGD: average weights with all ranks or with one changing peer.
 
@@ -89,7 +94,6 @@ class DecentralizedAlgorithm(Algorithm):
         communication_interval: communicate every this many optimizer steps (>= 1).
     """
 
-    name: ClassVar[str] = "decentralized"
     keeps_replicas_identical: ClassVar[bool] = False
 
     def __init__(

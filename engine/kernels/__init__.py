@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..compression import HEADER_BYTES
+from ..chunk_format import HEADER_BYTES
 
 __all__ = [
     "add_decompressed",

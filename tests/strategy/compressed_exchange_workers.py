@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from bagua_lightning.engine import compressed_comm as comm_module
+from bagua_lightning.engine.chunk_format import LEVELS
 from bagua_lightning.engine.compressed_comm import ExchangeBuffers, compressed_exchange_
 from bagua_lightning.engine.compression import (
-    LEVELS,
     compress_chunks,
     decompress_chunks,
     max_quantisation_error,

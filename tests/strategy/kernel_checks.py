@@ -24,8 +24,9 @@ from bagua_lightning.engine.algorithms.low_precision_decentralized import (
     _add_decompressed,
     weight_difference_,
 )
+from bagua_lightning.engine.chunk_format import HEADER_BYTES
 from bagua_lightning.engine.compressed_comm import _sum_levels
-from bagua_lightning.engine.compression import HEADER_BYTES, compress_chunks, decompress_chunks, read_header
+from bagua_lightning.engine.compression import compress_chunks, decompress_chunks, read_header
 
 CHECKS: dict[str, Callable[[torch.device, int | None], None]] = {}
 
