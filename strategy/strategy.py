@@ -24,7 +24,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -49,7 +49,6 @@ from ..engine.ddp import BaguaDistributedDataParallel
 from ..errors import ConfigurationError
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
 from ..services_file import resolve_autotune_address
-from .registry import register_bagua_strategy
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +334,12 @@ class BaguaStrategy(DDPStrategy):
         super().teardown()
 
     @classmethod
+    def ensure_registered(cls) -> None:
+        """Register in Lightning's ``StrategyRegistry`` unless already there (idempotent)."""
+        if cls.strategy_name not in StrategyRegistry:
+            cls.register_strategies(StrategyRegistry)
+
+    @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
@@ -349,4 +354,4 @@ class BaguaStrategy(DDPStrategy):
             )
 
 
-register_bagua_strategy()
+BaguaStrategy.ensure_registered()

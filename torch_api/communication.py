@@ -14,12 +14,14 @@ Where a backend lacks a collective it is built from ones it has; ``docs/torch_ap
 from __future__ import annotations
 
 import io
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ._communicator import bind_primitives
 from ._ops import ReduceOp, all_gather_single, as_reduce_op, check_op_dtype, divide_, native_op, reduce_rows
 from .process_group import (
     BaguaCommunicator,
@@ -31,6 +33,8 @@ from .process_group import (
     is_initialized,
     new_group,
 )
+
+bind_primitives(sys.modules[__name__])  # the communicator methods run the primitives below
 
 __all__ = [
     "BaguaCommunicator",
