@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.strategy.launch import REPO, run_ranks
+from tests.ranks import REPO, run_ranks
 
 WORKER = str(Path(__file__).with_name("hook_workers.py"))
 

@@ -22,7 +22,7 @@ import torch
 
 from bagua_lightning.engine.algorithms.q_adam import QAdamOptimizer
 from bagua_lightning.engine.compression import compress_chunks, decompress_chunks, max_quantisation_error
-from tests.strategy.launch import REPO, run_ranks
+from tests.ranks import REPO, run_ranks
 
 CHECKS = [
     "compress_matches_cpu_bytes",
