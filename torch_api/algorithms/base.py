@@ -327,7 +327,7 @@ def bagua_algorithm(name: str) -> tuple[type[EngineAlgorithm], type[RegisteredAl
     params = [p for p in inspect.signature(engine.__init__).parameters.values() if p.name != "self"]
     if spec.optimizer_arg is not None:
         params.insert(0, inspect.Parameter(spec.optimizer_arg, positional))
-    module = f"{__package__}.{engine.__module__.rsplit('.', 1)[-1]}"
+    module = __package__  # where every registered algorithm's classes resolve by name (pickle, repr)
 
     def factory_init(self: EngineAlgorithm, *args: Any, **kwargs: Any) -> None:
         EngineAlgorithm.__init__(self, *args, **kwargs)
