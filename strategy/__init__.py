@@ -1,4 +1,4 @@
-"""Trainer side: BaguaStrategy, its algorithms and bucket machinery (runs in every training rank)."""
+"""The Lightning front door: ``BaguaStrategy`` over the engine (:mod:`bagua_lightning.engine`), in every training rank."""
 
 from __future__ import annotations
 
