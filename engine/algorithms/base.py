@@ -231,27 +231,15 @@ def register_algorithm(
 
 
 def algorithm_classes() -> dict[str, type[Algorithm]]:
-    """Every registered algorithm by name (the modules of this package are imported first)."""
-    _import_algorithm_modules()
+    """Every registered algorithm by name (importing this package registered each of its modules)."""
     return dict(ALGORITHMS)
 
 
 def get_algorithm_class(name: str) -> type[Algorithm]:
     """The class registered as ``name`` (Bagua's algorithm names)."""
-    classes = algorithm_classes()
     try:
-        return classes[name]
+        return ALGORITHMS[name]
     except KeyError:
         raise ConfigurationError(
-            f"unknown Bagua algorithm {name!r}; choose one of {sorted(classes)}"
+            f"unknown Bagua algorithm {name!r}; choose one of {sorted(ALGORITHMS)}"
         ) from None
-
-
-def _import_algorithm_modules() -> None:
-    # Every module of this package is imported, so a new algorithm's file is its registration.
-    import importlib
-    import pkgutil
-
-    package = importlib.import_module(__package__ or "")
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{__package__}.{module.name}")
