@@ -241,12 +241,11 @@ class HookedAlgorithm(_EngineAlgorithm):
         pass
 
 
-
-def _bind(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], skip: int) -> dict[str, Any]:
+def _bind(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments of a derived constructor by name, defaults applied (TypeError names a wrong call)."""
-    bound = inspect.signature(cls).bind(*([None] * skip), *args, **kwargs)
+    bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    return dict(list(bound.arguments.items())[skip:])
+    return dict(bound.arguments)
 
 
 class EngineAlgorithm(Algorithm):
@@ -261,9 +260,11 @@ class EngineAlgorithm(Algorithm):
     engine_class: ClassVar[type[_EngineAlgorithm]]
     #: The implementation :meth:`reify` returns (set by :func:`bagua_algorithm`).
     impl_class: ClassVar[type[RegisteredAlgorithmImpl]]
+    #: Bagua's constructor arguments, without ``self`` (set by :func:`bagua_algorithm`).
+    arguments: ClassVar[inspect.Signature]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._arguments = _bind(type(self), args, kwargs, skip=0)
+        self._arguments = _bind(self.arguments, args, kwargs)
         self.engine_class(**_adopt(self, self.engine_class, self._arguments))  # validate now, not at wrap time
 
     def reify(self, process_group: BaguaProcessGroup) -> RegisteredAlgorithmImpl:
@@ -278,9 +279,11 @@ class RegisteredAlgorithmImpl(EngineAlgorithmImpl):
 
     #: The engine class whose instance this owns (set by :func:`bagua_algorithm`).
     engine_class: ClassVar[type[_EngineAlgorithm]]
+    #: The arguments after the process group, as :attr:`EngineAlgorithm.arguments` (set by :func:`bagua_algorithm`).
+    arguments: ClassVar[inspect.Signature]
 
     def __init__(self, process_group: BaguaProcessGroup, *args: Any, **kwargs: Any) -> None:
-        arguments = _bind(type(self), args, kwargs, skip=1)
+        arguments = _bind(self.arguments, args, kwargs)
         super().__init__(process_group, self.engine_class(**_adopt(self, self.engine_class, arguments)))
 
 
@@ -339,7 +342,7 @@ def bagua_algorithm(name: str) -> tuple[type[EngineAlgorithm], type[RegisteredAl
     factory_init.__signature__ = inspect.Signature([self_param, *params])  # type: ignore[attr-defined]
     impl_init.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [self_param, inspect.Parameter("process_group", positional), *params])
-    shared: dict[str, Any] = {"__module__": module, "engine_class": engine}
+    shared: dict[str, Any] = {"__module__": module, "engine_class": engine, "arguments": inspect.Signature(params)}
     methods = {m: _module_method(engine, m, on_impl=True) for m in spec.module_methods}
     impl_cls = type(f"{spec.bagua_name}Impl", (RegisteredAlgorithmImpl,), {
         **shared, **methods, "__init__": impl_init, "bucket_state": dict(spec.bucket_state),
