@@ -1,6 +1,6 @@
 """Worker for tests/strategy/test_autotune.py: autotuned training in plain torch loops, one JSON per rank.
 
-Started with torchrun's environment variables (tests/strategy/launch.py:run_ranks). In one
+Started with torchrun's environment variables (tests/ranks.py:run_ranks). In one
 process, against the real autotune service at ``--address``:
 
 1. ``reference``: the same training without autotune (the loss to match);
