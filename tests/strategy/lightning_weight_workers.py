@@ -66,7 +66,7 @@ class Probe(L.Callback):
         algo: Any = trainer.strategy.algorithm  # type: ignore[attr-defined]
         self.start = {"spread": spread(list(pl_module.parameters())), "weights": cpu_flat(pl_module),
                       "eval": eval_mse(pl_module),
-                      "hierarchical": trainer.engine.comm.is_hierarchical_possible}  # type: ignore[attr-defined]
+                      "hierarchical": trainer.strategy.comm.is_hierarchical_possible}  # type: ignore[attr-defined]
         if hasattr(algo, "replicas"):
             weights = torch.cat([t.reshape(-1) for t in algo._buckets.flatten()])
             self.start["replicas_match"] = all(

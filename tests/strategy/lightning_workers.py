@@ -263,7 +263,7 @@ def nodes_mode(out: Path) -> dict[str, Any]:
         hierarchical = False
 
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            comm = trainer.engine.comm  # type: ignore[attr-defined]
+            comm = trainer.strategy.comm  # type: ignore[attr-defined]
             Probe.hierarchical = bool(comm.is_hierarchical_possible and comm.num_nodes == 2)
 
     model = Model()
