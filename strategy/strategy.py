@@ -2,7 +2,7 @@
 
 A thin subclass of Lightning's ``DDPStrategy``: launching, process-group set-up,
 ``reduce``/``broadcast``/``barrier`` and checkpoint plumbing are DDP's; the model is
-wrapped in :class:`~bagua_lightning.strategy.ddp.BaguaDistributedDataParallel`
+wrapped in :class:`~bagua_lightning.engine.ddp.BaguaDistributedDataParallel`
 instead of ``DistributedDataParallel``, which drives the chosen algorithm.
 """
 
@@ -24,19 +24,20 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from ..errors import ConfigurationError
-from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
-from ..services_file import resolve_autotune_address
-from .algorithms.base import Algorithm, get_algorithm_class
-from .algorithms.q_adam import QAdamOptimizerError
-from .autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
-from .autotune import (
+from ..engine.algorithms.base import (
+    Algorithm,
+    AlgorithmOptimizerError,
+    algorithm_classes,
+    get_algorithm_class,
+)
+from ..engine.autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
+from ..engine.autotune import (
     AutotuneController,
     AutotuneSettings,
     AutotuneState,
@@ -44,11 +45,13 @@ from .autotune import (
     BoundaryReport,
     batch_size_of,
 )
-from .autotune.selection import AlgorithmSelector, AutoSettings, Selection
-from .comm import CommContext
-from .ddp import BaguaDistributedDataParallel
+from ..engine.autotune.selection import AlgorithmSelector, AutoSettings, Selection
+from ..engine.comm import CommContext
+from ..engine.ddp import BaguaDistributedDataParallel
+from ..errors import ConfigurationError
+from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
+from ..services_file import resolve_autotune_address
 from .logged_metrics import cached_datasets, training_metrics
-from .registry import register_bagua_strategy
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +68,12 @@ class BaguaStrategy(DDPStrategy):
         algorithm: ``"gradient_allreduce"``, ``"bytegrad"``, ``"decentralized"``,
             ``"low_precision_decentralized"``, ``"qadam"`` or ``"async"``; or ``"auto"``: measure
             ``auto_candidates`` while training and keep the fastest
-            (:mod:`bagua_lightning.strategy.autotune.selection`).
+            (:mod:`bagua_lightning.engine.autotune.selection`).
         flatten: communicate flat buckets with gradients as views of them (no copy).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for ``DDPStrategy``.
         autotune: tune the bucket plan with the autotune service while training
-            (:mod:`bagua_lightning.strategy.autotune`); only for algorithms that
+            (:mod:`bagua_lightning.engine.autotune`); only for algorithms that
             communicate gradients in buckets (gradient_allreduce, bytegrad, qadam).
         start_method: ``"popen"`` (scripts, torchrun), ``"spawn"``, ``"fork"``: as ``DDPStrategy``.
         process_group_backend: ``"nccl"``/``"gloo"``; None picks by device.
@@ -214,21 +217,18 @@ class BaguaStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if (
-            trainer.state.fn == TrainerFn.FITTING
-            and self.algorithm_name == "qadam"
-            and getattr(self.precision_plugin, "precision", None) == "16-mixed"
-        ):
+        precision = getattr(self.precision_plugin, "precision", None)
+        refused = self._algorithm_class.unsupported_precisions.get(str(precision))
+        if trainer.state.fn == TrainerFn.FITTING and refused is not None:
             raise MisconfigurationException(
-                    "Bagua QAdam does not support precision='16-mixed' (the loss-scaled gradient would enter "
-                    "the momentum); use precision='bf16-mixed' or '32-true'."
-                )
+                f"Bagua {self.algorithm_name} does not support precision={precision!r} ({refused})."
+            )
         super().setup(trainer)
         wrapper = self.bagua_module
         if wrapper is not None:
             try:
                 wrapper.attach_optimizers([self._unwrap(o) for o in self.optimizers])
-            except QAdamOptimizerError as exc:
+            except AlgorithmOptimizerError as exc:
                 raise MisconfigurationException(str(exc)) from exc
             fitting = trainer.state.fn == TrainerFn.FITTING
             if self._auto is not None and fitting:
@@ -455,14 +455,23 @@ class BaguaStrategy(DDPStrategy):
         super().teardown()
 
     @classmethod
+    def ensure_registered(cls) -> None:
+        """Register in Lightning's ``StrategyRegistry`` unless already there (idempotent)."""
+        if cls.strategy_name not in StrategyRegistry:
+            cls.register_strategies(StrategyRegistry)
+
+    @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Bagua's algorithms on torch.distributed (bagua-lightning)"
         )
-        for name, description in ALGORITHM_ALIASES.items():
+        # One alias per registered algorithm (``Trainer(strategy="bagua_bytegrad")``), as Lightning registers
+        # ``ddp_spawn``.
+        for name, algorithm in algorithm_classes().items():
             strategy_registry.register(
-                f"{cls.strategy_name}_{name}", cls, description=description, algorithm=name
+                f"{cls.strategy_name}_{name}", cls,
+                description=f"BaguaStrategy with {name}: {algorithm.spec.description}", algorithm=name,
             )
 
 
@@ -483,17 +492,4 @@ def communication_advice(algorithm: str, timings: StepTimings | None) -> str | N
             "measures gradient_allreduce and bytegrad on this job and keeps the faster")
 
 
-#: One registered strategy name per algorithm (``Trainer(strategy="bagua_bytegrad")``), as Lightning
-#: registers ``ddp_spawn``; the value is the registry's description.
-ALGORITHM_ALIASES: dict[str, str] = {
-    "gradient_allreduce": "BaguaStrategy with gradient_allreduce: bucketed gradient allreduce (like DDP)",
-    "bytegrad": "BaguaStrategy with bytegrad: gradients reduced with MinMax uint8 compression",
-    "decentralized": "BaguaStrategy with decentralized: weights averaged with all ranks or one changing peer",
-    "low_precision_decentralized": "BaguaStrategy with low_precision_decentralized: compressed weight "
-    "differences on a ring",
-    "qadam": "BaguaStrategy with qadam: Adam whose compressed first moment is exchanged after warm-up",
-    "async": "BaguaStrategy with async: weights averaged by a background thread, training never waits",
-}
-
-
-register_bagua_strategy()
+BaguaStrategy.ensure_registered()

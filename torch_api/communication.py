@@ -14,6 +14,7 @@ Where a backend lacks a collective it is built from ones it has; ``docs/torch_ap
 from __future__ import annotations
 
 import io
+import sys
 from functools import cache
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._alltoall import alltoall, alltoall_inplace, alltoall_v, alltoall_v_inplace
+from ._communicator import bind_primitives
 from ._ops import ReduceOp, all_gather_single, as_reduce_op, check_op_dtype, divide_, native_op, reduce_rows
 from ._primitive import Comm, _check, _flat, _local, _numel, _resolve, _slice, _store
 from .process_group import (
@@ -34,6 +36,8 @@ from .process_group import (
     is_initialized,
     new_group,
 )
+
+bind_primitives(sys.modules[__name__])  # the communicator methods run the primitives below
 
 __all__ = [
     "BaguaCommunicator",

@@ -4,7 +4,7 @@
 broadcasts parameters, buffers and optimizer state from the group's first rank, and
 hooks the model itself (forward pre/post hooks, per-parameter gradient hooks,
 optimizer step hooks) through the engine's
-:class:`~bagua_lightning.strategy.ddp.AlgorithmDriver`, the same driver
+:class:`~bagua_lightning.engine.ddp.AlgorithmDriver`, the same driver
 ``BaguaStrategy`` uses. It returns the same module. Calling it again switches the
 algorithm (the previous one is torn down first).
 
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..engine.buckets import IGNORE_ATTRIBUTE, default_plan, trainable_parameters
+from ..engine.ddp import AlgorithmDriver
 from ..errors import ConfigurationError
-from ..strategy.buckets import IGNORE_ATTRIBUTE, default_plan, trainable_parameters
-from ..strategy.ddp import AlgorithmDriver
 from . import env
 from .algorithms.base import Algorithm, AlgorithmImpl, EngineAlgorithmImpl, HookedAlgorithm
 from .bucket import BaguaBucket

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..engine import comm as _engine_comm
+from ..engine.comm import CommContext
 from ..errors import ConfigurationError
-from ..strategy import comm as _engine_comm
-from ..strategy.comm import CommContext
 from . import env
 from ._communicator import CommunicatorOps, operations_left_behind
 from ._ops import all_gather_single
@@ -231,7 +231,7 @@ class BaguaProcessGroup:
 
     @property
     def comm(self) -> CommContext:
-        """This group as the engine's :class:`~bagua_lightning.strategy.comm.CommContext`.
+        """This group as the engine's :class:`~bagua_lightning.engine.comm.CommContext`.
 
         Ranks are positions in the group. With the same number of the group's ranks on every node,
         ``local_size`` is that number, ``intra_group`` this node's ranks (None with one rank per node) and

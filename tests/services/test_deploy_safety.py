@@ -22,31 +22,7 @@ from bagua_lightning.procs import ProcessRecord
 from bagua_lightning.services_file import ServicesInfo, write_services_file
 from tests.client.conftest import free_port_block
 from tests.procs import free_port, stop_process, wait_until
-
-CLI = [sys.executable, "-m", "bagua_lightning.cli"]
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
-    """The CLI's environment: a private state folder, no inherited addresses or secrets."""
-    out = {k: v for k, v in os.environ.items() if not k.startswith("BAGUA_LIGHTNING_")}
-    out.update(XDG_STATE_HOME=str(tmp_path / "state"), BAGUA_LIGHTNING_SERVICES_FILE=str(tmp_path / "services.json"),
-               NO_PROXY="127.0.0.1,localhost")
-    return out
-
-
-def cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def one_line_error(result: subprocess.CompletedProcess[str], code: int, *fragments: str) -> None:
-    """``result`` failed with ``code`` and said so in exactly one line containing every fragment."""
-    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
+from tests.services.conftest import CLI, cli, one_line_error
 
 
 @pytest.fixture

@@ -214,7 +214,7 @@ def test_status_sends_secrets_the_user_passes_explicitly(recorded: ServicesInfo,
 def test_autotune_client_and_strategy_client_send_no_recorded_token_elsewhere(recorded: ServicesInfo,
                                                                              rpc: GrpcRecorder) -> None:
     from bagua_lightning.client.autotune import AutotuneClient
-    from bagua_lightning.strategy.autotune.controller import AutotuneSettings, default_client
+    from bagua_lightning.engine.autotune.controller import AutotuneSettings, default_client
 
     client = AutotuneClient(target=rpc.address, timeout_s=2.0)
     try:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_lightning.strategy.comm import CommContext
+from bagua_lightning.engine.comm import CommContext
 from tests.strategy.autotune_workers import run, wait_for
 
 

@@ -1,6 +1,6 @@
 """Worker for tests/strategy/test_autotune.py: autotuned training in plain torch loops, one JSON per rank.
 
-Started with torchrun's environment variables (tests/strategy/launch.py:run_ranks). In one
+Started with torchrun's environment variables (tests/ranks.py:run_ranks). In one
 process, against the real autotune service at ``--address``:
 
 1. ``reference``: the same training without autotune (the loss to match);
@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bagua_lightning.engine.algorithms.base import get_algorithm_class
+from bagua_lightning.engine.autotune import AutotuneController, AutotuneSettings
+from bagua_lightning.engine.comm import CommContext
+from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 from bagua_lightning.errors import PlanMismatchError
-from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-from bagua_lightning.strategy.autotune import AutotuneController, AutotuneSettings
-from bagua_lightning.strategy.comm import CommContext
-from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
 
-LOGGER = "bagua_lightning.strategy.autotune"
+LOGGER = "bagua_lightning.engine.autotune"
 
 
 class Net(nn.Module):

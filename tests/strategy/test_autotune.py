@@ -23,11 +23,7 @@ import pytest
 import torch
 
 from bagua_lightning.client.autotune import AutotuneClient
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.procs import new_deployment_id
-from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, StepTimings, TensorDeclaration
-from bagua_lightning.services_file import ServicesInfo, write_services_file
-from bagua_lightning.strategy.autotune import (
+from bagua_lightning.engine.autotune import (
     AutotuneSettings,
     AutotuneSummary,
     BoundaryReport,
@@ -35,9 +31,13 @@ from bagua_lightning.strategy.autotune import (
     batch_size_of,
     model_name_for,
 )
+from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.procs import new_deployment_id
+from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, StepTimings, TensorDeclaration
+from bagua_lightning.services_file import ServicesInfo, write_services_file
 from tests.procs import free_port, wait_until
+from tests.ranks import run_ranks
 from tests.services.conftest import FAST, autotune_service
-from tests.strategy.launch import run_ranks
 
 HERE = Path(__file__).parent
 PLAIN_WORKER = str(HERE / "autotune_workers.py")

@@ -19,7 +19,7 @@ from bagua_lightning.services.redis_cluster import ClusterSpec, running_cluster
 from tests.client.conftest import free_port_block
 from tests.procs import free_port
 from tests.services.conftest import FAST, autotune_service
-from tests.strategy.launch import run_ranks
+from tests.ranks import run_ranks
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "autotune_checkpoint_worker.py")

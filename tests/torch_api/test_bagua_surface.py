@@ -12,7 +12,7 @@ import pytest
 
 from bagua_lightning.distributed import baguarun, launch
 from tests.procs import free_port
-from tests.strategy.launch import REPO, _env
+from tests.ranks import REPO, job_env as _env
 from tests.torch_api.launch import run_case
 
 WORKERS = Path(__file__).with_name("surface_workers.py")

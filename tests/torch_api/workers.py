@@ -267,7 +267,7 @@ def case_primitives() -> None:
 
 def case_process_group() -> None:
     """4 ranks as 2 nodes x 2 (LOCAL_WORLD_SIZE=2)."""
-    from bagua_lightning.strategy.comm import hierarchical_all_reduce_
+    from bagua_lightning.engine.comm import hierarchical_all_reduce_
     from bagua_lightning.torch_api.process_group import _get_default_group
 
     C.init_process_group()

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from .chunk_format import HEADER_BYTES
 from .comm import CommContext, _all_gather_single, _wait, all_reduce_
 from .compression import (
-    HEADER_BYTES,
     ChunkRanges,
     dequantise_into,
     level_parameters,

@@ -4,7 +4,7 @@ An engine algorithm instance holds one model's state between ``setup`` and
 ``teardown``. ``bagua_lightning.torch_api``'s ``Algorithm`` objects are factories
 over these classes (one instance per wrapped model).
 
-Life cycle, driven by :class:`~bagua_lightning.strategy.ddp.AlgorithmDriver` (behind
+Life cycle, driven by :class:`~bagua_lightning.engine.ddp.AlgorithmDriver` (behind
 ``BaguaDistributedDataParallel`` and ``with_bagua``) and by the strategy's hooks::
 
     algo = AlgorithmClass.from_kwargs(**bagua_kwargs)   # validates kwargs (ValueError names them)
@@ -36,9 +36,9 @@ replaced). The wrapper calls ``on_optimizer_step_end`` from a step post-hook it
 registers on each of them, so it also runs outside Lightning.
 
 Shared machinery for gradient-bucket algorithms lives in
-:mod:`bagua_lightning.strategy.buckets` (``BucketEngine``: flat buckets, in-order
+:mod:`bagua_lightning.engine.buckets` (``BucketEngine``: flat buckets, in-order
 launch as buckets become ready, per-bucket timings, plan re-application) and the
-collectives in :mod:`bagua_lightning.strategy.comm` (``all_reduce_``,
+collectives in :mod:`bagua_lightning.engine.comm` (``all_reduce_``,
 ``hierarchical_all_reduce_``, ``compressed_all_reduce_``).
 """
 
@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import abc
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ...errors import ConfigurationError
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 _T = TypeVar("_T")
+_A = TypeVar("_A", bound="Algorithm")
 
 
 class Algorithm(abc.ABC):
@@ -69,8 +71,12 @@ class Algorithm(abc.ABC):
     ``__init__``; :meth:`from_kwargs` rejects unknown ones with the accepted list.
     """
 
-    #: Bagua's name, e.g. "gradient_allreduce"; the key in :data:`ALGORITHMS`.
+    #: Bagua's name, e.g. "gradient_allreduce"; the key in :data:`ALGORITHMS` (set by :func:`register_algorithm`).
     name: ClassVar[str]
+    #: The registration (set by :func:`register_algorithm`).
+    spec: ClassVar[AlgorithmSpec]
+    #: Precisions the algorithm refuses, each with the reason and the fix (Lightning's ``precision=``).
+    unsupported_precisions: ClassVar[Mapping[str, str]] = {}
     #: True when the algorithm communicates gradients in buckets built from a
     #: BucketPlan (so autotune applies to it).
     uses_gradient_buckets: ClassVar[bool] = False
@@ -137,6 +143,13 @@ class Algorithm(abc.ABC):
     def teardown(self) -> None:  # noqa: B027
         """Stop threads, release buffers and process groups; safe to call twice."""
 
+    @classmethod  # noqa: B027
+    def check_optimizer(cls, optimizer: object) -> None:
+        """Raise :class:`AlgorithmOptimizerError` when ``optimizer`` cannot drive this algorithm.
+
+        For algorithms registered with ``optimizer_arg``: Bagua's constructor takes the optimizer.
+        """
+
     def _set_up(self, value: _T | None) -> _T:
         """``value`` (state made by :meth:`setup`), or a clear error when used outside setup..teardown."""
         if value is None:
@@ -144,38 +157,89 @@ class Algorithm(abc.ABC):
         return value
 
 
+class AlgorithmOptimizerError(ConfigurationError):
+    """An algorithm was bound to optimizers it cannot work with (e.g. qadam without its QAdamOptimizer)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlgorithmSpec:
+    """Everything the front doors derive from one registered algorithm.
+
+    ``BaguaStrategy`` registers the Lightning alias ``bagua_<name>`` with :attr:`description`;
+    ``bagua_lightning.torch_api.algorithms`` derives Bagua's ``<bagua_name>`` (the ``Algorithm``
+    factory) and ``<bagua_name>Impl`` from the engine class's constructor and the fields below.
+    """
+
+    #: Bagua's algorithm name: ``BaguaStrategy(algorithm=name)``, ``Trainer(strategy=f"bagua_{name}")``.
+    name: str
+    #: One line for Lightning's strategy registry (what the algorithm exchanges, and when).
+    description: str
+    #: The ``torch_api`` class name, e.g. ``"GradientAllReduceAlgorithm"`` (Bagua's name).
+    bagua_name: str
+    #: Bagua's state on ``model.bagua_buckets[i]``: Bagua's attribute name -> the engine attribute (or
+    #: method) holding one value per bucket.
+    bucket_state: Mapping[str, str] = field(default_factory=dict)
+    #: The first constructor argument of Bagua's class when the algorithm needs the model's optimizer
+    #: (qadam's ``q_adam_optimizer``), checked with the engine's :meth:`Algorithm.check_optimizer`; None: none.
+    optimizer_arg: str | None = None
+    #: Methods Bagua's classes offer that take the wrapped module (``abort``/``resume``): each calls
+    #: the engine method of the same name.
+    module_methods: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier() or not self.bagua_name.isidentifier():
+            raise ValueError(f"algorithm names must be identifiers, got {self.name!r} / {self.bagua_name!r}")
+        if not self.description:
+            raise ValueError(f"algorithm {self.name!r} needs a description for Lightning's registry")
+
+
+#: Every registered algorithm, by Bagua's name.
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
-def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator: make ``cls`` available under ``cls.name``."""
-    ALGORITHMS[cls.name] = cls
-    return cls
+def register_algorithm(
+    *,
+    name: str,
+    description: str,
+    bagua_name: str,
+    bucket_state: Mapping[str, str] | None = None,
+    optimizer_arg: str | None = None,
+    module_methods: tuple[str, ...] = (),
+) -> Callable[[type[_A]], type[_A]]:
+    """Class decorator: the one registration of an engine algorithm (see :class:`AlgorithmSpec`).
+
+    A module of this package that registers an algorithm is all it takes: the Lightning alias and
+    Bagua's ``torch_api`` classes are derived from the registration.
+    """
+    spec = AlgorithmSpec(name=name, description=description, bagua_name=bagua_name,
+                         bucket_state=dict(bucket_state or {}), optimizer_arg=optimizer_arg,
+                         module_methods=module_methods)
+
+    def register(cls: type[_A]) -> type[_A]:
+        taken = ALGORITHMS.get(name)
+        if taken is not None and taken.__qualname__ != cls.__qualname__:
+            raise ValueError(f"algorithm name {name!r} is taken by {taken.__qualname__}")
+        for method in module_methods:
+            if not callable(getattr(cls, method, None)):
+                raise ValueError(f"algorithm {name!r} offers {method!r} to Bagua's API but has no such method")
+        cls.name = name
+        cls.spec = spec
+        ALGORITHMS[name] = cls
+        return cls
+
+    return register
+
+
+def algorithm_classes() -> dict[str, type[Algorithm]]:
+    """Every registered algorithm by name (importing this package registered each of its modules)."""
+    return dict(ALGORITHMS)
 
 
 def get_algorithm_class(name: str) -> type[Algorithm]:
     """The class registered as ``name`` (Bagua's algorithm names)."""
-    _import_builtin_algorithms()
     try:
         return ALGORITHMS[name]
     except KeyError:
         raise ConfigurationError(
             f"unknown Bagua algorithm {name!r}; choose one of {sorted(ALGORITHMS)}"
         ) from None
-
-
-_BUILTIN_MODULES: tuple[str, ...] = (
-    "gradient_allreduce",
-    "bytegrad",
-    "decentralized",
-    "low_precision_decentralized",
-    "q_adam",
-    "async_model_average",
-)
-
-
-def _import_builtin_algorithms() -> None:
-    import importlib
-
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(f"{__package__}.{module}")

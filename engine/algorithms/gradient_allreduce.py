@@ -10,7 +10,11 @@ from .base import register_algorithm
 from .bucketed import GradientBucketAlgorithm
 
 
-@register_algorithm
+@register_algorithm(
+    name="gradient_allreduce",
+    description="bucketed gradient allreduce (like DDP)",
+    bagua_name="GradientAllReduceAlgorithm",
+)
 class GradientAllReduceAlgorithm(GradientBucketAlgorithm):
     """Allreduce of gradient buckets, overlapped with backward (what DDP does).
 
@@ -20,7 +24,6 @@ class GradientAllReduceAlgorithm(GradientBucketAlgorithm):
         average: average the gradients (True) or sum them.
     """
 
-    name = "gradient_allreduce"
 
     def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
         super().__init__(hierarchical=hierarchical, average=average)

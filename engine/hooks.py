@@ -4,7 +4,7 @@ A communication hook replaces DDP's allreduce of each gradient bucket
 (``(state, GradBucket) -> Future[Tensor]``, see ``torch.distributed.algorithms.ddp_comm_hooks``).
 :func:`bytegrad_hook` runs ByteGrad's exchange on the bucket: MinMax uint8 chunks
 all-to-all, the owner of each chunk sums and recompresses it, an all-gather brings the
-reduced chunks back (:func:`~bagua_lightning.strategy.compressed_comm.compressed_exchange_`), so
+reduced chunks back (:func:`~bagua_lightning.engine.compressed_comm.compressed_exchange_`), so
 plain ``DistributedDataParallel`` moves about a quarter of the bytes of a float32
 allreduce::
 

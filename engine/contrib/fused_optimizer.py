@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .flat_tensors import calculate_mutual_groups, flat_view, flatten_copies, is_standalone, split_like
+
 __all__ = ["calculate_mutual_groups", "fuse_optimizer", "fuse_step", "is_fused_optimizer"]
 
 log = logging.getLogger(__name__)
@@ -44,79 +46,6 @@ _ATTR = "_bagua_lightning_fused"
 _NOT_ELEMENTWISE: tuple[type, ...] = tuple(
     t for t in (getattr(torch.optim, "LBFGS", None), getattr(torch.optim, "Adafactor", None)) if t is not None
 )
-
-
-# ---------------------------------------------------------------------------------------------- contiguity
-def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``b`` starts exactly where ``a`` ends, inside the same storage."""
-    return (
-        a.dtype == b.dtype
-        and a.device == b.device
-        and a.is_contiguous()
-        and b.is_contiguous()
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr()
-    )
-
-
-def _contiguous_runs(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Indices of ``tensors`` grouped into memory-contiguous runs of two or more, in memory order."""
-    order = sorted(range(len(tensors)), key=lambda i: tensors[i].data_ptr())
-    runs: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        if current and not _adjacent(tensors[current[-1]], tensors[i]):
-            if len(current) > 1:
-                runs.append(current)
-            current = []
-        current.append(i)
-    if len(current) > 1:
-        runs.append(current)
-    return runs
-
-
-def calculate_mutual_groups(tensors_list: Sequence[Sequence[torch.Tensor]]) -> list[list[int]]:
-    """Runs of indices that are memory-contiguous, in the same order, in every list of ``tensors_list``.
-
-    Args:
-        tensors_list: Lists of equal length (e.g. weights, gradients, one list per state tensor); entry ``i``
-            of each list belongs to parameter ``i``.
-
-    Returns:
-        The index runs (in memory order, two or more indices each) that every list has in common.
-    """
-    if not tensors_list:
-        return []
-    size = len(tensors_list[0])
-    if any(len(ts) != size for ts in tensors_list):
-        raise ValueError(f"every list must have the same length; got lengths {[len(ts) for ts in tensors_list]}")
-    groups = _contiguous_runs(tensors_list[0])
-    for tensors in tensors_list[1:]:
-        other = _contiguous_runs(tensors)
-        groups = [g for g in groups if g in other]
-    return groups
-
-
-def _flat_view(first: torch.Tensor, numel: int) -> torch.Tensor:
-    """A 1-D tensor of ``numel`` elements over ``first``'s storage, starting where ``first`` starts."""
-    with torch.no_grad():
-        view = torch.empty(0, dtype=first.dtype, device=first.device)
-        view.set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
-    return view
-
-
-def _flatten(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy ``tensors`` into one new flat buffer; return the views (same shapes) in the same order."""
-    total = sum(t.numel() for t in tensors)
-    flat = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
-    views, offset = [], 0
-    with torch.no_grad():
-        for t in tensors:
-            v = flat[offset : offset + t.numel()].view(t.shape)
-            v.copy_(t)
-            views.append(v)
-            offset += t.numel()
-    return views
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -187,19 +116,6 @@ def _state_of(optimizer: torch.optim.Optimizer) -> _FusedState:
     return st
 
 
-def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for t in like:
-        views.append(flat.narrow(0, offset, t.numel()).view(t.shape))
-        offset += t.numel()
-    return views
-
-
-def _standalone(t: torch.Tensor) -> bool:
-    """A tensor alone in its storage (what autograd allocates for a gradient), not a view of a buffer."""
-    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-
-
 def _gather_grads(run: _Run) -> bool:
     """Copy members' gradients into the run's buffer where they are elsewhere; False when that is impossible.
 
@@ -215,7 +131,7 @@ def _gather_grads(run: _Run) -> bool:
             return False
         dst.append(v)
         src.append(g)
-        if _standalone(g):
+        if is_standalone(g):
             p.grad = v
     if dst:
         with torch.no_grad():
@@ -271,16 +187,16 @@ def _build_group_plan(optimizer: torch.optim.Optimizer, group: dict[str, Any], f
             run_members = [members[j] for j in group_idx]
             numel = sum(p.numel() for p in run_members)
             first = run_members[0]
-            fp = torch.nn.Parameter(_flat_view(first.detach(), numel), requires_grad=False)
+            fp = torch.nn.Parameter(flat_view(first.detach(), numel), requires_grad=False)
             grads = [p.grad for p in run_members]
             in_order = calculate_mutual_groups([[p.detach() for p in run_members], grads])  # type: ignore[list-item]
             if in_order == [list(range(len(run_members)))]:
                 # Gradients already side by side in the same order (ours, or a bucket's): step them in place.
-                fp.grad = _flat_view(grads[0], numel)  # type: ignore[arg-type]
+                fp.grad = flat_view(grads[0], numel)  # type: ignore[arg-type]
                 run = _Run(fp, run_members, [], [], list(grads), owns_grads=False)  # type: ignore[arg-type]
             else:
                 fp.grad = torch.empty(numel, dtype=first.dtype, device=first.device)
-                views = _split(fp.grad, run_members)
+                views = split_like(fp.grad, run_members)
                 run = _Run(fp, run_members, [], [], views, owns_grads=True)
                 _gather_grads(run)
             run.scalar_keys = [k for k, _ in scalars]
@@ -289,7 +205,7 @@ def _build_group_plan(optimizer: torch.optim.Optimizer, group: dict[str, Any], f
             for piece in run.pieces:
                 fst = fused_state[piece]
                 for k in ew_keys:
-                    fst[k] = _flat_view(state[first][k], numel).narrow(0, offset, piece.numel())
+                    fst[k] = flat_view(state[first][k], numel).narrow(0, offset, piece.numel())
                 for k in run.scalar_keys:
                     v = state[first][k]
                     fst[k] = v.clone() if isinstance(v, torch.Tensor) else v
@@ -341,7 +257,7 @@ def _adopt_new_state(optimizer: torch.optim.Optimizer, st: _FusedState) -> bool:
                        for x, piece in zip(values, run.pieces, strict=True)):
                     # Per-piece buffers become one: the members' state is then contiguous like their weights.
                     flat = values[0] if len(values) == 1 else torch.cat(values)
-                    for p, view in zip(run.members, _split(flat, run.members), strict=True):
+                    for p, view in zip(run.members, split_like(flat, run.members), strict=True):
                         optimizer.state[p][k] = view
                 else:
                     for p in run.members:
@@ -397,7 +313,7 @@ def _flatten_params_and_state(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for params in _groups_by_type(group):
             with torch.no_grad():
-                for p, v in zip(params, _flatten([p.detach() for p in params]), strict=True):
+                for p, v in zip(params, flatten_copies([p.detach() for p in params]), strict=True):
                     p.data = v
             _flatten_state(state, params)
 
@@ -407,7 +323,7 @@ def _flatten_state(state: Any, params: Sequence[torch.Tensor]) -> None:
     for k in sorted(keys):
         values = [state[p][k] for p in params]
         if all(_is_elementwise_state(v, p) for v, p in zip(values, params, strict=True)) and len({v.dtype for v in values}) == 1:
-            for p, v in zip(params, _flatten(values), strict=True):
+            for p, v in zip(params, flatten_copies(values), strict=True):
                 state[p][k] = v
 
 

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..chunk_format import HEADER_BYTES
 from ..compression import (
-    HEADER_BYTES,
     add_dequantised_,
     compress_chunks,
     compressed_nbytes,
@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def _add_decompressed(target: torch.Tensor, packed: torch.Tensor, scratch: torch.Tensor) -> None:
     """``target += decompress(packed)`` for one single-chunk ``(1, 8 + n)`` MinMax uint8 tensor.
 
-    The decoded values (:func:`~bagua_lightning.strategy.compression.decompress_chunks`'s)
+    The decoded values (:func:`~bagua_lightning.engine.compression.decompress_chunks`'s)
     are formed in the float32 ``scratch``, then added: one float32 rounding of the sum,
     as in Bagua. Every rank applies a given message with this same function, so
     replicas stay bit-identical.
@@ -130,7 +130,12 @@ class _RingBuffers:
         self.from_right = self.from_left if one_peer else torch.empty_like(self.own)
 
 
-@register_algorithm
+@register_algorithm(
+    name="low_precision_decentralized",
+    description="compressed weight differences on a ring",
+    bagua_name="LowPrecisionDecentralizedAlgorithm",
+    bucket_state={"_weight": "_weight", "_left_peer_weight": "_left", "_right_peer_weight": "_right"},
+)
 class LowPrecisionDecentralizedAlgorithm(Algorithm):
     """Decentralized SGD on a ring exchanging uint8-compressed weight differences.
 
@@ -140,7 +145,6 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         communication_interval: communicate every this many optimizer steps (>= 1).
     """
 
-    name: ClassVar[str] = "low_precision_decentralized"
     keeps_replicas_identical: ClassVar[bool] = False
 
     def __init__(self, hierarchical: bool = True, communication_interval: int = 1) -> None:

@@ -1,4 +1,4 @@
-"""Triton kernels of the MinMax uint8 format (see :mod:`bagua_lightning.strategy.compression`).
+"""Triton kernels of the MinMax uint8 format (see :mod:`bagua_lightning.engine.compression`).
 
 Every kernel computes exactly what the CPU torch path computes, operation by
 operation, so both paths produce the same bytes and the same values (Bagua's rule,

@@ -1,7 +1,7 @@
 """Shared pieces of the weight-averaging algorithms (decentralized, low precision decentralized, async).
 
 These algorithms communicate *weights*, not gradients, so they do not use the
-gradient buckets of :mod:`bagua_lightning.strategy.buckets`; they group the
+gradient buckets of :mod:`bagua_lightning.engine.buckets`; they group the
 trainable parameters with the same :class:`~bagua_lightning.proto.plan.BucketPlan`
 (one dtype per bucket, plan order) into flat copies they can send, and copy results
 back. Parameters stay ordinary tensors; a flat copy costs one memcpy per step, far

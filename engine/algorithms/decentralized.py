@@ -11,7 +11,7 @@ Steps with ``step % communication_interval != 0`` are purely local SGD.
 
 ``peer_selection_mode="all"`` averages with every rank (an allreduce of the
 weights); ``"shift_one"`` averages with one peer that changes every communicating
-step (see :func:`bagua_lightning.strategy.topology.shift_one_peer`), with
+step (see :func:`bagua_lightning.engine.topology.shift_one_peer`), with
 point-to-point send/recv. ``hierarchical=True`` (on several nodes with several
 ranks each) averages within the node on the node leader first, runs the exchange
 among node leaders, then broadcasts the result within the node.
@@ -76,7 +76,12 @@ class _PendingAverage:
     works: list[dist.Work]
 
 
-@register_algorithm
+@register_algorithm(
+    name="decentralized",
+    description="weights averaged with all ranks or one changing peer",
+    bagua_name="DecentralizedAlgorithm",
+    bucket_state={"_peer_weight": "peer_weights"},
+)
 class DecentralizedAlgorithm(Algorithm):
     """Decentralized SGD: average weights with all ranks or with one changing peer.
 
@@ -89,7 +94,6 @@ class DecentralizedAlgorithm(Algorithm):
         communication_interval: communicate every this many optimizer steps (>= 1).
     """
 
-    name: ClassVar[str] = "decentralized"
     keeps_replicas_identical: ClassVar[bool] = False
 
     def __init__(

@@ -14,14 +14,18 @@ from .base import register_algorithm
 from .bucketed import GradientBucketAlgorithm
 
 
-@register_algorithm
+@register_algorithm(
+    name="bytegrad",
+    description="gradients reduced with MinMax uint8 compression",
+    bagua_name="ByteGradAlgorithm",
+)
 class ByteGradAlgorithm(GradientBucketAlgorithm):
     """A compressed reduce-scatter + all-gather of each gradient bucket.
 
     Each bucket is split into one chunk per rank, every chunk compressed to uint8
     with its own min/max and sent all-to-all; the owner of a chunk decompresses and
     reduces it, recompresses it, and an all-gather hands every reduced chunk to every
-    rank (see :func:`~bagua_lightning.strategy.compressed_comm.compressed_exchange_`). About 4x
+    rank (see :func:`~bagua_lightning.engine.compressed_comm.compressed_exchange_`). About 4x
     fewer bytes than a float32 allreduce; the error per value is at most half a
     quantisation level of its chunk, twice (before and after the reduction).
 
@@ -36,7 +40,6 @@ class ByteGradAlgorithm(GradientBucketAlgorithm):
         average: average the gradients (True) or sum them.
     """
 
-    name = "bytegrad"
 
     def __init__(self, hierarchical: bool = True, average: bool = True) -> None:
         super().__init__(hierarchical=hierarchical, average=average)

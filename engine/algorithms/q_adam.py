@@ -20,8 +20,8 @@ Notes:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from ...errors import ConfigurationError
 from ..buckets import Bucket, BucketEngine, trainable_parameters
 from ..comm import CommContext, all_reduce_, hierarchical_all_reduce_
 from ..compressed_comm import ExchangeBuffers, compressed_all_reduce_
-from .base import Algorithm, register_algorithm
+from .base import Algorithm, AlgorithmOptimizerError, register_algorithm
 from .bucketed import thread_comm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
 QADAM_OPTIMIZER_ERROR = "Bagua QAdam can only accept one QAdamOptimizer"
 
 
-class QAdamOptimizerError(ConfigurationError):
+class QAdamOptimizerError(AlgorithmOptimizerError):
     """qadam was given something other than exactly one :class:`QAdamOptimizer`."""
 
 
@@ -170,7 +170,12 @@ class QAdamOptimizer(torch.optim.Optimizer):
         torch._foreach_addcdiv_(params, exp_avgs, denom, value=-group["lr"] / bias1)
 
 
-@register_algorithm
+@register_algorithm(
+    name="qadam",
+    description="Adam whose compressed first moment is exchanged after warm-up",
+    bagua_name="QAdamAlgorithm",
+    optimizer_arg="q_adam_optimizer",
+)
 class QAdamAlgorithm(Algorithm):
     """Gradient allreduce during warm-up, then the compressed exchange of Adam's first moment.
 
@@ -181,8 +186,10 @@ class QAdamAlgorithm(Algorithm):
             (compressed after warm-up); broadcast within the node (flat with one node).
     """
 
-    name = "qadam"
     uses_gradient_buckets = True
+    unsupported_precisions: ClassVar[Mapping[str, str]] = {
+        "16-mixed": "the loss-scaled gradient would enter the momentum; use precision='bf16-mixed' or '32-true'",
+    }
 
     def __init__(self, hierarchical: bool = True) -> None:
         if not isinstance(hierarchical, bool):
@@ -218,6 +225,14 @@ class QAdamAlgorithm(Algorithm):
                 "(from bagua_lightning.strategy import QAdamOptimizer)."
             )
         return optimizers[0]
+
+    @classmethod
+    def check_optimizer(cls, optimizer: object) -> None:
+        if not isinstance(optimizer, QAdamOptimizer):
+            raise QAdamOptimizerError(
+                f"QAdamAlgorithm needs the model's QAdamOptimizer, got {type(optimizer).__name__}; build one with "
+                "QAdamOptimizer(model.parameters(), ...) and pass it to with_bagua too"
+            )
 
     def bind_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         opt = self.check_optimizers(optimizers)

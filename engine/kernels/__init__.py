@@ -1,4 +1,4 @@
-"""Fused GPU kernels (Triton) for the MinMax uint8 format of :mod:`bagua_lightning.strategy.compression`.
+"""Fused GPU kernels (Triton) for the MinMax uint8 format of :mod:`bagua_lightning.engine.compression`.
 
 Each pass reads the bucket once and writes its result once, with no float
 temporaries: compression is two passes (per-chunk extrema, then header and levels),
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..compression import HEADER_BYTES
+from ..chunk_format import HEADER_BYTES
 from ._launch import Launch, Layouts, Scratch
 
 __all__ = [
@@ -63,7 +63,7 @@ def enabled(device: torch.device) -> bool:
 def _check_dtype(t: torch.Tensor, what: str) -> None:
     if t.dtype not in DTYPES:
         raise ValueError(f"{what} must be float32, bfloat16 or float16, got {t.dtype}; use the torch path "
-                         "(bagua_lightning.strategy.compression) for other dtypes")
+                         "(bagua_lightning.engine.compression) for other dtypes")
 
 
 @functools.cache

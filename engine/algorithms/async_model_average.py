@@ -68,7 +68,12 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 60.0  # seconds teardown/abort wait for the averaging thread to leave its loop
 
 
-@register_algorithm
+@register_algorithm(
+    name="async",
+    description="weights averaged by a background thread, training never waits",
+    bagua_name="AsyncModelAverageAlgorithm",
+    module_methods=("abort", "resume"),
+)
 class AsyncModelAverageAlgorithm(Algorithm):
     """Gradient allreduce during warm-up, then background weight averaging every ``sync_interval_ms``.
 
@@ -79,7 +84,6 @@ class AsyncModelAverageAlgorithm(Algorithm):
             averaging starts (>= 0; 0 disables warm-up).
     """
 
-    name: ClassVar[str] = "async"
     keeps_replicas_identical: ClassVar[bool] = False
 
     def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0) -> None:

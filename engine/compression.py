@@ -8,7 +8,7 @@ header and the payload in one ``uint8`` tensor lets one collective move both.
 The worst-case error of a value is half a level, ``(max - min + 1e-7) / 510``, plus
 float32 rounding.
 
-On CUDA the work goes to the fused Triton kernels of :mod:`bagua_lightning.strategy.kernels`,
+On CUDA the work goes to the fused Triton kernels of :mod:`bagua_lightning.engine.kernels`,
 which write the same bytes and values as the torch code here (see ``docs/kernels.md``).
 
 Speed matters on CPU (Gloo), where compression competes with the network for the
@@ -25,18 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-HEADER_BYTES = 8  # two float32: min, max
-LEVELS = 255.0
-#: Added to ``max - min`` before the scale is taken (Bagua's rule): a constant chunk still has a finite scale.
-EPSILON = 1e-7
+from . import kernels
+from .chunk_format import EPSILON, HEADER_BYTES, LEVELS
 
 
 def _use_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     """True for values the Triton kernels handle (CUDA with Triton, fp32/bf16/fp16); the torch code otherwise."""
     if device.type != "cuda":
         return False
-    from . import kernels
-
     return kernels.enabled(device) and dtype in kernels.DTYPES
 
 
@@ -201,8 +197,6 @@ def compress_chunks(
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
     if _use_kernels(x.device, x.dtype):
-        from . import kernels
-
         return kernels.compress(x.detach().contiguous(), num_chunks, out)
     ranges = ChunkRanges.of(chunks)
     ranges.write_header(out[:, :HEADER_BYTES])
@@ -229,8 +223,6 @@ def decompress_chunks(
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
     if _use_kernels(packed.device, dtype) and packed.stride(1) == 1:
-        from . import kernels
-
         return kernels.decompress(packed, out)  # the kernels read the header themselves
     mins, maxs = read_header(packed)
     target = out.view(num_chunks, n) if dtype == torch.float32 else torch.empty(num_chunks, n, device=out.device)

@@ -14,7 +14,7 @@ the job measures instead of guessing:
    algorithm's would be, with ``autotune=True``).
 
 Switching happens between two steps through
-:meth:`~bagua_lightning.strategy.ddp.BaguaDistributedDataParallel.switch_algorithm`, which averages the
+:meth:`~bagua_lightning.engine.ddp.BaguaDistributedDataParallel.switch_algorithm`, which averages the
 replicas after an algorithm that let them drift (decentralized, async). The default candidates are the
 synchronous algorithms whose result equals or approximates allreduce's; the others are opt-in.
 """
