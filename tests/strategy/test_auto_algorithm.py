@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.engine.autotune.selection import (
     DEFAULT_CANDIDATES,
     AlgorithmSelector,
@@ -17,6 +16,7 @@ from bagua_lightning.engine.autotune.selection import (
     Selection,
     choose,
 )
+from bagua_lightning.errors import ConfigurationError
 from tests.procs import free_port
 from tests.ranks import run_commands
 

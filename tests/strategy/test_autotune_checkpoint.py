@@ -18,8 +18,8 @@ from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.services.redis_cluster import ClusterSpec, running_cluster
 from tests.client.conftest import free_port_block
 from tests.procs import free_port
-from tests.services.conftest import FAST, autotune_service
 from tests.ranks import run_ranks
+from tests.services.conftest import FAST, autotune_service
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "autotune_checkpoint_worker.py")

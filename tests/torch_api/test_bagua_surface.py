@@ -12,7 +12,8 @@ import pytest
 
 from bagua_lightning.distributed import baguarun, launch
 from tests.procs import free_port
-from tests.ranks import REPO, job_env as _env
+from tests.ranks import REPO
+from tests.ranks import job_env as _env
 from tests.torch_api.launch import run_case
 
 WORKERS = Path(__file__).with_name("surface_workers.py")
