@@ -17,13 +17,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Circles outside engine/, strategy/ and torch_api/, being removed on other branches; drop each entry
-# once its branch is merged (the test then holds the whole package to no circle at all).
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"bagua_lightning.services.autotune.aio_server", "bagua_lightning.services.autotune.server"}),
-}
-
-
 def package_modules(root: Path = REPO) -> dict[str, tuple[Path, bool]]:
     """Every module of the package: dotted name -> (file, is a package), from pyproject's package-dir."""
     package_dir = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
@@ -124,10 +117,7 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_package_has_no_import_circle(graph: dict[str, set[str]]) -> None:
     found = set(circles(graph))
-    assert found - KNOWN_CIRCLES == set(), "import circles: " + "; ".join(
-        " <-> ".join(sorted(c)) for c in found - KNOWN_CIRCLES)
-    # An allow-listed circle that is gone must leave the list, so the list only ever shrinks.
-    assert KNOWN_CIRCLES - found == set(), f"fixed, remove from KNOWN_CIRCLES: {KNOWN_CIRCLES - found}"
+    assert found == set(), "import circles: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
 
 
 @pytest.mark.parametrize(("importer", "imported"), [
