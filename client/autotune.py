@@ -3,7 +3,7 @@
 Every call has a deadline and is retried with exponential backoff while the
 service answers UNAVAILABLE or DEADLINE_EXCEEDED (starting, restarting, busy).
 Results are the shared plan dataclasses and small typed records, never proto
-messages; refusals raise the project's errors (:mod:`bagua_lightning.errors`):
+messages; refusals raise the project's errors (:mod:`bagua_lightning.core.errors`):
 :class:`ModelNotRegisteredError` for NOT_FOUND, :class:`AutotuneRequestRejectedError`
 for INVALID_ARGUMENT / FAILED_PRECONDITION / RESOURCE_EXHAUSTED,
 :class:`AutotuneAuthenticationError` for UNAUTHENTICATED, :class:`ServiceUnavailableError`
@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ..errors import (
+from ..core.errors import (
     AutotuneAuthenticationError,
     AutotuneError,
     AutotuneRequestRejectedError,
@@ -253,7 +253,7 @@ class AutotuneClient:
         timeout_s: deadline of each attempt, in seconds.
         retry: retry policy for UNAVAILABLE / DEADLINE_EXCEEDED (default: :func:`default_retry`).
         token: bearer token sent with every call (``authorization`` metadata); None: from
-            :func:`bagua_lightning.services_file.resolve_autotune_token`: ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, else
+            :func:`bagua_lightning.core.services_file.resolve_autotune_token`: ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, else
             the services file's token when ``target`` is the service that file records, else none.
         tls: connect over TLS (the system's root certificates unless ``root_certificates``).
         root_certificates: PEM of the CA that signed the server's certificate (bytes, or a
@@ -273,7 +273,7 @@ class AutotuneClient:
         else:
             self.target = f"{check_host(host)}:{check_port(port)}"
         if token is None:
-            from ..services_file import resolve_autotune_token
+            from ..core.services_file import resolve_autotune_token
 
             token = resolve_autotune_token(self.target)
         if token is not None and (not isinstance(token, str) or not token.strip() or "\n" in token):

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import PlanMismatchError
+from ..core.errors import PlanMismatchError
 from ..proto.plan import (
     DEFAULT_BUCKET_SIZE,
     BucketPlan,

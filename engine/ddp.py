@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..errors import ConfigurationError
+from ..core.errors import ConfigurationError
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
 from .algorithms.base import Algorithm
 from .buckets import IGNORE_ATTRIBUTE, check_plan, default_plan, is_communicated, trainable_parameters

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from ..errors import ConfigurationError
+from ..core.errors import ConfigurationError
 
 PeerSelectionMode = Literal["all", "shift_one"]
 PEER_SELECTION_MODES: tuple[str, ...] = get_args(PeerSelectionMode)

@@ -30,6 +30,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from ..core.errors import ConfigurationError
+from ..core.services_file import resolve_autotune_address
 from ..engine.algorithms.base import (
     Algorithm,
     AlgorithmOptimizerError,
@@ -48,9 +50,7 @@ from ..engine.autotune import (
 from ..engine.autotune.selection import AlgorithmSelector, AutoSettings, Selection
 from ..engine.comm import CommContext
 from ..engine.ddp import BaguaDistributedDataParallel
-from ..errors import ConfigurationError
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
-from ..services_file import resolve_autotune_address
 from .logged_metrics import cached_datasets, training_metrics
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class BaguaStrategy(DDPStrategy):
         auto_trial_steps: with ``algorithm="auto"``: timed steps per candidate (their median counts).
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``,
             ``average``, ``peer_selection_mode``, ``sync_interval_ms``); unknown ones
-            raise :class:`~bagua_lightning.errors.ConfigurationError` listing the accepted ones.
+            raise :class:`~bagua_lightning.core.errors.ConfigurationError` listing the accepted ones.
     """
 
     strategy_name = "bagua"

@@ -135,6 +135,24 @@ def test_the_front_doors_share_only_the_engine(graph: dict[str, set[str]], impor
     assert crossing == []
 
 
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_root_package_is_layered(graph: dict[str, set[str]]) -> None:
+    """``core`` (errors, processes, the services file, redis-server) is the bottom layer: it imports nothing
+    else of the package. The library never imports ``examples`` (the demo's report lives in the library)."""
+    core = "bagua_lightning.core"
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if _inside(m, core)
+                    for t in targets if t != "bagua_lightning" and not _inside(t, core))
+    assert upward == []
+    examples = "bagua_lightning.examples"
+    into_examples = sorted(f"{m} -> {t}" for m, targets in graph.items() if not _inside(m, examples)
+                           for t in targets if _inside(t, examples))
+    assert into_examples == []
+    assert any(_inside(t, core) for t in graph["bagua_lightning.engine.comm"] | graph["bagua_lightning.cli"])
+
+
 def test_the_graph_sees_circles_through_lazy_and_relative_imports(tmp_path: Path) -> None:
     (tmp_path / "pyproject.toml").write_text('[tool.setuptools]\npackage-dir = { "" = "src", "pkg" = "pkg" }\n')
     pkg = tmp_path / "pkg"

@@ -109,7 +109,7 @@ def _service_client(pid: int, address: str | None) -> Any:
     # Keyed by pid: a gRPC channel does not survive fork, so a forked worker builds its own.
     del pid
     from ..client.autotune import AutotuneClient
-    from ..services_file import resolve_autotune_address
+    from ..core.services_file import resolve_autotune_address
 
     return AutotuneClient(target=resolve_autotune_address(address))
 

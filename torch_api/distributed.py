@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..core.errors import ConfigurationError
 from ..engine.buckets import IGNORE_ATTRIBUTE, default_plan, trainable_parameters
 from ..engine.ddp import AlgorithmDriver
-from ..errors import ConfigurationError
 from . import env
 from .algorithms.base import Algorithm, AlgorithmImpl, EngineAlgorithmImpl, HookedAlgorithm
 from .bucket import BaguaBucket

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.errors import ConfigurationError
 from ..engine import comm as _engine_comm
 from ..engine.comm import CommContext
-from ..errors import ConfigurationError
 from . import env
 from ._communicator import CommunicatorOps, operations_left_behind
 from ._ops import all_gather_single

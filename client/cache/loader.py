@@ -11,8 +11,8 @@ import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from ...errors import ConfigurationError
-from ...services_file import resolve_cache_key
+from ...core.errors import ConfigurationError
+from ...core.services_file import resolve_cache_key
 from . import codec
 from .faults import OutagePolicy, OutageTracker
 from .keys import entry_prefix
@@ -47,7 +47,7 @@ class CacheLoader:
             from the cache when reading it: only for a Redis that nobody untrusted can write to.
         store: an existing :class:`Store` to use instead of creating a ``RedisStore``.
         cache_key: the secret that authenticates entries (HMAC-SHA256); None: the deployment's
-            (:func:`bagua_lightning.services_file.resolve_cache_key`), ``b""``: none (unkeyed digest). Every
+            (:func:`bagua_lightning.core.services_file.resolve_cache_key`), ``b""``: none (unkeyed digest). Every
             job sharing a cache must use the same key: an entry written without it, or with another, is a
             miss.
         outage_policy: back-off while the store is unavailable.

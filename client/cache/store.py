@@ -30,8 +30,8 @@ from typing import Any
 
 import redis
 
-from ...errors import ConfigurationError
-from ...services_file import resolve_redis_hosts
+from ...core.errors import ConfigurationError
+from ...core.services_file import resolve_redis_hosts
 from .backends import STORE_ERRORS, Backend, NodesBackend, Value, probe_is_cluster
 from .catalog import RESERVED_KEYS, Catalog, RedisCatalog
 from .cluster_backend import ClusterBackend

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigurationError
+from ...core.errors import ConfigurationError
 from .base import Algorithm, register_algorithm
 from .gradient_allreduce import GradientAllReduceAlgorithm
 from .weights import WeightBuckets

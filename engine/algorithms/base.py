@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from ...errors import ConfigurationError
+from ...core.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigurationError
+from ...core.errors import ConfigurationError
 from ..topology import (
     PeerSelectionMode,
     check_shift_one_world_size,

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...errors import ConfigurationError
+from ...core.errors import ConfigurationError
 from ..buckets import Bucket, BucketEngine, trainable_parameters
 from ..comm import CommContext, all_reduce_, hierarchical_all_reduce_
 from ..compressed_comm import ExchangeBuffers, compressed_all_reduce_

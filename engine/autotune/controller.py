@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ...errors import ConfigurationError, ServiceUnavailableError
+from ...core.errors import ConfigurationError, ServiceUnavailableError
 from ...proto.plan import BucketPlan, StepTimings, TensorDeclaration, tensor_list_fingerprint
 from ..buckets import declare, trainable_parameters
 from .jobstate import (
@@ -87,7 +87,7 @@ class AutotuneSettings:
 
     Attributes:
         address: ``host:port`` of the service (see
-            :func:`bagua_lightning.services_file.resolve_autotune_address`).
+            :func:`bagua_lightning.core.services_file.resolve_autotune_address`).
         interval: steps between two step boundaries (report, ask, apply), >= 1.
         rpc_timeout_s: deadline of one RPC attempt, in seconds.
         rpc_retries: retries of an RPC that failed with UNAVAILABLE/DEADLINE_EXCEEDED.

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigurationError
+from ...core.errors import ConfigurationError
 from ...proto.plan import BucketPlan, TensorDeclaration
 
 MAX_MODEL_NAME_CHARS = 200  # the service's default --max-name-bytes is larger; names stay readable in `ls`

@@ -5,7 +5,7 @@ Plans travel between ranks as :class:`BoundaryMessage` through
 gradient-ready order), carrying the plan as indices into the model's tensor list.
 :func:`check_agreement` then compares (plan version, layout fingerprint, model
 fingerprint, apply failure) across ranks with one ``all_reduce`` and raises
-:class:`~bagua_lightning.errors.PlanMismatchError` on every rank when they differ,
+:class:`~bagua_lightning.core.errors.PlanMismatchError` on every rank when they differ,
 instead of letting a later collective hang.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ...errors import PlanMismatchError
+from ...core.errors import PlanMismatchError
 from ...proto.plan import BucketPlan, TensorDeclaration
 
 

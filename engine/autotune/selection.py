@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigurationError
+from ...core.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import AutotuneError, ModelNotRegisteredError, ServiceUnavailableError
+from ...core.errors import AutotuneError, ModelNotRegisteredError, ServiceUnavailableError
 from ...proto.plan import BucketPlan, TensorDeclaration
 from .measurement import Measurement
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ...cli import bind_port_arg
+from ...core.services_file import ENV_AUTOTUNE_TOKEN
 from ...proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration
-from ...services_file import ENV_AUTOTUNE_TOKEN
 from .config import TUNERS, ServiceConfig
 from .server import DEFAULT_PORT, SERVER_KINDS, TlsFiles, read_token_file, serve
 

@@ -51,7 +51,7 @@ def _one_line_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[
     """Service errors (unknown model, no token, unreachable) end the command with their message, no traceback."""
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
-        from ...errors import AutotuneError, ServiceUnavailableError
+        from ...core.errors import AutotuneError, ServiceUnavailableError
 
         try:
             return command(args)
@@ -62,7 +62,7 @@ def _one_line_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[
 
 def _client(args: argparse.Namespace) -> Any:
     from ...client.autotune import AutotuneClient, quick_retry
-    from ...services_file import resolve_autotune_address
+    from ...core.services_file import resolve_autotune_address
 
     return AutotuneClient(target=resolve_autotune_address(args.target), timeout_s=args.timeout_s,
                           retry=quick_retry(1, args.timeout_s), root_certificates=args.tls_root_cert)

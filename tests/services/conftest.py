@@ -15,7 +15,7 @@ import pytest
 
 from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.client.retry import ExponentialBackoff, Retry
-from bagua_lightning.errors import AutotuneError
+from bagua_lightning.core.errors import AutotuneError
 from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from tests.procs import free_port, running, wait_until
 

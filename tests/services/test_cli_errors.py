@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services import deploy
-from bagua_lightning.services_file import (
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.core.services_file import (
     ServicesFileError,
     check_port,
     parse_address,
@@ -23,6 +22,7 @@ from bagua_lightning.services_file import (
     resolve_autotune_address,
     resolve_redis_hosts,
 )
+from bagua_lightning.services import deploy
 from tests.procs import free_port
 from tests.services.conftest import cli, one_line_error
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from bagua_lightning import procs
-from bagua_lightning.procs import ProcessRecord
-from bagua_lightning.services_file import ServicesInfo, write_services_file
+from bagua_lightning.core.procs import ProcessRecord
+from bagua_lightning.core.services_file import ServicesInfo, write_services_file
 from tests.client.conftest import free_port_block
 from tests.procs import free_port, stop_process, wait_until
 from tests.services.conftest import CLI, cli, one_line_error
@@ -158,7 +158,7 @@ def test_another_local_user_is_refused(env: dict[str, str], tmp_path: Path) -> N
 
 
 def test_node_local_server_is_listed_and_stopped(env: dict[str, str]) -> None:
-    start = ("from bagua_lightning.local_redis import ensure_server; "
+    start = ("from bagua_lightning.core.local_redis import ensure_server; "
              "s = ensure_server(1 << 60, timeout_s=30); print(s.pid, s.maxmemory)")
     made = subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
@@ -242,7 +242,7 @@ def test_dead_node_local_server_is_a_stale_record_until_down(env: dict[str, str]
              "--maxmemory", "32mb")
     assert up.returncode == 0, up.stderr
     try:
-        start = "from bagua_lightning.local_redis import ensure_server; print(ensure_server(1 << 26).pid)"
+        start = "from bagua_lightning.core.local_redis import ensure_server; print(ensure_server(1 << 26).pid)"
         made = subprocess.run([*CLI[:1], "-c", start], env=env, capture_output=True, text=True, timeout=60)
         assert made.returncode == 0, made.stderr
         os.kill(int(made.stdout), 9)

@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from bagua_lightning import procs, services_file
-from bagua_lightning.services_file import ServicesInfo
+from bagua_lightning.core.services_file import ServicesInfo
 from tests.procs import free_port
 
 PASSWORD = "recorded-redis-password-5b1f0c"

@@ -19,7 +19,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bagua_lightning.client.autotune import AutotuneClient, PlanAnswer
-from bagua_lightning.errors import AutotuneError
+from bagua_lightning.core.errors import AutotuneError
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
 from bagua_lightning.services.autotune.samplelog import log_file_name

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bagua_lightning.core.errors import PlanMismatchError
 from bagua_lightning.engine.algorithms.base import get_algorithm_class
 from bagua_lightning.engine.autotune import AutotuneController, AutotuneSettings
 from bagua_lightning.engine.comm import CommContext
 from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
-from bagua_lightning.errors import PlanMismatchError
 
 LOGGER = "bagua_lightning.engine.autotune"
 

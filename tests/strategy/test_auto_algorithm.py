@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.engine.autotune.selection import (
     DEFAULT_CANDIDATES,
     AlgorithmSelector,
@@ -16,7 +17,6 @@ from bagua_lightning.engine.autotune.selection import (
     Selection,
     choose,
 )
-from bagua_lightning.errors import ConfigurationError
 from tests.procs import free_port
 from tests.ranks import run_commands
 

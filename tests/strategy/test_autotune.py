@@ -23,6 +23,9 @@ import pytest
 import torch
 
 from bagua_lightning.client.autotune import AutotuneClient
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.core.procs import new_deployment_id
+from bagua_lightning.core.services_file import ServicesInfo, write_services_file
 from bagua_lightning.engine.autotune import (
     AutotuneSettings,
     AutotuneSummary,
@@ -31,10 +34,7 @@ from bagua_lightning.engine.autotune import (
     batch_size_of,
     model_name_for,
 )
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.procs import new_deployment_id
 from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, StepTimings, TensorDeclaration
-from bagua_lightning.services_file import ServicesInfo, write_services_file
 from tests.procs import free_port, wait_until
 from tests.ranks import run_ranks
 from tests.services.conftest import FAST, autotune_service

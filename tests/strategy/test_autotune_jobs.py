@@ -19,8 +19,8 @@ from torch.utils.data import ConcatDataset, DataLoader, Subset
 
 from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.client.cache.dataset import CachedDataset
+from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.engine.autotune import AutotuneSettings, AutotuneState, launcher_job_id
-from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
 from bagua_lightning.strategy.logged_metrics import cached_datasets, training_metrics
 from tests.ranks import run_ranks

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from bagua_lightning.core.errors import PlanMismatchError
 from bagua_lightning.engine.buckets import (
     Bucket,
     BucketEngine,
@@ -16,7 +17,6 @@ from bagua_lightning.engine.buckets import (
     default_plan,
     trainable_parameters,
 )
-from bagua_lightning.errors import PlanMismatchError
 from bagua_lightning.proto.plan import BucketPlan
 from bagua_lightning.strategy import QAdamOptimizer
 

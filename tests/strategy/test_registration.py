@@ -11,9 +11,9 @@ import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from torch import nn
 
+from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.engine.algorithms import base
 from bagua_lightning.engine.algorithms.base import Algorithm, algorithm_classes, register_algorithm
-from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.strategy import BaguaStrategy
 from bagua_lightning.torch_api import algorithms as bagua_algorithms
 from bagua_lightning.torch_api.algorithms.base import bagua_algorithm

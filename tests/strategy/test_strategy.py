@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.core.errors import ConfigurationError
 from tests.procs import free_port
 from tests.ranks import run_commands
 from tests.strategy.conftest import backend_params

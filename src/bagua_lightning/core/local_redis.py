@@ -11,7 +11,7 @@ How it lives and dies:
 - Its state lives in ``<state_dir>/redis-local/`` (0700): ``server.json`` (address, process record,
   limit; 0600), ``password`` (0600; the only copy of the secret) and the deployment marker.
 - ``bagua-lightning status`` / ``redis status`` list it; ``bagua-lightning down`` / ``redis down`` stop it
-  and remove its folder (pid, start time and deployment id must match, see :mod:`~bagua_lightning.procs`).
+  and remove its folder (pid, start time and deployment id must match, see :mod:`~bagua_lightning.core.procs`).
 
 No torch here: the CLI imports it. The job-level coordination (ranks, nodes) is
 :mod:`bagua_lightning.client.cache.local_server`'s.

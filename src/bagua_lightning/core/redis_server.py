@@ -6,7 +6,7 @@ cache server), so neither imports the other. No torch here.
 Secrets: the password is never on a command line and never in ``redis.conf``. ``redis-server`` reads its
 config file and then, through the trailing ``-`` argument, the ``requirepass``/``masterauth`` lines from
 its standard input, which is a pipe closed right after. The only copy at rest is the 0600 secret file the
-caller keeps (see :mod:`bagua_lightning.procs`). Every process carries its deployment's id in its
+caller keeps (see :mod:`bagua_lightning.core.procs`). Every process carries its deployment's id in its
 environment, so only the deployment that started it stops it.
 """
 
@@ -83,7 +83,7 @@ class NodeConfig:
         port: TCP port; with ``cluster`` the bus uses ``port + 10000``, so it must be <= 55535.
         host: address(es) to bind, space-separated; loopback by default, never all interfaces unless asked.
         data_dir: folder for the config, the log and ``nodes.conf``; created with mode 0700.
-        deployment: id of the deployment that starts it (in its environment; see :mod:`~bagua_lightning.procs`).
+        deployment: id of the deployment that starts it (in its environment; see :mod:`~bagua_lightning.core.procs`).
         cluster: start with ``cluster-enabled yes``.
         maxmemory: byte limit (0: no limit); entries are evicted with ``eviction_policy`` beyond it.
         eviction_policy: Redis ``maxmemory-policy``.
