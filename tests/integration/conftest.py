@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from bagua_lightning import procs as processes
+from bagua_lightning.core import procs as processes
 from bagua_lightning.core.procs import read_secret
 from bagua_lightning.core.services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,

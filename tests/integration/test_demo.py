@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from bagua_lightning import cli
-from bagua_lightning import procs as processes
+from bagua_lightning.core import procs as processes
 from bagua_lightning.core.services_file import ENV_FILE, read_services_file
 from bagua_lightning.demo_report import JobResult, load_job
 from bagua_lightning.services.redis_cluster import stop_cluster

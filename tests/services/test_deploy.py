@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bagua_lightning import procs as processes
+from bagua_lightning.core import procs as processes
 from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.core.services_file import ENV_FILE, read_services_file
 from bagua_lightning.services import deploy
@@ -221,7 +221,7 @@ def test_up_makes_secrets_hands_them_over_by_file_and_environment_only(state: Pa
     import psutil
     import redis
 
-    from bagua_lightning import services_file
+    from bagua_lightning.core import services_file
 
     info = deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=free_port(), single=True,
                                      maxmemory=32 * 1024**2))

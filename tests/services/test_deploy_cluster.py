@@ -25,7 +25,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from bagua_lightning import procs
+from bagua_lightning.core import procs
 from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.core.redis_server import (
     CLUSTER_SLOTS,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bagua_lightning import procs
+from bagua_lightning.core import procs
 from bagua_lightning.core.procs import ProcessRecord
 from bagua_lightning.core.services_file import ServicesInfo, write_services_file
 from tests.client.conftest import free_port_block

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from bagua_lightning import procs, services_file
+from bagua_lightning.core import procs, services_file
 from bagua_lightning.core.services_file import ServicesInfo
 from tests.procs import free_port
 
