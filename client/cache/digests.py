@@ -16,7 +16,8 @@ OpenSSL's HMAC releases the GIL over large inputs, so the threads hash in parall
 
 from __future__ import annotations
 
-import hmac
+import functools
+import hashlib
 import importlib
 import itertools
 import os
@@ -48,6 +49,7 @@ PARALLEL_MIN_BYTES = 128 * 1024  # a keyed batch smaller than this is verified o
 
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
+_BLOCK = 64  # bytes: SHA-256's block, HMAC's key length
 _PAD16 = bytes(16)
 _PAD20 = bytes(20)
 
@@ -57,11 +59,26 @@ def default_digest_kind() -> int:
     return DIGEST_XXH3 if xxhash is not None else DIGEST_CRC32
 
 
+@functools.lru_cache(maxsize=8)
+def _hmac_pads(secret: bytes) -> tuple[Any, Any]:
+    """SHA-256 states after ``secret ^ ipad`` and ``secret ^ opad`` (RFC 2104), copied for each entry: the same
+    digest as ``hmac.new``, with a few C calls per entry instead of its Python wrapper (about 1 us less)."""
+    if len(secret) > _BLOCK:
+        secret = hashlib.sha256(secret).digest()
+    secret = secret.ljust(_BLOCK, b"\0")
+    return (hashlib.sha256(bytes(b ^ 0x36 for b in secret)), hashlib.sha256(bytes(b ^ 0x5C for b in secret)))
+
+
 def hmac_digest(secret: bytes, key: bytes, covered: Any) -> bytes:
-    """The ``hmac-sha256`` digest of the entry part ``covered`` stored under ``key``."""
-    mac = hmac.new(secret, _U64.pack(len(key)) + key, "sha256")
-    mac.update(covered)
-    return mac.digest()[:DIGEST_SIZE]
+    """The ``hmac-sha256`` digest of the entry part ``covered`` stored under ``key``: HMAC-SHA256 with the cache
+    key of ``u64(len(key)) | key | covered``, its first :data:`DIGEST_SIZE` bytes."""
+    inner, outer = _hmac_pads(secret)
+    h = inner.copy()
+    h.update(_U64.pack(len(key)) + key)
+    h.update(covered)  # the GIL is released while OpenSSL hashes a large buffer
+    o = outer.copy()
+    o.update(h.digest())
+    return o.digest()[:DIGEST_SIZE]
 
 
 def digest(kind: int, key: bytes, secret: bytes | None, covered: Any) -> bytes:
@@ -106,6 +123,12 @@ class _Helpers:
 
 
 _HELPERS = _Helpers()
+
+
+def helper_threads() -> int:
+    """How many helper threads verify a large keyed batch in this process (0: the caller alone)."""
+    _HELPERS.pool()
+    return _HELPERS.count
 
 
 def _macs(secret: bytes, keys: Sequence[bytes], covered: Sequence[Any]) -> list[bytes]:
