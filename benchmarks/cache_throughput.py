@@ -226,31 +226,32 @@ def main() -> None:
 
     threads = digests.helper_threads()
 
-    def line(name: str, label: str, r: float) -> None:
+    def line(label: str, r: float) -> None:
         print(f"{label:31s}: {r:10.0f} samples/s" if r else f"{label:31s}: (not run)")
 
-    line("a", f"(a) source, {args.transform_ms:g} ms transform", r_a)
-    line("b", "(b) Bagua-style GET+unpickle", r_b)
-    line("c", "(c) CachedDataset batches", r_c)
-    line("k", "(k) CachedDataset, cache key", r_k)
-    line("d", "(d) redis-py mget_nonatomic", r_d)
-    line("dp", "(d') per-node GET pipelines", r_dp)
-    line("h", "(h) raw sockets + hiredis" if hiredis is not None else "(h) hiredis not installed", r_h)
+    line(f"(a) source, {args.transform_ms:g} ms transform", r_a)
+    line("(b) Bagua-style GET+unpickle", r_b)
+    line("(c) CachedDataset batches", r_c)
+    line("(k) CachedDataset, cache key", r_k)
+    line("(d) redis-py mget_nonatomic", r_d)
+    line("(d') per-node GET pipelines", r_dp)
+    line("(h) raw sockets + hiredis" if hiredis is not None else "(h) hiredis not installed", r_h)
     parser = "hiredis" if hiredis is not None else "pure Python (install hiredis)"
     digest = codec.DIGEST_NAMES[codec.default_digest_kind()]
     print(f"redis-py parser: {parser}; unkeyed digest: {digest}; keyed: hmac-sha256 on {threads} helper "
           f"thread(s) + the caller; python {sys.version.split()[0]}; {os.cpu_count()} cores")
 
-    def ratio(a: float, b: float, fmt: str) -> str:
-        return format(a / b, fmt) if a and b else "-"
+    def ratio(a: float, b: float, digits: int = 2, unit: str = "") -> str:
+        return f"{a / b:.{digits}f}{unit}" if a and b else "-"
 
-    print(f"c/b = {ratio(r_c, r_b, '.1f')}x (goal >= 10)   c/d' = {ratio(r_c, r_dp, '.2f')} (goal >= 0.85)   "
-          f"c/d = {ratio(r_c, r_d, '.2f')}   c/a = {ratio(r_c, r_a, '.1f')}x   c/h = {ratio(r_c, r_h, '.2f')}")
+    print(f"c/b = {ratio(r_c, r_b, 1, 'x')} (goal >= 10x)   c/d' = {ratio(r_c, r_dp, 2)} (goal >= 0.85)   "
+          f"c/d = {ratio(r_c, r_d, 2)}   c/a = {ratio(r_c, r_a, 1, 'x')}   c/h = {ratio(r_c, r_h, 2)}")
     if k_over_c:
         k_over_c.sort()
-        print(f"k/c = {ratio(r_k, r_c, '.2f')} (best of each; goal >= 0.85)   per round: median "
+        print(f"k/c = {ratio(r_k, r_c, 2)} (best of each; goal >= 0.85)   per round: median "
               f"{k_over_c[len(k_over_c) // 2]:.2f}, range {k_over_c[0]:.2f}-{k_over_c[-1]:.2f} "
               f"({len(k_over_c)} rounds)")
+
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,8 @@ Digest kinds:
 * ``hmac-sha256`` (first 24 bytes): when a cache key (a secret shared by the job, see
   :func:`bagua_lightning.services_file.resolve_cache_key`) is configured. Only holders of the key can write an
   entry that reads back, so an entry forged by someone who can write to Redis is a miss. With a key, entries
-  without this digest are refused.
+  without this digest are refused. A batch's digests are computed at once on several threads
+  (:mod:`.digests`).
 * ``xxh3-64`` (when the ``xxhash`` package is installed, ~30 GB/s) or ``crc32`` (zlib) otherwise: without
   a key. These detect corruption, not forgery: anyone who can write to Redis can write a valid entry.
 

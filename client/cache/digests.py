@@ -44,7 +44,7 @@ DIGEST_CRC32, DIGEST_XXH3, DIGEST_HMAC = 1, 2, 3
 DIGEST_NAMES = {DIGEST_CRC32: "crc32", DIGEST_XXH3: "xxh3-64", DIGEST_HMAC: "hmac-sha256"}
 DIGEST_SIZE = 24  # bytes of the digest field
 
-MAC_THREADS = 3  # helper threads at most, on top of the caller, that verify a keyed batch
+MAC_THREADS = 7  # helper threads at most, on top of the caller, that verify a keyed batch
 PARALLEL_MIN_BYTES = 128 * 1024  # a keyed batch smaller than this is verified on the calling thread only
 
 _U64 = struct.Struct("<Q")
