@@ -11,7 +11,8 @@ Kinds (the byte after the format version in an entry's header, :mod:`.codec`):
 * ``xxh3-64`` (the ``xxhash`` package) or ``crc32`` (zlib) without a key: corruption, not forgery.
 
 A batch of keyed entries is verified on the calling thread and a few others at once (:func:`hmac_many`):
-OpenSSL's HMAC releases the GIL over large inputs, so the threads hash in parallel on as many cores.
+OpenSSL's SHA-256 releases the GIL over large inputs, so the threads hash in parallel on as many cores,
+where the cores are idle (measured as it goes: see :class:`_Helpers`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import itertools
 import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +48,7 @@ DIGEST_SIZE = 24  # bytes of the digest field
 
 MAC_THREADS = 7  # helper threads at most, on top of the caller, that verify a keyed batch
 PARALLEL_MIN_BYTES = 128 * 1024  # a keyed batch smaller than this is verified on the calling thread only
+EXPLORE_BATCHES = 16  # large batches between tries of the way not in use, times (its cost / the other's)**2
 
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -98,13 +101,22 @@ def digest(kind: int, key: bytes, secret: bytes | None, covered: Any) -> bytes:
 
 class _Helpers:
     """The helper threads of this process, started on first use and again after a ``fork`` (a DataLoader
-    worker's copy of its parent's pool has no threads)."""
+    worker's copy of its parent's pool has no threads), and the choice between using them or not.
+
+    Threads only pay where cores are idle. On a machine whose cores are all busy (other processes, other
+    DataLoader workers) every hand-over of the GIL waits for the OS to schedule the other thread, and a batch
+    verified on several threads was measured 30x slower than on the caller alone. So the cost per byte of
+    both ways is measured as batches are verified (a moving average), the cheaper one is used, and the other
+    is tried again now and then: the more it costs, the more rarely (so a 30x worse way costs well under 1 %).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = -1
         self._pool: ThreadPoolExecutor | None = None
         self.count = 0
+        self.cost = [0.0, 0.0]  # seconds per byte, moving averages: [caller alone, with helpers]; 0: unmeasured
+        self._since = 0  # batches since the way not in use was last tried
 
     def pool(self) -> ThreadPoolExecutor | None:
         if self._pid == os.getpid():
@@ -118,8 +130,28 @@ class _Helpers:
                 self.count = min(MAC_THREADS, cores - 1)
                 self._pool = (ThreadPoolExecutor(self.count, thread_name_prefix="bagua-lightning-mac")
                               if self.count > 0 else None)
+                self.cost = [0.0, 0.0]
+                self._since = 0
                 self._pid = os.getpid()
         return self._pool
+
+    def use_helpers(self) -> bool:
+        """Whether the next large batch goes to the helpers too."""
+        alone, helped = self.cost
+        if not alone or not helped:
+            return not helped  # measure each way once
+        best = helped < alone
+        self._since += 1
+        ratio = max(alone, helped) / min(alone, helped)
+        if self._since >= EXPLORE_BATCHES * ratio * ratio:  # try the other way again
+            self._since = 0
+            return not best
+        return best
+
+    def record(self, helped: bool, seconds: float, nbytes: int) -> None:
+        old = self.cost[helped]
+        per_byte = seconds / nbytes
+        self.cost[helped] = per_byte if not old else old + (per_byte - old) / 8
 
 
 _HELPERS = _Helpers()
@@ -140,17 +172,25 @@ def hmac_many(secret: bytes, keys: Sequence[bytes], covered: Sequence[Any], nbyt
 
     A batch of at least :data:`PARALLEL_MIN_BYTES` is cut into as many runs as there are threads to hash
     them (the caller and up to :data:`MAC_THREADS` helpers, one fewer than the cores this process may use),
-    every thread hashing one run, the caller included; the caller's own work waits until all are done.
+    every thread hashing one run, the caller included, when that was measured to be cheaper than the caller
+    alone (:class:`_Helpers`).
     """
     n = len(covered)
-    pool = _HELPERS.pool() if nbytes >= PARALLEL_MIN_BYTES and n > 1 else None
+    helpers = _HELPERS
+    pool = helpers.pool() if nbytes >= PARALLEL_MIN_BYTES and n > 1 else None
     if pool is None:
         return _macs(secret, keys, covered)
-    parts = min(n, _HELPERS.count + 1)
-    cuts = [n * p // parts for p in range(parts + 1)]
-    futures: list[Future[list[bytes]]] = [
-        pool.submit(_macs, secret, keys[a:b], covered[a:b]) for a, b in itertools.pairwise(cuts[1:])]
-    out = _macs(secret, keys[:cuts[1]], covered[:cuts[1]])
-    for f in futures:
-        out += f.result()
+    helped = helpers.use_helpers()
+    start = time.perf_counter()
+    if not helped:
+        out = _macs(secret, keys, covered)
+    else:
+        parts = min(n, helpers.count + 1)
+        cuts = [n * p // parts for p in range(parts + 1)]
+        futures: list[Future[list[bytes]]] = [
+            pool.submit(_macs, secret, keys[a:b], covered[a:b]) for a, b in itertools.pairwise(cuts[1:])]
+        out = _macs(secret, keys[:cuts[1]], covered[:cuts[1]])
+        for f in futures:
+            out += f.result()
+    helpers.record(helped, time.perf_counter() - start, nbytes)
     return out

@@ -300,6 +300,20 @@ def test_keyed_batches_verify_every_entry(monkeypatch: pytest.MonkeyPatch, helpe
     assert all(type(v) is codec.Bad for j, v in enumerate(others) if not (j == bad and forgery == "other_key"))
 
 
+def test_helpers_are_used_only_while_they_are_measured_cheaper() -> None:
+    helpers = digests._Helpers()
+    assert helpers.use_helpers()  # each way is measured once first
+    helpers.record(True, 30.0, 1)  # with helpers: 30x the cost (all cores busy)
+    assert not helpers.use_helpers()
+    helpers.record(False, 1.0, 1)
+    tries = [helpers.use_helpers() for _ in range(20_000)]
+    # The costlier way is tried again, rarely: after 16 * 30**2 batches.
+    assert 1 <= sum(tries) <= 2 and not any(tries[:14_000])
+    for _ in range(40):  # the cores became idle: the helpers halve the cost
+        helpers.record(True, 0.5, 1)
+    assert sum(helpers.use_helpers() for _ in range(100)) >= 95  # and caller alone now and then
+
+
 def test_helper_threads_are_started_again_in_a_forked_child() -> None:
     entries, keys, _ = _keyed_batch(16)
     parent = digests._HELPERS.pool()
