@@ -289,6 +289,12 @@ class DemoMonitor(Callback):
             self.first_batch = (int(f_hits), int(f_samples))
         self.epochs.append(EpochRecord(epoch=len(self.epochs) + 1, samples=int(samples), seconds=seconds,
                                        hits=int(hits), misses=int(misses), loss=loss / max(batches, 1)))
+        if not trainer.progress_bar_callback and trainer.is_global_zero:
+            # No progress bar (output is not a terminal): one line per epoch instead of its redrawn lines.
+            e = self.epochs[-1]
+            print(f"epoch {e.epoch}/{trainer.max_epochs}: {int(batches)} batches in {seconds:.1f} s, "
+                  f"{e.samples / max(seconds, 1e-9):.1f} samples/s, cache hits {e.hits}/{e.hits + e.misses}, "
+                  f"mean loss {e.loss:.4f}", flush=True)
 
     def _track_plan(self, trainer: L.Trainer, step: int) -> None:
         plan = getattr(trainer.strategy, "bucket_plan", None)
@@ -323,7 +329,7 @@ def run(cfg: JobConfig) -> JobResult | None:
     torch.manual_seed(cfg.seed)
     model = DemoNet(SlowSynthetic.features())
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=cfg.nodes,
-                        max_epochs=cfg.epochs,
+                        max_epochs=cfg.epochs, enable_progress_bar=sys.stdout.isatty(),  # no redraws into a file
                         logger=trajectory, callbacks=[monitor], enable_checkpointing=False,
                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(cfg.out))
     started = time.monotonic()

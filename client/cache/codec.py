@@ -21,7 +21,8 @@ Digest kinds:
 * ``hmac-sha256`` (first 24 bytes): when a cache key (a secret shared by the job, see
   :func:`bagua_lightning.core.services_file.resolve_cache_key`) is configured. Only holders of the key can write an
   entry that reads back, so an entry forged by someone who can write to Redis is a miss. With a key, entries
-  without this digest are refused.
+  without this digest are refused. A batch's digests are computed at once on several threads
+  (:mod:`.digests`).
 * ``xxh3-64`` (when the ``xxhash`` package is installed, ~30 GB/s) or ``crc32`` (zlib) otherwise: without
   a key. These detect corruption, not forgery: anyone who can write to Redis can write a valid entry.
 
@@ -40,33 +41,30 @@ read only with ``allow_pickle``; a pickled entry is a miss for a reader that did
 from __future__ import annotations
 
 import hmac
-import importlib
 import pickle
 import struct
-import zlib
 from typing import Any
 
+from . import digests
+from .digests import (
+    DIGEST_CRC32,
+    DIGEST_HMAC,
+    DIGEST_NAMES,
+    DIGEST_SIZE,
+    DIGEST_XXH3,
+    default_digest_kind,
+    hmac_many,
+)
+from .digests import digest as _digest
 from .plans import PLANS, Rows, plan_for
 from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Encoder, pad, reply_pad
 
-
-def _optional(module: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        return None
-
-
-xxhash: Any = _optional("xxhash")  # ~30 GB/s checksums when installed; zlib's crc32 otherwise
-
-__all__ = ["PICKLE_HINT", "Bad", "CorruptEntryError", "decode", "decode_many", "encode", "is_pickled"]
+__all__ = ["DIGEST_CRC32", "DIGEST_HMAC", "DIGEST_NAMES", "DIGEST_XXH3", "PICKLE_HINT", "Bad", "CorruptEntryError",
+           "decode", "decode_many", "default_digest_kind", "encode", "is_pickled"]
 
 MAGIC = b"BLC"
 FORMAT_VERSION = 2
 FLAG_PICKLE = 0x01
-DIGEST_CRC32, DIGEST_XXH3, DIGEST_HMAC = 1, 2, 3
-DIGEST_NAMES = {DIGEST_CRC32: "crc32", DIGEST_XXH3: "xxh3-64", DIGEST_HMAC: "hmac-sha256"}
-DIGEST_SIZE = 24
 MAX_ENTRY_BYTES = 4 * 1024**3  # a larger value is refused before any work
 
 _HEADER = struct.Struct(f"<3sBB3x{DIGEST_SIZE}sB3xIIQ")
@@ -75,31 +73,7 @@ _HEADER_XXH = struct.Struct(f"<3sBB3xQ{DIGEST_SIZE - 8}sB3xIIQ")  # the same, an
 _DIGEST_OFFSET = 8
 _COVERED = _DIGEST_OFFSET + DIGEST_SIZE  # the digest covers the entry from here on
 _U64 = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
 _PAD16 = bytes(16)
-_PAD20 = bytes(20)
-
-
-def default_digest_kind() -> int:
-    """The unkeyed digest this process writes: xxh3-64 when ``xxhash`` is installed, else crc32."""
-    return DIGEST_XXH3 if xxhash is not None else DIGEST_CRC32
-
-
-def _digest(kind: int, key: bytes, secret: bytes | None, covered: bytes | bytearray | memoryview) -> bytes:
-    """Digest of ``key`` and the ``covered`` part of an entry (everything after the digest field)."""
-    if kind == DIGEST_XXH3:
-        if xxhash is None:
-            raise CorruptEntryError("entry carries an xxh3 digest; install xxhash to verify it")
-        return _U64.pack(xxhash.xxh3_64_intdigest(covered, xxhash.xxh3_64_intdigest(key))) + _PAD16
-    if kind == DIGEST_HMAC:
-        if secret is None:
-            raise CorruptEntryError("entry is authenticated with a cache key, and none is configured here")
-        mac = hmac.new(secret, _U64.pack(len(key)) + key, "sha256")
-        mac.update(covered)
-        return mac.digest()[:DIGEST_SIZE]
-    if kind == DIGEST_CRC32:
-        return _U32.pack(zlib.crc32(covered, zlib.crc32(key))) + _PAD20
-    raise CorruptEntryError(f"unknown digest kind {kind}")
 
 
 def encode(obj: Any, key: bytes = b"", *, allow_pickle: bool = False, secret: bytes | None = None) -> memoryview:
@@ -184,13 +158,13 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle
         if secret is not None and kind != DIGEST_HMAC:
             raise CorruptEntryError(f"entry carries a {DIGEST_NAMES.get(kind, kind)} digest; a cache key is "
                                     "configured, so only entries authenticated with it are accepted")
+        xxhash = digests.xxhash
         if kind == DIGEST_XXH3 and xxhash is not None:  # the common case, without a call to _digest
             expected = _U64.pack(xxhash.xxh3_64_intdigest(mv[_COVERED:], xxhash.xxh3_64_intdigest(key))) + _PAD16
         else:
             expected = _digest(kind, key, secret, mv[_COVERED:])
         if not hmac.compare_digest(expected, digest):
-            raise CorruptEntryError("digest mismatch (corrupted, truncated, stored under another key"
-                                    + (", or not written with this cache key)" if kind == DIGEST_HMAC else ")"))
+            raise CorruptEntryError(_MISMATCH_KEYED if kind == DIGEST_HMAC else _MISMATCH)
         if flags:
             if flags != FLAG_PICKLE:
                 raise CorruptEntryError(f"unknown flags {flags:#x}")
@@ -214,6 +188,7 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle
 
 
 _XXH_PREFIX = MAGIC + bytes((FORMAT_VERSION, DIGEST_XXH3, 0, 0, 0))
+_HMAC_PREFIX = MAGIC + bytes((FORMAT_VERSION, DIGEST_HMAC, 0, 0, 0))
 
 
 def _whole_entry_reader(skeleton: bytes, tail: struct.Struct) -> tuple[Any, int, bytes, int]:
@@ -230,26 +205,29 @@ UNIFORM_MIN = 8  # entries in a batch from which one of one skeleton and one len
 _QS: dict[int, Any] = {}  # n -> struct of n u64, for digests compared at once
 
 
-def _uniform_checks(plan: Any, tail_start: int, tail_len: int, start: int, np: Any) -> Any:
+def _uniform_checks(plan: Any, tail_start: int, tail_len: int, start: int, np: Any) -> tuple[Any, Any]:
     """The byte columns that every entry of ``plan``'s skeleton has in common with the others of its length in a
     batch: all before the data region but the digest and the tail's numbers (ints and floats vary by sample;
-    shapes, offsets and lengths may not, for the batch to be decoded together)."""
+    shapes, offsets and lengths may not, for the batch to be decoded together). Two sets: for xxh3 entries
+    (whose digest is 8 bytes, then zeros that every entry shares) and for keyed entries (24 bytes of digest)."""
     cols = [*range(0, _DIGEST_OFFSET), *range(_DIGEST_OFFSET + 8, tail_start)]
     for j, code in enumerate(plan.tail.format[1:]):
         if code == "Q":
             cols += range(tail_start + 8 * j, tail_start + 8 * j + 8)
     cols += range(tail_start + tail_len, start)
-    return np.array(cols, np.intp)
+    xxh3_cols = np.array(cols, np.intp)
+    return xxh3_cols, xxh3_cols[(xxh3_cols < _DIGEST_OFFSET) | (xxh3_cols >= _COVERED)]
 
 
-def _decode_uniform(values: list[Any], keys: list[bytes]) -> list[Any] | None:
+def _decode_uniform(values: list[Any], keys: list[bytes], secret: bytes | None) -> list[Any] | None:
     """Entries of one skeleton and one length (a batch of a dataset of fixed-size samples), decoded with numpy
     doing the per-entry work: the batch is one ``(n, length)`` array, where the entries lie if the fetch says
     they lie evenly in one receive buffer (:class:`~.backends.Replies`), else a copy of them side by side; every
-    byte the entries must share compared at once, one xxh3 per entry, tail numbers read as columns, each tensor
-    leaf split into per-sample views by one call. None when the batch is not such (a miss, another length,
-    another kind of entry, shapes that differ, a damaged entry): :func:`decode_many` then goes entry by entry, and
-    finds any culprit.
+    byte the entries must share compared at once, one digest per entry (xxh3, or with ``secret`` HMAC-SHA256 on
+    several threads, :func:`~.digests.hmac_many`) and all of them compared at once, tail numbers read as
+    columns, each tensor leaf split into per-sample views by one call. None when the batch is not such (a miss,
+    another length, another kind of entry, shapes that differ, a damaged entry): :func:`decode_many` then goes
+    entry by entry, and finds any culprit.
     """
     import numpy as np
 
@@ -271,7 +249,9 @@ def _decode_uniform(values: list[Any], keys: list[bytes]) -> list[Any] | None:
     if head.itemsize != 1 or head.ndim != 1 or length < HEADER_SIZE:
         return None
     magic, version, kind, _, rest, flags, skel_len, tail_len, data_len = _HEADER_XXH.unpack_from(head, 0)
-    if kind != DIGEST_XXH3 or flags or magic != MAGIC or version != FORMAT_VERSION or rest != _PAD16:
+    if flags or magic != MAGIC or version != FORMAT_VERSION:
+        return None
+    if kind != (DIGEST_XXH3 if secret is None else DIGEST_HMAC) or (secret is None and rest != _PAD16):
         return None
     tail_start = HEADER_SIZE + skel_len
     skeleton = bytes(head[HEADER_SIZE:tail_start])
@@ -288,7 +268,6 @@ def _decode_uniform(values: list[Any], keys: list[bytes]) -> list[Any] | None:
         return None
     if plan.uniform is None:
         plan.uniform = _uniform_checks(plan, tail_start, tail_len, start, np)
-    xxh3 = xxhash.xxh3_64_intdigest
     if order is not None:  # the entries where they lie: row r is the value of key order[r]
         buf, first, stride = run[0], run[1], run[2]
         if first + (n - 1) * stride + length > len(buf):
@@ -300,17 +279,24 @@ def _decode_uniform(values: list[Any], keys: list[bytes]) -> list[Any] | None:
         first, stride = 0, length
         rows = np.frombuffer(buf, np.uint8).reshape(n, length)
     # The bytes every entry shares, equal to the first's; then the digests, all at once.
-    same = rows[:, plan.uniform]
+    same = rows[:, plan.uniform[secret is not None]]
     if same.tobytes() != same[0].tobytes() * n:
         return None
     flat, covered = memoryview(buf), length - _COVERED
     at = first + _COVERED
-    digests = [xxh3(flat[a:a + covered], xxh3(k)) for a, k in zip(range(at, at + n * stride, stride), keys, strict=True)]
-    qs = _QS.get(n)
-    if qs is None:
-        qs = _QS[n] = struct.Struct(f"<{n}Q")
-    if qs.pack(*digests) != rows[:, _DIGEST_OFFSET:_DIGEST_OFFSET + 8].tobytes():
-        return None
+    if secret is not None:
+        regions = [flat[a:a + covered] for a in range(at, at + n * stride, stride)]
+        macs = hmac_many(secret, keys, regions, n * covered)
+        if not hmac.compare_digest(b"".join(macs), rows[:, _DIGEST_OFFSET:_COVERED].tobytes()):
+            return None
+    else:
+        xxh3 = digests.xxhash.xxh3_64_intdigest
+        sums = [xxh3(flat[a:a + covered], xxh3(k)) for a, k in zip(range(at, at + n * stride, stride), keys, strict=True)]
+        qs = _QS.get(n)
+        if qs is None:
+            qs = _QS[n] = struct.Struct(f"<{n}Q")
+        if qs.pack(*sums) != rows[:, _DIGEST_OFFSET:_DIGEST_OFFSET + 8].tobytes():
+            return None
     tail = np.ascontiguousarray(rows[:, tail_start:tail_start + tail_len]) if tail_len else None
     align = (first | stride | 16) & -(first | stride | 16)  # receive buffers start on 16-byte boundaries
     try:
@@ -322,6 +308,29 @@ def _decode_uniform(values: list[Any], keys: list[bytes]) -> list[Any] | None:
     out: list[Any] = [None] * n
     for j, sample in zip(order, built, strict=True):
         out[j] = sample
+    return out
+
+
+_MISMATCH = "digest mismatch (corrupted, truncated, stored under another key)"
+_MISMATCH_KEYED = "digest mismatch (corrupted, truncated, stored under another key, or not written with this cache key)"
+
+
+def _batch_macs(values: list[Any], keys: list[bytes], secret: bytes) -> list[Any]:
+    """The expected digests of the keyed entries among ``values`` (None for the others), all computed at once."""
+    out: list[Any] = [None] * len(values)
+    idx, regions, nbytes = [], [], 0
+    for j, value in enumerate(values):
+        if value is None:
+            continue
+        mv = value if type(value) is memoryview else memoryview(value)
+        if mv.itemsize != 1 or mv.ndim != 1:
+            mv = mv.cast("B")
+        if len(mv) >= HEADER_SIZE and mv[3] == FORMAT_VERSION and mv[4] == DIGEST_HMAC:
+            idx.append(j)
+            regions.append(mv[_COVERED:])
+            nbytes += len(mv)
+    for j, mac in zip(idx, hmac_many(secret, [keys[j] for j in idx], regions, nbytes), strict=True):
+        out[j] = mac
     return out
 
 
@@ -351,14 +360,20 @@ def decode_many(values: list[Any], keys: list[bytes], allow_pickle: bool = False
     and split into per-sample views in one call, so nothing refers to ``values`` afterwards.
     """
     n = len(values)
-    fast = secret is None and xxhash is not None  # unkeyed xxh3 entries, the common case, are checked inline
+    xxhash = digests.xxhash
+    # The common cases are checked inline: unkeyed xxh3 entries, and keyed entries with their MACs computed
+    # for the whole batch at once (on several threads). Any other entry goes through decode() on its own.
+    fast = secret is not None or xxhash is not None
     if fast and n >= UNIFORM_MIN:
-        done = _decode_uniform(values, keys)
+        done = _decode_uniform(values, keys, secret)
         if done is not None:
             return done
+    macs = _batch_macs(values, keys, secret) if secret is not None else None
+    prefix, want = (_XXH_PREFIX, DIGEST_XXH3) if macs is None else (_HMAC_PREFIX, DIGEST_HMAC)
     out: list[Any] = [None] * n
     groups: dict[int, tuple[Any, list[int], list[tuple[Any, ...]], list[Any]]] = {}
-    unpack, xxh3, plans = _HEADER_XXH.unpack_from, (xxhash.xxh3_64_intdigest if fast else None), PLANS
+    unpack, plans, same = _HEADER_XXH.unpack_from, PLANS, hmac.compare_digest
+    xxh3: Any = xxhash.xxh3_64_intdigest if xxhash is not None else None
     # The last skeleton seen, read with its whole-entry struct (header, skeleton and tail in one unpack).
     l_unpack: Any = None
     l_size = l_start = 0
@@ -378,25 +393,29 @@ def decode_many(values: list[Any], keys: list[bytes], allow_pickle: bool = False
             size = len(mv)
             if l_unpack is not None and size >= l_size:
                 t = l_unpack(mv, 0)
-                if t[0] == _XXH_PREFIX and t[3] == l_fixed and t[5] == l_skeleton and t[2] == _PAD16:
+                if t[0] == prefix and t[3] == l_fixed and t[5] == l_skeleton and (macs or t[2] == _PAD16):
                     if l_start + t[4] != size:
                         raise CorruptEntryError(f"entry length {size} does not match its header ({l_start + t[4]})")
-                    if xxh3(mv[_COVERED:], xxh3(keys[j])) != t[1]:  # type: ignore[misc]
-                        raise CorruptEntryError("digest mismatch (corrupted, truncated, stored under another key)")
+                    if (xxh3(mv[_COVERED:], xxh3(keys[j])) != t[1] if macs is None
+                            else not same(macs[j], mv[_DIGEST_OFFSET:_COVERED])):
+                        raise CorruptEntryError(_MISMATCH if macs is None else _MISMATCH_KEYED)
                     l_idx.append(j)
                     l_tails.append(t[6:])
                     l_datas.append(mv[l_start:])
                     continue
             if fast and size >= HEADER_SIZE:
                 magic, version, kind, digest, rest, flags, skel_len, tail_len, data_len = unpack(mv, 0)
-                if kind == DIGEST_XXH3 and not flags and magic == MAGIC and version == FORMAT_VERSION:
+                if kind == want and not flags and magic == MAGIC and version == FORMAT_VERSION:
                     tail_start = HEADER_SIZE + skel_len
                     data_start = (tail_start + tail_len + ALIGN - 1) & -ALIGN
                     if data_start + data_len != size:
                         raise CorruptEntryError(f"entry length {size} does not match its header "
                                                 f"({data_start + data_len})")
-                    if xxh3(mv[_COVERED:], xxh3(keys[j])) != digest or rest != _PAD16:  # type: ignore[misc]
-                        raise CorruptEntryError("digest mismatch (corrupted, truncated, stored under another key)")
+                    if macs is None:
+                        if xxh3(mv[_COVERED:], xxh3(keys[j])) != digest or rest != _PAD16:
+                            raise CorruptEntryError(_MISMATCH)
+                    elif not same(macs[j], mv[_DIGEST_OFFSET:_COVERED]):
+                        raise CorruptEntryError(_MISMATCH_KEYED)
                     skeleton = bytes(mv[HEADER_SIZE:tail_start])
                     plan = plans.get(skeleton) or plan_for(skeleton)
                     if plan.tail.size != tail_len:

@@ -123,6 +123,9 @@ def test_quick_demo_end_to_end(tmp_path: Path) -> None:
         assert "job2, epoch 1: the cache served it from the first sample on (first batches 64/64 hits" in result.stdout
         assert "first sample: from the cache (hit)" in result.stdout
         assert (out / "summary.txt").read_text().count("== job") == 2
+        # Output into a pipe: no progress bar redrawn with carriage returns, one line per epoch instead.
+        assert "\r" not in output
+        assert len(re.findall(r"^epoch \d/2: \d+ batches in [\d.]+ s, ", result.stdout, re.MULTILINE)) == 4
 
         # The plot is a real PNG of the run.
         png = out / "autotune.png"
