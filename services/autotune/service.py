@@ -19,12 +19,14 @@ from ...proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration
 from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from .memory import MemoryAccount, check_fits, registration_bytes
 from .persistence import PlanStore
 from .proposal import Proposal, Tuner, exit_with_parent, propose_in_worker
 from .reports import PlanRef, Spread
 from .samplelog import SampleLog
 from .session import ModelSession, Registration
 from .storeio import StoreIO
+from .validation import check_name
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class AutotuneService:
         self._sessions: dict[str, ModelSession] = {}
         self._lock = threading.Lock()
         self.evicted = 0
+        self.memory = MemoryAccount(config.max_memory)  # bytes held per session, guarded by self._lock
         self._retired_plans = 0  # plans issued by sessions since evicted (for the running total)
         self._tuning_pool: ProcessPoolExecutor | None = None
         if config.tuning_processes:
@@ -111,6 +114,7 @@ class AutotuneService:
         """The session of a registered model; NotFoundError otherwise."""
         session = self._sessions.get(model_name)
         if session is None:
+            self._check_name("model_name", model_name)  # a malformed name is INVALID_ARGUMENT, not NOT_FOUND
             raise NotFoundError(f"model_name {model_name!r:.200} is not registered (or was evicted as the least "
                                 "recently used); call RegisterTensors first")
         return session
@@ -128,13 +132,7 @@ class AutotuneService:
         return self._retired_plans + sum(s.plans_issued for s in sessions)
 
     def _check_name(self, what: str, name: str) -> None:
-        if 4 * len(name) <= self.config.max_name_bytes:  # UTF-8 takes at most 4 bytes per character
-            return
-        size = len(name.encode("utf-8", "surrogatepass"))
-        if size > self.config.max_name_bytes:
-            raise ResourceExhaustedError(
-                f"{what} is {size} bytes long ({name[:40]!r}...), more than the service's limit of "
-                f"{self.config.max_name_bytes}; use a shorter name or raise --max-name-bytes")
+        check_name(what, name, self.config.max_name_bytes)
 
     def _tensors(self, tensor_list: Sequence[tuple[str, int, str]]) -> tuple[TensorDeclaration, ...]:
         if not tensor_list:
@@ -163,6 +161,9 @@ class AutotuneService:
         if not model_name:
             raise InvalidArgumentError("model_name is empty; name the model")
         self._check_name("model_name", model_name)
+        if len(tensor_list) <= self.config.max_tensors:  # more: refused below, with the count
+            name_bytes = sum(len(t[0]) for t in tensor_list)
+            check_fits(model_name, registration_bytes(len(tensor_list), name_bytes), self.config.max_memory)
         tensors = self._tensors(tensor_list)
         world = world_size or self.config.world_size
         if not 1 <= world <= MAX_WORLD_SIZE:
@@ -189,6 +190,8 @@ class AutotuneService:
                     self._evict_for_one()
                     session = self._sessions[model_name] = fresh
                     created = True
+                    if self.memory.update(model_name, fresh, name_bytes):
+                        self._evict_for_bytes(keep=model_name)
                     logger.info("event=model_registered model=%s tensors=%d world_size=%d nproc_per_node=%d "
                                 "whether_to_bucket=%s", model_name, len(tensors), world, per_node,
                                 whether_to_bucket)
@@ -201,11 +204,29 @@ class AutotuneService:
         """Lock held: make room for one more model by dropping the least recently used ones."""
         while len(self._sessions) >= self.config.max_models:
             name = min(self._sessions, key=lambda n: self._sessions[n].last_used)
-            old = self._sessions.pop(name)
-            self._retired_plans += old.plans_issued
-            self.evicted += 1
-            logger.info("event=model_evicted model=%s idle_s=%.1f models=%d", name,
-                        self._clock() - old.last_used, len(self._sessions))
+            self._evict(name, "max-models")
+
+    def _evict(self, name: str, reason: str) -> None:
+        """Lock held: drop one session (its best plan is in the store already: sessions persist each new best)."""
+        old = self._sessions.pop(name)
+        freed = self.memory.bytes_of(name)
+        self.memory.forget(name)
+        self._retired_plans += old.plans_issued
+        self.evicted += 1
+        logger.info("event=model_evicted model=%s reason=%s idle_s=%.1f bytes=%d models=%d accounted_bytes=%d",
+                    name, reason, self._clock() - old.last_used, freed, len(self._sessions), self.memory.total)
+
+    def _evict_for_bytes(self, keep: str) -> None:
+        """Lock held: drop the least recently used sessions (never ``keep``) until the rest fit --max-memory."""
+        for name in self.memory.over_budget(self._sessions, keep):
+            self._evict(name, "max-memory")
+            self.memory.evicted_for_bytes += 1
+
+    def _reaccount(self, model_name: str, session: ModelSession) -> None:
+        """Re-measure a session that grew (a new plan or sample), evicting others when over budget."""
+        with self._lock:
+            if self._sessions.get(model_name) is session and self.memory.update(model_name, session):
+                self._evict_for_bytes(keep=model_name)
 
     def report(self, model_name: str, rank: int, train_iter: int, plan: PlanRef | None, speed: float,
                bucket_timings: Sequence[BucketTimingRecord] = (), backward_ms: float = 0.0,
@@ -215,7 +236,12 @@ class AutotuneService:
 
     def ask(self, model_name: str, rank: int, train_iter: int) -> tuple[BucketPlan, bool]:
         """The plan for ``train_iter`` (identical for every rank) and whether tuning completed."""
-        return self.session(model_name).ask(rank, train_iter)
+        session = self.session(model_name)
+        issued = session.plans_issued
+        answer = session.ask(rank, train_iter)
+        if session.plans_issued != issued:  # a new plan (and the sample that led to it): the session grew
+            self._reaccount(model_name, session)
+        return answer
 
     def report_execution_order(self, spans: Sequence[Span], model_name: str = "") -> str:
         """Record the order tensors became ready; returns the model it was applied to."""
