@@ -119,6 +119,11 @@ class AutotuneService:
                                 "recently used); call RegisterTensors first")
         return session
 
+    def tensor_count(self, model_name: str) -> int:
+        """Tensors a held model declared (0 when not held): how heavy its requests are."""
+        session = self._sessions.get(model_name)
+        return len(session.registration.tensors) if session is not None else 0
+
     @property
     def model_names(self) -> list[str]:
         with self._lock:

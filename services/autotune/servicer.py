@@ -21,6 +21,7 @@ import grpc
 from ...proto.autotune.v1 import autotune_pb2 as pb
 from ...proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from ...proto.plan import BucketPlan, BucketTimingRecord, plan_from_proto, plan_to_proto
+from . import wire
 from .errors import (
     AutotuneRequestError,
     FailedPreconditionError,
@@ -88,13 +89,32 @@ def _tensor_count(plan: BucketPlan) -> int:
 
 
 def _digest(message: Any) -> bytes:
-    return hashlib.blake2b(message.SerializeToString(deterministic=True), digest_size=16).digest()
+    return _digest_of(message.SerializeToString(deterministic=True))
+
+
+def _digest_of(encoded: bytes) -> bytes:
+    return hashlib.blake2b(encoded, digest_size=16).digest()
+
+
+_TOTAL_BYTES: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # id(registration) -> (it, its bytes)
+
+
+def _total_bytes(reg: Any) -> int:
+    """Bytes of a registration's tensors (a sum over every tensor: computed once per registration)."""
+    hit = _TOTAL_BYTES.get(id(reg))
+    if hit is not None and hit[0] is reg:
+        return hit[1]
+    total = sum(t.nbytes for t in reg.tensors)
+    _TOTAL_BYTES[id(reg)] = (reg, total)
+    while len(_TOTAL_BYTES) > 4096:
+        _TOTAL_BYTES.popitem(last=False)
+    return total
 
 
 def _summary(info: ModelInfo) -> Any:
     reg = info.registration
     return pb.ModelSummary(
-        model_name=reg.model_name, tensors=len(reg.tensors), total_bytes=sum(t.nbytes for t in reg.tensors),
+        model_name=reg.model_name, tensors=len(reg.tensors), total_bytes=_total_bytes(reg),
         world_size=reg.world_size, nproc_per_node=reg.nproc_per_node, plan_version=info.current.version,
         completed=info.completed, samples=info.sample_count, reports_accepted=info.reports_accepted,
         reports_ignored=info.reports_ignored, best_score=info.best.score if info.best else 0.0,
@@ -115,19 +135,20 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
         # Encoding a plan of many tensors costs far more than the rest of a call: encode each issued plan
         # once, with the digest of its full layout. Keyed by (model, version); the plan object is kept to
         # check the entry is still that plan. Bounded: the least recently used entries go first.
-        # The value also holds the finished responses that carry the plan (built once: copying a plan of
-        # many tensors into a response costs as much as encoding it).
-        self._encoded: OrderedDict[tuple[str, int], tuple[BucketPlan, Any, bytes, dict[Any, Any]]] = OrderedDict()
+        # Responses carrying the plan are assembled from its encoded bytes (:mod:`.wire`): encoding a plan
+        # of many tensors holds the GIL for milliseconds, which every other request would wait for.
+        self._encoded: OrderedDict[tuple[str, int], tuple[BucketPlan, bytes, bytes]] = OrderedDict()
         self._encoded_lock = threading.Lock()
         self._encoded_tensors = 0
 
-    def _entry(self, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, Any, bytes, dict[Any, Any]]:
+    def _entry(self, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, bytes, bytes]:
+        """(plan, its encoded Hyperparameters, their digest), cached."""
         key = (model_name, plan.version)
         cached = self._encoded.get(key)
         if cached is not None and cached[0] is plan:
             return cached
-        message = plan_to_proto(plan)
-        entry: tuple[BucketPlan, Any, bytes, dict[Any, Any]] = (plan, message, _digest(message), {})
+        encoded = plan_to_proto(plan).SerializeToString(deterministic=True)
+        entry = (plan, encoded, _digest_of(encoded))
         with self._encoded_lock:
             old = self._encoded.pop(key, None)
             if old is not None:
@@ -140,18 +161,10 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                 self._encoded_tensors -= _tensor_count(dropped[0])
         return entry
 
-    def _response(self, model_name: str, plan: BucketPlan, kind: str, completed: bool = False) -> Any:
-        """The (shared, never mutated) response of ``kind`` carrying ``plan``."""
-        _, message, _, responses = self._entry(model_name, plan)
-        response = responses.get((kind, completed))
-        if response is None:
-            if kind == "register":
-                response = pb.RegisterTensorsResponse(recommended_hyperparameters=message)
-            else:
-                response = pb.AskHyperparametersResponse(recommended_hyperparameters=message,
-                                                         is_autotune_completed=completed)
-            responses[(kind, completed)] = response
-        return response
+    def _response(self, model_name: str, plan: BucketPlan, kind: str, completed: bool = False) -> bytes:
+        """The encoded response of ``kind`` carrying ``plan`` (see :mod:`.wire`)."""
+        encoded = self._entry(model_name, plan)[1]
+        return wire.register_response(encoded) if kind == "register" else wire.ask_response(encoded, completed)
 
     def _plan_ref(self, model_name: str, message: Any) -> PlanRef | None:
         if not message.buckets:
@@ -204,13 +217,12 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
     @_translate_errors
     def DescribeModel(self, request: Any, context: grpc.ServicerContext) -> Any:
         info = self.service.describe(request.model_name)
-        reply = pb.DescribeModelResponse(summary=_summary(info), current=plan_to_proto(info.current))
-        if info.best is not None:
-            reply.best.CopyFrom(plan_to_proto(info.best.plan))
+        reply = pb.DescribeModelResponse(summary=_summary(info))
         reply.samples.extend(
             pb.SampleRecord(index=i + 1, plan_version=s.plan.version, bucket_size=s.plan.bucket_size,
                             is_hierarchical_reduce=s.plan.is_hierarchical_reduce, bucket_bytes=s.plan.bucket_bytes,
                             speed=s.speed, score=s.score, exposed_ms=s.exposed_ms, reports=s.reports,
                             train_iter=s.train_iter)
             for i, s in enumerate(info.samples))
-        return reply
+        best = self._entry(request.model_name, info.best.plan)[1] if info.best is not None else None
+        return wire.describe_response(reply, self._entry(request.model_name, info.current)[1], best)
