@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
-from ...proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration
+from ...proto.plan import DTYPE_SIZES, BucketPlan, BucketTimingRecord, TensorDeclaration
 from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
@@ -31,6 +31,8 @@ from .validation import check_name
 logger = logging.getLogger(__name__)
 
 MAX_WORLD_SIZE = 1 << 20  # ranks of one job
+# Each request decodes its own copy of every dtype string: share one per dtype (~50 B a tensor).
+_DTYPES = {name: name for name in DTYPE_SIZES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +153,7 @@ class AutotuneService:
         for i, (name, num_elements, dtype) in enumerate(tensor_list):
             self._check_name(f"tensor_list[{i}].name", name)
             try:
-                t = TensorDeclaration(name=name, num_elements=num_elements, dtype=dtype)
+                t = TensorDeclaration(name=name, num_elements=num_elements, dtype=_DTYPES.get(dtype, dtype))
             except (ValueError, TypeError) as exc:
                 raise InvalidArgumentError(f"tensor_list[{i}]: {exc}") from exc
             if t.name in seen:
