@@ -6,6 +6,7 @@ so the test can reach into the service (the store, an event inside a registratio
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import itertools
@@ -18,14 +19,19 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bagua_lightning.errors import ConfigurationError
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from bagua_lightning.services.autotune.aio_server import create_aio_server
+from bagua_lightning.services.autotune.cli import _size_arg
 from bagua_lightning.services.autotune.config import ServiceConfig
-from bagua_lightning.services.autotune.memory import registration_bytes
+from bagua_lightning.services.autotune.errors import InvalidArgumentError, ResourceExhaustedError
+from bagua_lightning.services.autotune.memory import Held, choose_evictions, registration_bytes
+from bagua_lightning.services.autotune.metrics import ServiceCollector
 from bagua_lightning.services.autotune.persistence import open_store
 from bagua_lightning.services.autotune.server import create_server
 from bagua_lightning.services.autotune.service import AutotuneService
+from bagua_lightning.services.autotune.validation import check_name
 from tests.procs import wait_until
 
 DEADLINE_S = 20.0
@@ -218,3 +224,39 @@ def test_health_answers_while_a_large_registration_is_in_flight(kind: str) -> No
         assert stub.DescribeModel(pb.DescribeModelRequest(model_name="big"),
                                   timeout=DEADLINE_S).summary.tensors == 20_000
     assert order == ["health", "register"]
+
+
+def test_eviction_order_and_budget_arithmetic() -> None:
+    held = [Held("old", 1.0, 40), Held("mid", 2.0, 40), Held("new", 3.0, 40)]
+    assert choose_evictions(held, budget=120, keep="new") == []
+    assert choose_evictions(held, budget=100, keep="new") == ["old"]
+    assert choose_evictions(held, budget=50, keep="old") == ["mid", "new"]  # the one just used stays
+    assert choose_evictions(held, budget=0, keep="new") == []  # 0: no budget
+
+
+def test_check_name_refuses_each_category_and_accepts_printable_unicode() -> None:
+    check_name("model_name", "résumé-模型.layer0 weight", 1024)  # printable, non-ASCII, a space: fine
+    for bad, category in (("a\nb", "Cc"), ("a\x00", "Cc"), ("a\u200eb", "Cf"), ("a\u2029", "Zp")):
+        with pytest.raises(InvalidArgumentError, match=f"category {category}"):
+            check_name("model_name", bad, 1024)
+    with pytest.raises(InvalidArgumentError, match="model_name is empty"):
+        check_name("model_name", "", 1024)
+    with pytest.raises(ResourceExhaustedError, match="--max-name-bytes"):
+        check_name("model_name", "x" * 300, 256)
+
+
+def test_max_memory_is_parsed_validated_and_exported() -> None:
+    assert _size_arg("2GiB") == 2 * 1024**3 and _size_arg("512mb") == 512 * 1024**2
+    with pytest.raises(argparse.ArgumentTypeError, match="not bytes"):
+        _size_arg("lots")
+    with pytest.raises(ConfigurationError, match="max_memory"):
+        ServiceConfig(max_memory=-1)
+    service = AutotuneService(ServiceConfig(max_memory=123_456_789, **FAST))
+    try:
+        service.register("m", [("w", 4, "f32")], True)
+        families = {m.name: m.samples[0].value for m in ServiceCollector(service).collect()}
+    finally:
+        service.close()
+    assert families["bagua_autotune_memory_budget_bytes"] == 123_456_789
+    assert families["bagua_autotune_memory_accounted_bytes"] == service.memory.total > 0
+    assert families["bagua_autotune_models_evicted_for_memory"] == 0
