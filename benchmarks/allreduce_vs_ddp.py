@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-from bagua_lightning.strategy.autotune.selection import AlgorithmSelector, AutoSettings
-from bagua_lightning.strategy.comm import CommContext
-from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.engine.algorithms.base import get_algorithm_class
+from bagua_lightning.engine.autotune.selection import AlgorithmSelector, AutoSettings
+from bagua_lightning.engine.comm import CommContext
+from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleaved import interleave, speeds  # a sibling module of the benchmarks

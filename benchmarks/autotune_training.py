@@ -12,7 +12,7 @@ process on a free port unless ``--service host:port`` names a running one::
 Phases, every rank in lock-step:
 
 1. **tune**: a fresh model trains for ``--tune-steps`` steps under an
-   :class:`~bagua_lightning.strategy.autotune.AutotuneController` (reports every
+   :class:`~bagua_lightning.engine.autotune.AutotuneController` (reports every
    ``--interval`` steps); *steps until settled* is the step at which the last new plan
    was applied (or the step at which the service reported tuning completed, if later).
 2. **interleaved steps**: every variant -- DDP (default 25 MiB buckets), ``gradient_allreduce``
@@ -83,10 +83,10 @@ def worker(args: argparse.Namespace) -> None:
     from allreduce_vs_ddp import Transformer  # the same code-built model as the DDP benchmark
     from interleaved import bootstrap_ratio, interleave
 
-    from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-    from bagua_lightning.strategy.autotune import AutotuneController, AutotuneSettings
-    from bagua_lightning.strategy.comm import CommContext
-    from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+    from bagua_lightning.engine.algorithms.base import get_algorithm_class
+    from bagua_lightning.engine.autotune import AutotuneController, AutotuneSettings
+    from bagua_lightning.engine.comm import CommContext
+    from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
     cuda = torch.cuda.is_available() and not args.netns
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -42,9 +42,10 @@ from typing import Any
 
 import torch
 
-from bagua_lightning.strategy import compressed_comm as comm_module
-from bagua_lightning.strategy import kernels
-from bagua_lightning.strategy.compression import HEADER_BYTES, ChunkRanges, dequantise_into, read_header
+from bagua_lightning.engine import compressed_comm as comm_module
+from bagua_lightning.engine import kernels
+from bagua_lightning.engine.chunk_format import HEADER_BYTES
+from bagua_lightning.engine.compression import ChunkRanges, dequantise_into, read_header
 
 MIB = 1 << 20
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bagua_lightning.strategy.contrib.fused_optimizer import fuse_optimizer, fuse_step
+from bagua_lightning.engine.contrib.fused_optimizer import fuse_optimizer, fuse_step
 
 OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]] = {
     "SGD": (torch.optim.SGD, dict(lr=0.01, momentum=0.9)),

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data.distributed import DistributedSampler
 
-from bagua_lightning.strategy.contrib.load_balancing import (
+from bagua_lightning.engine.contrib.load_balancing import (
     LoadBalancingDistributedBatchSampler,
     LoadBalancingDistributedSampler,
 )

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bagua_lightning.redis_server import CLUSTER_SLOTS, client_for, cluster_info
+from bagua_lightning.core.redis_server import CLUSTER_SLOTS, client_for, cluster_info
 from bagua_lightning.services.redis_cluster import ClusterSpec, running_cluster
 
 

@@ -12,7 +12,7 @@ The model is communication-bound on purpose: a few large ``Linear`` layers and a
 small batch (at 1 Gbit/s ``gradient_allreduce`` spends ~85-90% of its step on the
 wire; the printed breakdown shows it). Every algorithm trains a fresh copy of it
 (same weights, same batches, SGD) through
-:class:`~bagua_lightning.strategy.ddp.BaguaDistributedDataParallel`; they take turns
+:class:`~bagua_lightning.engine.ddp.BaguaDistributedDataParallel`; they take turns
 for ``--rounds`` rounds so machine drift hits all alike. The median step time of each
 is printed with its speed-up over ``gradient_allreduce``, and the median split of a
 step into forward, backward (gradient algorithms wait for their buckets at its end)
@@ -132,9 +132,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-    from bagua_lightning.strategy.comm import CommContext
-    from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+    from bagua_lightning.engine.algorithms.base import get_algorithm_class
+    from bagua_lightning.engine.comm import CommContext
+    from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))

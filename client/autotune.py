@@ -3,7 +3,7 @@
 Every call has a deadline and is retried with exponential backoff while the
 service answers UNAVAILABLE or DEADLINE_EXCEEDED (starting, restarting, busy).
 Results are the shared plan dataclasses and small typed records, never proto
-messages; refusals raise the project's errors (:mod:`bagua_lightning.errors`):
+messages; refusals raise the project's errors (:mod:`bagua_lightning.core.errors`):
 :class:`ModelNotRegisteredError` for NOT_FOUND, :class:`AutotuneRequestRejectedError`
 for INVALID_ARGUMENT / FAILED_PRECONDITION / RESOURCE_EXHAUSTED,
 :class:`AutotuneAuthenticationError` for UNAUTHENTICATED, :class:`ServiceUnavailableError`
@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ..errors import (
+from ..core.errors import (
     AutotuneAuthenticationError,
     AutotuneError,
     AutotuneRequestRejectedError,
@@ -141,6 +141,22 @@ class ModelSummary:
     idle_s: float
     tuner: str
     layouts_tracked: int
+    job_id: str = ""
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPlan:
+    """The best plan the service knows for one shape of a model (``SharedPlanSummary`` in the proto)."""
+
+    key: str
+    model_name: str
+    job_id: str
+    world_size: int
+    nproc_per_node: int
+    score: float
+    completed: bool
+    buckets: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +190,8 @@ def _summary(m: Any) -> ModelSummary:
                         world_size=m.world_size, nproc_per_node=m.nproc_per_node, plan_version=m.plan_version,
                         completed=m.completed, samples=m.samples, reports_accepted=m.reports_accepted,
                         reports_ignored=m.reports_ignored, best_score=m.best_score if m.has_best else None,
-                        idle_s=m.idle_s, tuner=m.tuner, layouts_tracked=m.layouts_tracked)
+                        idle_s=m.idle_s, tuner=m.tuner, layouts_tracked=m.layouts_tracked, job_id=m.job_id,
+                        fingerprint=m.fingerprint)
 
 
 def tensor_to_proto(value: TensorDeclaration | Mapping[str, Any]) -> Any:
@@ -236,7 +253,7 @@ class AutotuneClient:
         timeout_s: deadline of each attempt, in seconds.
         retry: retry policy for UNAVAILABLE / DEADLINE_EXCEEDED (default: :func:`default_retry`).
         token: bearer token sent with every call (``authorization`` metadata); None: from
-            :func:`bagua_lightning.services_file.resolve_autotune_token`: ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, else
+            :func:`bagua_lightning.core.services_file.resolve_autotune_token`: ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, else
             the services file's token when ``target`` is the service that file records, else none.
         tls: connect over TLS (the system's root certificates unless ``root_certificates``).
         root_certificates: PEM of the CA that signed the server's certificate (bytes, or a
@@ -256,7 +273,7 @@ class AutotuneClient:
         else:
             self.target = f"{check_host(host)}:{check_port(port)}"
         if token is None:
-            from ..services_file import resolve_autotune_token
+            from ..core.services_file import resolve_autotune_token
 
             token = resolve_autotune_token(self.target)
         if token is not None and (not isinstance(token, str) or not token.strip() or "\n" in token):
@@ -320,21 +337,37 @@ class AutotuneClient:
                                             tensor_list=[tensor_to_proto(t) for t in tensor_list],
                                             whether_to_bucket=whether_to_bucket, world_size=world_size,
                                             nproc_per_node=nproc_per_node)
-        return self._plan("RegisterTensors", request)
+        return self._answer("RegisterTensors", request).plan
 
-    def _plan(self, method: str, request: Any) -> BucketPlan:
+    def register_job(self, model_name: str, tensor_list: Iterable[TensorDeclaration | Mapping[str, Any]],
+                     whether_to_bucket: bool = True, *, job_id: str, world_size: int = 0, nproc_per_node: int = 0,
+                     resume: BucketPlan | None = None, resume_completed: bool = False) -> PlanAnswer:
+        """Declare a model's tensors for the job ``job_id`` (its own tuning session); returns the initial
+        plan and whether it is final. ``resume``: the plan the job already runs (e.g. from a checkpoint),
+        which a new session starts from."""
+        request = pb.RegisterTensorsRequest(model_name=model_name,
+                                            tensor_list=[tensor_to_proto(t) for t in tensor_list],
+                                            whether_to_bucket=whether_to_bucket, world_size=world_size,
+                                            nproc_per_node=nproc_per_node, job_id=job_id,
+                                            resume_completed=resume_completed)
+        if resume is not None:
+            request.resume_hyperparameters.CopyFrom(plan_to_proto(resume))
+        return self._answer("RegisterTensors", request)
+
+    def _answer(self, method: str, request: Any) -> PlanAnswer:
         reply = self._call(method, request)
         try:
-            return plan_from_proto(reply.recommended_hyperparameters)
+            plan = plan_from_proto(reply.recommended_hyperparameters)
         except (ValueError, TypeError) as exc:
             raise AutotuneError(f"the autotune service at {self.target} answered {method} with a malformed "
                                 f"plan: {exc}", "INTERNAL") from exc
+        return PlanAnswer(plan=plan, completed=bool(reply.is_autotune_completed))
 
     def report_metrics(self, model_name: str, rank: int, train_iter: int,
                        hyperparameters: BucketPlan | Mapping[str, Any] | None, speed: float,
                        bucket_timings: Sequence[BucketTimingRecord | Mapping[str, Any]] | None = None, *,
                        backward_ms: float = 0.0, ranks: int = 0, speed_min: float = 0.0, speed_max: float = 0.0,
-                       speed_stddev: float = 0.0) -> bool:
+                       speed_stddev: float = 0.0, job_id: str = "") -> bool:
         """Report a measurement of ``hyperparameters`` (None: the plan the service handed back for
         ``train_iter``); returns False when the service already had one for (rank, train_iter).
 
@@ -344,35 +377,40 @@ class AutotuneClient:
         request = pb.ReportMetricsRequest(
             model_name=model_name, rank=rank, train_iter=train_iter, speed=speed,
             bucket_timings=[timing_to_proto(t) for t in bucket_timings or ()], backward_ms=backward_ms,
-            ranks=ranks, speed_min=speed_min, speed_max=speed_max, speed_stddev=speed_stddev)
+            ranks=ranks, speed_min=speed_min, speed_max=speed_max, speed_stddev=speed_stddev, job_id=job_id)
         if hyperparameters is not None:
             request.hyperparameters.CopyFrom(plan_to_proto(plan_of(hyperparameters)))
         return bool(self._call("ReportMetrics", request).accepted)
 
-    def ask_hyperparameters(self, model_name: str, rank: int, train_iter: int) -> PlanAnswer:
+    def ask_hyperparameters(self, model_name: str, rank: int, train_iter: int, job_id: str = "") -> PlanAnswer:
         """The plan to use from ``train_iter`` on, and whether tuning completed."""
-        request = pb.AskHyperparametersRequest(model_name=model_name, rank=rank, train_iter=train_iter)
-        reply = self._call("AskHyperparameters", request)
-        try:
-            plan = plan_from_proto(reply.recommended_hyperparameters)
-        except (ValueError, TypeError) as exc:
-            raise AutotuneError(f"the autotune service at {self.target} answered with a malformed plan: {exc}",
-                                "INTERNAL") from exc
-        return PlanAnswer(plan=plan, completed=bool(reply.is_autotune_completed))
+        request = pb.AskHyperparametersRequest(model_name=model_name, rank=rank, train_iter=train_iter,
+                                               job_id=job_id)
+        return self._answer("AskHyperparameters", request)
 
-    def report_tensor_execution_order(self, spans: Iterable[Mapping[str, Any]], model_name: str = "") -> None:
+    def report_tensor_execution_order(self, spans: Iterable[Mapping[str, Any]], model_name: str = "",
+                                      job_id: str = "") -> None:
         """Report when tensors became ready; later plans cut buckets in that order."""
         request = pb.ReportTensorExecutionOrderRequest(spans=[span_to_proto(s) for s in spans],
-                                                       model_name=model_name)
+                                                       model_name=model_name, job_id=job_id)
         self._call("ReportTensorExecutionOrder", request)
 
     def list_models(self) -> list[ModelSummary]:
-        """Every model the service holds, by name."""
-        return [_summary(m) for m in self._call("ListModels", pb.ListModelsRequest()).models]
+        """Every session (model, job) the service holds, by model name then job id."""
+        return self.list_jobs()[0]
 
-    def describe_model(self, model_name: str) -> ModelDescription:
-        """One model's plans and samples; ModelNotRegisteredError when the service does not hold it."""
-        reply = self._call("DescribeModel", pb.DescribeModelRequest(model_name=model_name))
+    def list_jobs(self) -> tuple[list[ModelSummary], list[SharedPlan]]:
+        """Every session the service holds, and the best plan per model shape that jobs share."""
+        reply = self._call("ListModels", pb.ListModelsRequest())
+        shared = [SharedPlan(key=p.key, model_name=p.model_name, job_id=p.job_id, world_size=p.world_size,
+                             nproc_per_node=p.nproc_per_node, score=p.score, completed=p.completed,
+                             buckets=p.buckets) for p in reply.shared_plans]
+        return [_summary(m) for m in reply.models], shared
+
+    def describe_model(self, model_name: str, job_id: str = "") -> ModelDescription:
+        """One session's plans and samples; ModelNotRegisteredError when the service does not hold it
+        (an empty ``job_id`` also finds the only job's session of ``model_name``)."""
+        reply = self._call("DescribeModel", pb.DescribeModelRequest(model_name=model_name, job_id=job_id))
         samples = tuple(SampleSummary(index=s.index, plan_version=s.plan_version, bucket_size=s.bucket_size,
                                       is_hierarchical_reduce=s.is_hierarchical_reduce,
                                       bucket_bytes=tuple(s.bucket_bytes), speed=s.speed, score=s.score,

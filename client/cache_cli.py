@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import BaguaLightningError, ConfigurationError
-from ..services_file import (
+from ..core.errors import BaguaLightningError, ConfigurationError
+from ..core.services_file import (
     ENV_REDIS_HOSTS,
     ENV_REDIS_PASSWORD,
     format_address,
@@ -44,8 +44,8 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
 
 
 def _store(args: argparse.Namespace) -> Any:
-    from ..local_redis import is_alive, read_server
-    from ..procs import read_secret
+    from ..core.local_redis import is_alive, read_server
+    from ..core.procs import read_secret
     from .cache.store import RedisStore
 
     password = read_secret(args.password_file) if args.password_file else None

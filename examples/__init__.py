@@ -2,5 +2,5 @@
 
 * :mod:`bagua_lightning.examples.demo`: the main job (``bagua-lightning demo`` runs it twice): a
   Lightning fit on several processes with ``BaguaStrategy(autotune=True)`` and a ``CachedDataset``.
-* :mod:`bagua_lightning.examples.report`: its summary and plot, from the JSON a job writes (no torch).
+* :mod:`bagua_lightning.demo_report`: its summary and plot, from the JSON a job writes (no torch).
 """

@@ -48,8 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..client import CachedDataset, RedisStore
 from ..client.cache import fingerprint
-from ..strategy import BaguaStrategy
-from .report import (
+from ..demo_report import (
     DATASET_NAME,
     EpochRecord,
     JobResult,
@@ -58,6 +57,7 @@ from .report import (
     format_job,
     plot_trajectory,
 )
+from ..strategy import BaguaStrategy
 
 CLASSES = 4
 ALGORITHMS = ("gradient_allreduce", "bytegrad")  # autotune tunes gradient buckets

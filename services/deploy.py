@@ -1,7 +1,7 @@
 """``bagua-lightning up | down | status``: the autotune service and a Redis deployment as local processes.
 
 The embedded counterpart of ``docker-compose.yml``: the same two services, started natively as detached
-background processes (own session, logs under :func:`~bagua_lightning.services_file.state_dir`), the
+background processes (own session, logs under :func:`~bagua_lightning.core.services_file.state_dir`), the
 autotune service keeping its persisted plans in the Redis deployment. ``up`` waits until both are healthy
 (gRPC health ``SERVING``; every Redis node answering and, for a cluster, all 16384 slots served), then
 records their addresses, process records and the paths of their secret files in the services file, where
@@ -14,7 +14,7 @@ Authentication is on by default: ``up`` creates a Redis password, an autotune to
 through the services file's paths; never through a command line. ``--no-auth`` is refused beyond loopback.
 
 High availability: by default 3 masters with one replica each (replicas on the next ports); a killed
-master's replica takes over within seconds (failover settings in :mod:`bagua_lightning.redis_server`,
+master's replica takes over within seconds (failover settings in :mod:`bagua_lightning.core.redis_server`,
 measured in docs/deployment.md). ``--replicas 0`` gives up failover: a dead master's keys miss until ``up``
 runs again. Only the deployment's nodes join its cluster: the bus and replication run over mutual TLS
 with certificates from a CA that ``up`` makes in ``<state_dir>/secrets/redis-tls`` (its key is deleted once
@@ -22,7 +22,7 @@ the node certificates are signed), and the node ids are recorded so ``status`` n
 
 Identity: every process carries the deployment's id; ``down`` signals a recorded process only when pid,
 start time and id match, and only when the state folder's marker names this deployment, this folder and
-this services file (a copied state folder or a stale file stops nothing; see :mod:`bagua_lightning.procs`).
+this services file (a copied state folder or a stale file stops nothing; see :mod:`bagua_lightning.core.procs`).
 
 The argv of the autotune service comes from one function, :func:`autotune_service_args`, which both this
 launcher and ``docker-compose.yml`` use (a test compares them). No torch is imported here: the module runs
@@ -44,11 +44,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import procs
-from ..errors import ConfigurationError
-from ..procs import parse_bytes
-from ..redis_server import BUS_PORT_OFFSET, tls_port
-from ..services_file import (
+from ..core import procs
+from ..core.errors import ConfigurationError
+from ..core.procs import parse_bytes
+from ..core.redis_server import BUS_PORT_OFFSET, tls_port
+from ..core.services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,
     ENV_AUTOTUNE_TOKEN,
     ENV_CACHE_KEY,
@@ -436,7 +436,7 @@ def down(timeout_s: float = 10.0, local: bool = True) -> list[int]:
     with _exclusive():
         stopped = _down(timeout_s)
     if local:
-        from ..local_redis import stop_server
+        from ..core.local_redis import stop_server
 
         stopped += stop_server(timeout_s=timeout_s)
     return sorted(set(stopped))

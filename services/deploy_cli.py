@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
-from ..services_file import (
+from ..core.services_file import (
     ENV_AUTOTUNE,
     ENV_REDIS_HOSTS,
     ServicesInfo,
@@ -66,7 +66,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _local_health() -> Health | None:
-    from ..local_redis import server_status
+    from ..core.local_redis import server_status
 
     found = server_status()
     if found is None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import procs
-from ..errors import ServiceUnavailableError
-from ..redis_server import CLUSTER_SLOTS, client_for, cluster_info
+from ..core import procs
+from ..core.errors import ServiceUnavailableError
+from ..core.redis_server import CLUSTER_SLOTS, client_for, cluster_info
 
 if TYPE_CHECKING:
     import redis

@@ -16,11 +16,11 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from .. import procs
 from ..cli import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
-from ..errors import ConfigurationError
-from ..redis_server import DEFAULT_NODE_TIMEOUT_MS
-from ..services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, check_host, is_loopback
+from ..core import procs
+from ..core.errors import ConfigurationError
+from ..core.redis_server import DEFAULT_NODE_TIMEOUT_MS
+from ..core.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, check_host, is_loopback
 from . import redis_cluster
 
 
@@ -141,7 +141,7 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from ..local_redis import stop_server
+    from ..core.local_redis import stop_server
 
     stopped = redis_cluster.stop_cluster(args.port, args.state_dir, remove_data=not args.keep_data)
     if args.port is None and not args.keep_local:
@@ -151,7 +151,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ..local_redis import server_status
+    from ..core.local_redis import server_status
 
     entries = redis_cluster.cluster_status(args.port, args.state_dir)
     local = server_status(args.state_dir / "redis-local" if args.state_dir else None) if args.port is None else None

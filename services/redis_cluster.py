@@ -1,7 +1,7 @@
 """Local Redis deployments from real ``redis-server`` processes: a Redis Cluster or standalone servers.
 
 Plain Python, no torch: ``bagua-lightning redis up|down|status`` and ``bagua-lightning up`` drive it. The
-processes themselves are :mod:`bagua_lightning.redis_server`'s; the records of a deployment (its folder,
+processes themselves are :mod:`bagua_lightning.core.redis_server`'s; the records of a deployment (its folder,
 ``deployment.json``, the marker, status) are :mod:`.redis_records`'. Servers run detached in their own
 session, so they outlive the command that started them, and are stopped only when pid, start time and
 deployment id all match their record.
@@ -29,9 +29,9 @@ from typing import Any
 
 import redis
 
-from .. import procs
-from ..errors import ConfigurationError
-from ..redis_server import (
+from ..core import procs
+from ..core.errors import ConfigurationError
+from ..core.redis_server import (
     BUS_PORT_OFFSET,
     CLUSTER_SLOTS,
     DEFAULT_EVICTION_POLICY,
@@ -46,7 +46,7 @@ from ..redis_server import (
     tls_port,
     wait_ready,
 )
-from ..services_file import ENV_REDIS_PASSWORD
+from ..core.services_file import ENV_REDIS_PASSWORD
 from .redis_records import (
     PASSWORD_FILE,
     ClusterInfo,
@@ -83,7 +83,7 @@ class ClusterSpec:
         cluster: a Redis Cluster (True) or independent standalone servers (False).
         node_timeout_ms: failover detection time of the cluster, in milliseconds.
         bus_tls: run the cluster bus and replication over mutual TLS with a fresh CA of this deployment
-            (only its nodes can join; the TLS ports, :func:`~bagua_lightning.redis_server.tls_port`, must
+            (only its nodes can join; the TLS ports, :func:`~bagua_lightning.core.redis_server.tls_port`, must
             be free too). False: a plain bus,
             which any local process can join: the default of this library call for throw-away test
             clusters only; ``bagua-lightning up`` and ``redis up`` always ask for TLS.
@@ -91,7 +91,7 @@ class ClusterSpec:
             deployment folder's ``tls``.
         announce_ip: the address nodes give each other and clients (``cluster-announce-ip``); required
             when ``host`` is a wildcard (0.0.0.0, ::); None: ``host``.
-        state_root: the state folder; None: ``bagua_lightning.services_file.state_dir()``.
+        state_root: the state folder; None: ``bagua_lightning.core.services_file.state_dir()``.
         timeout_s: deadline for the whole start-up.
         deployment: the id the processes carry; None: a fresh one.
     """

@@ -2,7 +2,7 @@
 
 A deployment with base port P lives in ``<state_dir>/redis/P/``: one folder per node (``redis.conf``,
 ``nodes.conf``, ``redis.log``), ``deployment.json`` (ports, process records, roles, the path of the
-password file; never the password) and the deployment's marker (:mod:`bagua_lightning.procs`). A record is
+password file; never the password) and the deployment's marker (:mod:`bagua_lightning.core.procs`). A record is
 trusted only when its folder's marker names it and this very folder, so a copied state folder is inert.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 import redis
 
-from .. import procs
-from ..procs import ProcessRecord
-from ..redis_server import client_for, cluster_info
-from ..services_file import state_dir
+from ..core import procs
+from ..core.procs import ProcessRecord
+from ..core.redis_server import client_for, cluster_info
+from ..core.services_file import state_dir
 from .redis_tls import remove_tls_dir
 
 DEPLOYMENT_FILE = "deployment.json"

@@ -21,9 +21,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .. import procs
-from ..errors import ConfigurationError
-from ..redis_server import NodeTLS
+from ..core import procs
+from ..core.errors import ConfigurationError
+from ..core.redis_server import NodeTLS
 
 CA_CERT = "ca.crt"
 VALID_DAYS = 3650

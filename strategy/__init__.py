@@ -1,14 +1,14 @@
-"""Trainer side: BaguaStrategy, its algorithms and bucket machinery (runs in every training rank)."""
+"""The Lightning front door: ``BaguaStrategy`` over the engine (:mod:`bagua_lightning.engine`), in every training rank."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..engine.algorithms.q_adam import QAdamOptimizer
 from ..proto.plan import BucketPlan
-from .algorithms.q_adam import QAdamOptimizer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .ddp import BaguaDistributedDataParallel
+    from ..engine.ddp import BaguaDistributedDataParallel
     from .strategy import BaguaStrategy
 
 __all__ = ["BaguaDistributedDataParallel", "BaguaStrategy", "BucketPlan", "QAdamOptimizer"]

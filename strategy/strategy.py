@@ -2,7 +2,7 @@
 
 A thin subclass of Lightning's ``DDPStrategy``: launching, process-group set-up,
 ``reduce``/``broadcast``/``barrier`` and checkpoint plumbing are DDP's; the model is
-wrapped in :class:`~bagua_lightning.strategy.ddp.BaguaDistributedDataParallel`
+wrapped in :class:`~bagua_lightning.engine.ddp.BaguaDistributedDataParallel`
 instead of ``DistributedDataParallel``, which drives the chosen algorithm.
 """
 
@@ -24,34 +24,41 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from ..errors import ConfigurationError
-from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
-from ..services_file import resolve_autotune_address
-from .algorithms.base import Algorithm, get_algorithm_class
-from .algorithms.q_adam import QAdamOptimizerError
-from .autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
-from .autotune import (
+from ..core.errors import ConfigurationError
+from ..core.services_file import resolve_autotune_address
+from ..engine.algorithms.base import (
+    Algorithm,
+    AlgorithmOptimizerError,
+    algorithm_classes,
+    get_algorithm_class,
+)
+from ..engine.autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
+from ..engine.autotune import (
     AutotuneController,
     AutotuneSettings,
+    AutotuneState,
     AutotuneSummary,
     BoundaryReport,
     batch_size_of,
 )
-from .autotune.selection import AlgorithmSelector, AutoSettings, Selection
-from .comm import CommContext
-from .ddp import BaguaDistributedDataParallel
-from .registry import register_bagua_strategy
+from ..engine.autotune.selection import AlgorithmSelector, AutoSettings, Selection
+from ..engine.comm import CommContext
+from ..engine.ddp import BaguaDistributedDataParallel
+from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
+from .logged_metrics import cached_datasets, training_metrics
 
 log = logging.getLogger(__name__)
 
 #: Key under which a checkpoint stores the algorithm's own state (when it has any).
 CHECKPOINT_KEY = "bagua_algorithm_state"
+#: Key under which a checkpoint stores the autotuner's state (job id, plan in use, tuning progress).
+AUTOTUNE_CHECKPOINT_KEY = "bagua_autotune_state"
 
 
 class BaguaStrategy(DDPStrategy):
@@ -61,12 +68,12 @@ class BaguaStrategy(DDPStrategy):
         algorithm: ``"gradient_allreduce"``, ``"bytegrad"``, ``"decentralized"``,
             ``"low_precision_decentralized"``, ``"qadam"`` or ``"async"``; or ``"auto"``: measure
             ``auto_candidates`` while training and keep the fastest
-            (:mod:`bagua_lightning.strategy.autotune.selection`).
+            (:mod:`bagua_lightning.engine.autotune.selection`).
         flatten: communicate flat buckets with gradients as views of them (no copy).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for ``DDPStrategy``.
         autotune: tune the bucket plan with the autotune service while training
-            (:mod:`bagua_lightning.strategy.autotune`); only for algorithms that
+            (:mod:`bagua_lightning.engine.autotune`); only for algorithms that
             communicate gradients in buckets (gradient_allreduce, bytegrad, qadam).
         start_method: ``"popen"`` (scripts, torchrun), ``"spawn"``, ``"fork"``: as ``DDPStrategy``.
         process_group_backend: ``"nccl"``/``"gloo"``; None picks by device.
@@ -80,13 +87,17 @@ class BaguaStrategy(DDPStrategy):
             (or the services file's token when the service is the one that file records), else no token.
         autotune_tls: True: talk TLS with the system's root certificates; a path: TLS with
             that PEM file as the CA of the service's certificate; False: plaintext.
+        autotune_model_name: the name the model is tuned under on the service (printable, at
+            most 200 characters); None: the LightningModule's class name and a fingerprint of
+            its parameters. Each job has its own tuning session whatever the name (keyed by the
+            launcher's run id); jobs of the same model and world size share their best plans.
         auto_candidates: with ``algorithm="auto"``: the algorithms to measure; None: gradient_allreduce
             and bytegrad. Add decentralized, low_precision_decentralized or async to widen the search.
         auto_warmup_steps: with ``algorithm="auto"``: untimed steps after each switch.
         auto_trial_steps: with ``algorithm="auto"``: timed steps per candidate (their median counts).
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``,
             ``average``, ``peer_selection_mode``, ``sync_interval_ms``); unknown ones
-            raise :class:`~bagua_lightning.errors.ConfigurationError` listing the accepted ones.
+            raise :class:`~bagua_lightning.core.errors.ConfigurationError` listing the accepted ones.
     """
 
     strategy_name = "bagua"
@@ -110,6 +121,7 @@ class BaguaStrategy(DDPStrategy):
         autotune_interval: int = DEFAULT_AUTOTUNE_INTERVAL,
         autotune_token: str | None = None,
         autotune_tls: bool | str | Path = False,
+        autotune_model_name: str | None = None,
         auto_candidates: list[str] | tuple[str, ...] | None = None,
         auto_warmup_steps: int = 3,
         auto_trial_steps: int = 10,
@@ -141,8 +153,9 @@ class BaguaStrategy(DDPStrategy):
         if not isinstance(autotune_tls, bool | str | Path):
             raise ConfigurationError(f"autotune_tls must be a bool or a CA certificate path, got {autotune_tls!r}")
         tls_roots = None if isinstance(autotune_tls, bool) else autotune_tls
-        if autotune_service is not None and not autotune:
-            AutotuneSettings(address=autotune_service)  # a bad address fails now, naming it
+        if (autotune_service is not None or autotune_model_name is not None) and not autotune:
+            # Bad values fail now, naming them.
+            AutotuneSettings(address=autotune_service or "127.0.0.1:1", model_name=autotune_model_name)
         if autotune:
             if self._auto is None and not self._algorithm_class.uses_gradient_buckets:
                 raise ConfigurationError(
@@ -151,8 +164,12 @@ class BaguaStrategy(DDPStrategy):
                     "gradient_allreduce, bytegrad or qadam, or drop autotune=True")
             self._autotune_settings = AutotuneSettings(
                 address=resolve_autotune_address(autotune_service), interval=autotune_interval,
-                token=autotune_token, tls=autotune_tls is not False, root_certificates=tls_roots)
+                token=autotune_token, tls=autotune_tls is not False, root_certificates=tls_roots,
+                model_name=autotune_model_name)
         self._autotune: AutotuneController | None = None
+        self._autotune_state: AutotuneState | None = None  # the latest state (kept after the fit for checkpoints)
+        self._resume_autotune: AutotuneState | None = None  # from the checkpoint a fit resumes
+        self._logged_step = -1
         self.autotune_summary: AutotuneSummary | None = None
         self._selector: AlgorithmSelector | None = None
         #: What ``algorithm="auto"`` measured and chose (None for a fixed algorithm).
@@ -200,21 +217,18 @@ class BaguaStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if (
-            trainer.state.fn == TrainerFn.FITTING
-            and self.algorithm_name == "qadam"
-            and getattr(self.precision_plugin, "precision", None) == "16-mixed"
-        ):
+        precision = getattr(self.precision_plugin, "precision", None)
+        refused = self._algorithm_class.unsupported_precisions.get(str(precision))
+        if trainer.state.fn == TrainerFn.FITTING and refused is not None:
             raise MisconfigurationException(
-                    "Bagua QAdam does not support precision='16-mixed' (the loss-scaled gradient would enter "
-                    "the momentum); use precision='bf16-mixed' or '32-true'."
-                )
+                f"Bagua {self.algorithm_name} does not support precision={precision!r} ({refused})."
+            )
         super().setup(trainer)
         wrapper = self.bagua_module
         if wrapper is not None:
             try:
                 wrapper.attach_optimizers([self._unwrap(o) for o in self.optimizers])
-            except QAdamOptimizerError as exc:
+            except AlgorithmOptimizerError as exc:
                 raise MisconfigurationException(str(exc)) from exc
             fitting = trainer.state.fn == TrainerFn.FITTING
             if self._auto is not None and fitting:
@@ -302,16 +316,23 @@ class BaguaStrategy(DDPStrategy):
     def _start_autotune(self, wrapper: BaguaDistributedDataParallel) -> None:
         assert self._autotune_settings is not None and self._comm is not None
         self._stop_autotune()
+        resume, self._resume_autotune = self._resume_autotune, None
         self._autotune = AutotuneController(
             self._autotune_settings, wrapper, wrapper.module, model_prefix=type(wrapper.module).__name__,
             nproc_per_node=self._comm.local_size, group=self._comm.group,
-            device=self.root_device if self._comm.is_nccl else torch.device("cpu"))
+            device=self.root_device if self._comm.is_nccl else torch.device("cpu"), resume=resume)
         self._log_autotune(self._autotune.setup())
 
     def _stop_autotune(self) -> None:
         if self._autotune is not None:
+            self._autotune_state = self._autotune.state()
             self._autotune.close()
             self._autotune = None
+
+    @property
+    def autotune_state(self) -> AutotuneState | None:
+        """The autotuner's state (job id, plan in use, progress): live during a fit, the last one after."""
+        return self._autotune.state() if self._autotune is not None else self._autotune_state
 
     def _log_autotune(self, report: BoundaryReport | None) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -320,14 +341,29 @@ class BaguaStrategy(DDPStrategy):
         for logger in trainer.loggers:
             logger.log_metrics(report.metrics(), step=trainer.global_step)
 
+    def _log_training_metrics(self, trainer: pl.Trainer) -> None:
+        """Rank 0, every ``log_every_n_steps`` steps: the plan version and bucket count in use and the
+        hit rate of the train loader's ``CachedDataset`` (rank 0's loader and its workers)."""
+        step = trainer.global_step
+        every = int(getattr(trainer, "log_every_n_steps", 50))  # set by Lightning's logger connector; 0: off
+        if not self.is_global_zero or every <= 0 or step % every or step == self._logged_step or not trainer.loggers:
+            return
+        self._logged_step = step
+        version = self._autotune.version if self._autotune is not None else None
+        metrics = training_metrics(self.bucket_plan, version, cached_datasets(trainer.train_dataloader))
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if self._selector is not None and not self._selector.done:
-            self._selection_step(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
+            self._selection_step(trainer.global_step)
         if self._autotune is not None:
-            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
             self._log_autotune(self._autotune.on_batch_start(trainer.global_step, batch_size_of(batch)))
+        self._log_training_metrics(trainer)
 
     @override
     def on_validation_start(self) -> None:
@@ -380,7 +416,22 @@ class BaguaStrategy(DDPStrategy):
             state = algorithm.state_dict()
             if state:
                 checkpoint[CHECKPOINT_KEY] = {"algorithm": self.algorithm_name, "state": state}
+        autotune_state = self.autotune_state
+        if autotune_state is not None:
+            checkpoint[AUTOTUNE_CHECKPOINT_KEY] = autotune_state.to_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get(AUTOTUNE_CHECKPOINT_KEY)
+        self._resume_autotune = None
+        if saved is not None and self._autotune_settings is not None:
+            try:
+                self._resume_autotune = AutotuneState.from_dict(saved)
+            except ValueError as exc:
+                log.warning("autotune: %s; the resumed job starts tuning afresh", exc)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -404,14 +455,23 @@ class BaguaStrategy(DDPStrategy):
         super().teardown()
 
     @classmethod
+    def ensure_registered(cls) -> None:
+        """Register in Lightning's ``StrategyRegistry`` unless already there (idempotent)."""
+        if cls.strategy_name not in StrategyRegistry:
+            cls.register_strategies(StrategyRegistry)
+
+    @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Bagua's algorithms on torch.distributed (bagua-lightning)"
         )
-        for name, description in ALGORITHM_ALIASES.items():
+        # One alias per registered algorithm (``Trainer(strategy="bagua_bytegrad")``), as Lightning registers
+        # ``ddp_spawn``.
+        for name, algorithm in algorithm_classes().items():
             strategy_registry.register(
-                f"{cls.strategy_name}_{name}", cls, description=description, algorithm=name
+                f"{cls.strategy_name}_{name}", cls,
+                description=f"BaguaStrategy with {name}: {algorithm.spec.description}", algorithm=name,
             )
 
 
@@ -432,17 +492,4 @@ def communication_advice(algorithm: str, timings: StepTimings | None) -> str | N
             "measures gradient_allreduce and bytegrad on this job and keeps the faster")
 
 
-#: One registered strategy name per algorithm (``Trainer(strategy="bagua_bytegrad")``), as Lightning
-#: registers ``ddp_spawn``; the value is the registry's description.
-ALGORITHM_ALIASES: dict[str, str] = {
-    "gradient_allreduce": "BaguaStrategy with gradient_allreduce: bucketed gradient allreduce (like DDP)",
-    "bytegrad": "BaguaStrategy with bytegrad: gradients reduced with MinMax uint8 compression",
-    "decentralized": "BaguaStrategy with decentralized: weights averaged with all ranks or one changing peer",
-    "low_precision_decentralized": "BaguaStrategy with low_precision_decentralized: compressed weight "
-    "differences on a ring",
-    "qadam": "BaguaStrategy with qadam: Adam whose compressed first moment is exchanged after warm-up",
-    "async": "BaguaStrategy with async: weights averaged by a background thread, training never waits",
-}
-
-
-register_bagua_strategy()
+BaguaStrategy.ensure_registered()

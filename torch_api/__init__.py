@@ -18,6 +18,7 @@ from . import (
     model_parallel,
     utils,
 )
+from ._torch_patch import apply as _apply_torch_patch
 from .bucket import BaguaBucket
 from .communication import (
     BaguaProcessGroup,
@@ -61,6 +62,8 @@ from .env import (
     get_world_size,
 )
 from .tensor import BaguaTensor
+
+_apply_torch_patch()
 
 __all__ = [
     "BaguaBucket",

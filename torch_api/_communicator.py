@@ -16,13 +16,14 @@ import atexit
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import Any, ClassVar
 
 import torch
 
 from ._ops import ReduceOp
 
-__all__ = ["CommunicatorOps", "operations_left_behind"]
+__all__ = ["CommunicatorOps", "bind_primitives", "operations_left_behind"]
 
 # A peer that aborts and exits closes its connections, which fails the operation this rank still waits
 # in; Bagua's NCCL operation would have hung until this rank aborted too. Such a failure followed by this
@@ -49,10 +50,18 @@ def operations_left_behind() -> bool:
     return any(thread.is_alive() for thread in _left_behind)
 
 
+def bind_primitives(module: ModuleType) -> None:
+    """Make ``module``'s primitives (``send``, ``allreduce``, ...) the ones the communicator methods run."""
+    CommunicatorOps._primitives = module
+
+
 class CommunicatorOps:
     """Bagua's communicator methods; mixed into :class:`~.process_group.BaguaCommunicator`."""
 
     _abort_event: threading.Event
+    #: The module whose primitives the methods run (:mod:`.communication`). It binds itself as it loads
+    #: (:func:`bind_primitives`): it sits above this module, whose class the process groups it imports use.
+    _primitives: ClassVar[ModuleType | None] = None
 
     def _init_ops(self) -> None:
         self._abort_event = threading.Event()
@@ -106,9 +115,9 @@ class CommunicatorOps:
             raise err
 
     def _fns(self) -> Any:
-        from . import communication  # the primitives import this module's class through process_group
-
-        return communication
+        if self._primitives is None:
+            raise RuntimeError("Bagua's communication primitives are not loaded; import bagua_lightning.torch_api")
+        return self._primitives
 
     def send(self, tensor: torch.Tensor, peer_rank: int) -> None:
         """Send ``tensor`` to communicator rank ``peer_rank``."""
@@ -185,10 +194,15 @@ class CommunicatorOps:
         self._run(self._fns().alltoall_v, send_tensor, send_counts, send_displs, recv_tensor, recv_counts,
                   recv_displs)
 
-    def alltoall_v_inplace(self, tensor: torch.Tensor, send_counts: list[int], send_displs: list[int],
-                           recv_counts: list[int], recv_displs: list[int]) -> None:
-        """:meth:`alltoall_v` with ``tensor`` as both input and output."""
-        self._run(self._fns().alltoall_v_inplace, tensor, send_counts, send_displs, recv_counts, recv_displs)
+    def alltoall_v_inplace(self, tensor: torch.Tensor, counts: list[int], displs: list[int],
+                           recv_counts: list[int] | None = None, recv_displs: list[int] | None = None) -> None:
+        """:meth:`alltoall_v` with ``tensor`` as both input and output (``counts``/``displs`` serve both
+        directions unless ``recv_counts``/``recv_displs`` are given)."""
+        if recv_counts is None and recv_displs is None:
+            self._run(self._fns().alltoall_v_inplace, tensor, counts, displs)
+        else:
+            self._run(self._fns().alltoall_v, tensor, counts, displs, tensor,
+                      counts if recv_counts is None else recv_counts, displs if recv_displs is None else recv_displs)
 
     def barrier(self) -> None:
         """Wait until every rank of the communicator reaches this call."""

@@ -15,7 +15,7 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigurationError
+from ..core.errors import ConfigurationError
 
 __all__ = ["ReduceOp", "all_gather_single", "as_reduce_op", "divide_", "native_op", "reduce_rows"]
 

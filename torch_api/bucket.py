@@ -2,7 +2,7 @@
 
 A bucket runs its operations, in the order they were appended, once every tensor in
 it was marked ready (:meth:`~bagua_lightning.torch_api.tensor.BaguaTensor.bagua_mark_communication_ready`).
-The operations are the engine's collectives (:mod:`bagua_lightning.strategy.comm`):
+The operations are the engine's collectives (:mod:`bagua_lightning.engine.comm`):
 a centralized synchronous operation is the same allreduce, hierarchical allreduce or
 compressed (ByteGrad) exchange the builtin algorithms run. Operations run in the
 thread that marks the last tensor ready (autograd's, during backward), so they are
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..strategy.comm import CommContext, all_reduce_, hierarchical_all_reduce_
-from ..strategy.compressed_comm import compressed_all_reduce_
+from ..engine.comm import CommContext, all_reduce_, hierarchical_all_reduce_
+from ..engine.compressed_comm import compressed_all_reduce_
 from . import tensor as _tensor  # noqa: F401  (patches torch.Tensor)
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -14,13 +14,18 @@ Where a backend lacks a collective it is built from ones it has; ``docs/torch_ap
 from __future__ import annotations
 
 import io
+import sys
+from functools import cache
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ._alltoall import alltoall, alltoall_inplace, alltoall_v, alltoall_v_inplace
+from ._communicator import bind_primitives
 from ._ops import ReduceOp, all_gather_single, as_reduce_op, check_op_dtype, divide_, native_op, reduce_rows
+from ._primitive import Comm, _check, _flat, _local, _numel, _resolve, _slice, _store
 from .process_group import (
     BaguaCommunicator,
     BaguaProcessGroup,
@@ -31,6 +36,8 @@ from .process_group import (
     is_initialized,
     new_group,
 )
+
+bind_primitives(sys.modules[__name__])  # the communicator methods run the primitives below
 
 __all__ = [
     "BaguaCommunicator",
@@ -53,6 +60,7 @@ __all__ = [
     "from_torch_group",
     "gather",
     "gather_inplace",
+    "get_hyperparameters_service_client",
     "init_bagua_communicator",
     "init_process_group",
     "is_initialized",
@@ -67,53 +75,43 @@ __all__ = [
     "send",
 ]
 
-Comm = BaguaCommunicator | BaguaProcessGroup | Any | None
+def _rank_not_in_comm(comm: Any = None) -> bool:
+    """Whether this process is outside ``comm`` (None: the default communicator, which holds every rank)."""
+    return comm is not None and comm is CommMember.NON_COMM_MEMBER
 
 
-def _resolve(comm: Comm) -> BaguaCommunicator | None:
-    """The communicator to run on, or None when this rank is not in it."""
-    if comm is None or comm is CommMember.WORLD:
-        comm = _get_default_group().get_global_communicator()
-    elif isinstance(comm, BaguaProcessGroup):
-        comm = comm.get_global_communicator()
-    if comm is CommMember.NON_COMM_MEMBER:
-        return None
-    if isinstance(comm, BaguaCommunicator) and comm.check_abort():
-        return None  # an aborted communicator communicates no more, as in Bagua
-    if not isinstance(comm, BaguaCommunicator):
-        raise TypeError(
-            f"comm={comm!r} is not a Bagua communicator; pass group.get_global_communicator() "
-            "(or the group itself, or None for the default group)"
-        )
-    return comm
+def _rank_not_in_group(group: BaguaProcessGroup | None = None) -> bool:
+    """Whether this process is outside ``group`` (None: the default group, which holds every rank)."""
+    return group is not None and _rank_not_in_comm(group.get_global_communicator())
 
 
-def _check(c: BaguaCommunicator, *tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-        if c.backend == "nccl" and t.device.type != "cuda":
-            raise ValueError(f"an NCCL communicator needs CUDA tensors, got one on {t.device}; move it with .cuda()")
+def get_hyperparameters_service_client() -> Any:
+    """This process's client of the autotune service (one per process; a forked child makes its own).
+
+    The service is the one ``BaguaStrategy(autotune=True)`` talks to: ``BAGUA_LIGHTNING_AUTOTUNE_SERVICE``
+    (``host:port``), else ``MASTER_ADDR:BAGUA_SERVICE_PORT`` when Bagua's port variable is set, else the
+    address ``bagua-lightning up`` recorded. Returns a
+    :class:`bagua_lightning.client.autotune.AutotuneClient` (Bagua's ``register_tensors``,
+    ``report_metrics``, ``ask_hyperparameters``, ``report_tensor_execution_order``).
+    """
+    import os
+
+    from .env import get_bagua_service_port, get_master_addr
+
+    address = None
+    if not os.environ.get("BAGUA_LIGHTNING_AUTOTUNE_SERVICE") and get_bagua_service_port() > 0:
+        address = f"{get_master_addr()}:{get_bagua_service_port()}"
+    return _service_client(os.getpid(), address)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous 1-D view of ``t`` (a copy when ``t`` is not contiguous; :func:`_store` writes it back)."""
-    return t.detach().view(-1) if t.is_contiguous() else t.detach().reshape(-1).clone()
+@cache
+def _service_client(pid: int, address: str | None) -> Any:
+    # Keyed by pid: a gRPC channel does not survive fork, so a forked worker builds its own.
+    del pid
+    from ..client.autotune import AutotuneClient
+    from ..core.services_file import resolve_autotune_address
 
-
-def _store(t: torch.Tensor, flat: torch.Tensor) -> None:
-    if not t.is_contiguous():
-        t.detach().copy_(flat.view(t.shape))
-
-
-def _numel(what: str, t: torch.Tensor, expected: int, why: str) -> None:
-    if t.numel() != expected:
-        raise ValueError(f"{what} has {t.numel()} elements; expected {expected} ({why})")
-
-
-def _local(c: BaguaCommunicator) -> bool:
-    """A single-rank communicator without a torch group: every primitive is a local copy."""
-    return c.torch_group is None
+    return AutotuneClient(target=resolve_autotune_address(address))
 
 
 def init_bagua_communicator(model_name: str, stream: torch.cuda.Stream | None = None) -> BaguaCommunicator:
@@ -299,13 +297,6 @@ def allgather_inplace(tensor: torch.Tensor, comm: Comm = None) -> None:
     allgather(mine, tensor, c)
 
 
-def _slice(tensor: torch.Tensor, c: BaguaCommunicator) -> int:
-    n = c.nranks()
-    if tensor.numel() % n:
-        raise ValueError(f"tensor has {tensor.numel()} elements, not divisible by the communicator's {n} ranks")
-    return tensor.numel() // n
-
-
 def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm: Comm = None) -> None:
     """Concatenate ``send_tensor`` of every rank, in rank order, into ``recv_tensor`` of communicator rank ``dst``."""
     c = _resolve(comm)
@@ -417,70 +408,6 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
     reduce_scatter(flat, out, op, c)
     flat[c.rank() * k:(c.rank() + 1) * k].copy_(out)
     _store(tensor, flat)
-
-
-def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Comm = None) -> None:
-    """Slice ``send_tensor`` in ``nranks`` parts; part ``j`` of rank ``i`` becomes part ``i`` of rank ``j``'s
-    ``recv_tensor`` (same size)."""
-    c = _resolve(comm)
-    if c is None:
-        return
-    _check(c, send_tensor, recv_tensor)
-    _numel("recv_tensor", recv_tensor, send_tensor.numel(), "the size of send_tensor")
-    _slice(send_tensor, c)
-    src = send_tensor.detach().reshape(-1).clone()  # may alias recv_tensor
-    out = _flat(recv_tensor)
-    if _local(c):
-        out.copy_(src)
-    else:
-        dist.all_to_all_single(out, src, group=c.torch_group)
-    _store(recv_tensor, out)
-
-
-def alltoall_inplace(tensor: torch.Tensor, comm: Comm = None) -> None:
-    """The in-place :func:`alltoall`."""
-    alltoall(tensor, tensor, comm)
-
-
-def _check_splits(what: str, counts: list[int], displs: list[int], n: int, size: int) -> None:
-    if len(counts) != n or len(displs) != n:
-        raise ValueError(f"{what} counts and displacements need one entry per rank ({n}), "
-                         f"got {len(counts)} and {len(displs)}")
-    for i, (cnt, d) in enumerate(zip(counts, displs, strict=True)):
-        if cnt < 0 or d < 0 or d + cnt > size:
-            raise ValueError(f"{what} part {i}: count {cnt} at displacement {d} does not fit in {size} elements")
-
-
-def alltoall_v(send_tensor: torch.Tensor, send_counts: list[int], send_displs: list[int],
-               recv_tensor: torch.Tensor, recv_counts: list[int], recv_displs: list[int],
-               comm: Comm = None) -> None:
-    """All-to-all with a size per peer: ``send_counts[j]`` elements from ``send_displs[j]`` go to rank ``j``,
-    which stores them at its ``recv_displs[i]`` (``recv_counts[i]`` elements; counts must match pairwise)."""
-    c = _resolve(comm)
-    if c is None:
-        return
-    _check(c, send_tensor, recv_tensor)
-    n = c.nranks()
-    _check_splits("send", list(send_counts), list(send_displs), n, send_tensor.numel())
-    _check_splits("recv", list(recv_counts), list(recv_displs), n, recv_tensor.numel())
-    flat_send = send_tensor.detach().reshape(-1)
-    packed = torch.cat([flat_send[d:d + k] for k, d in zip(send_counts, send_displs, strict=True)])
-    got = torch.empty(sum(recv_counts), dtype=recv_tensor.dtype, device=recv_tensor.device)
-    if _local(c):
-        got.copy_(packed)
-    else:
-        dist.all_to_all_single(got, packed, output_split_sizes=list(recv_counts),
-                               input_split_sizes=list(send_counts), group=c.torch_group)
-    out = _flat(recv_tensor)
-    for part, d in zip(got.split(list(recv_counts)), recv_displs, strict=True):
-        out[d:d + part.numel()].copy_(part)
-    _store(recv_tensor, out)
-
-
-def alltoall_v_inplace(tensor: torch.Tensor, send_counts: list[int], send_displs: list[int],
-                       recv_counts: list[int], recv_displs: list[int], comm: Comm = None) -> None:
-    """The in-place :func:`alltoall_v`."""
-    alltoall_v(tensor, send_counts, send_displs, tensor, recv_counts, recv_displs, comm)
 
 
 def barrier(comm: Comm = None) -> None:

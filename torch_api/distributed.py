@@ -4,7 +4,7 @@
 broadcasts parameters, buffers and optimizer state from the group's first rank, and
 hooks the model itself (forward pre/post hooks, per-parameter gradient hooks,
 optimizer step hooks) through the engine's
-:class:`~bagua_lightning.strategy.ddp.AlgorithmDriver`, the same driver
+:class:`~bagua_lightning.engine.ddp.AlgorithmDriver`, the same driver
 ``BaguaStrategy`` uses. It returns the same module. Calling it again switches the
 algorithm (the previous one is torn down first).
 
@@ -13,15 +13,16 @@ A rank outside ``process_group`` trains locally: nothing is broadcast or communi
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..errors import ConfigurationError
-from ..strategy.buckets import IGNORE_ATTRIBUTE, trainable_parameters
-from ..strategy.ddp import AlgorithmDriver
+from ..core.errors import ConfigurationError
+from ..engine.buckets import IGNORE_ATTRIBUTE, default_plan, trainable_parameters
+from ..engine.ddp import AlgorithmDriver
 from . import env
 from .algorithms.base import Algorithm, AlgorithmImpl, EngineAlgorithmImpl, HookedAlgorithm
 from .bucket import BaguaBucket
@@ -68,7 +69,10 @@ class BaguaModule:
             algorithm: the distributed algorithm (an :class:`~bagua_lightning.torch_api.algorithms.Algorithm`;
                 one object may serve several modules).
             process_group: the group to communicate in; None: the default group of ``init_process_group``.
-            do_flatten: gradients become views of flat communication buffers.
+            do_flatten: parameters move into one flat buffer per bucket (in bucket order) and gradients
+                become views of flat communication buffers, as in Bagua. Values are unchanged; an
+                optimizer fused before wrapping (``fuse_optimizer``) then finds its parameters moved and
+                steps them one by one.
 
         Returns:
             This module, with Bagua's attributes set.
@@ -113,6 +117,10 @@ class BaguaModule:
         driver: AlgorithmDriver | None = None
         hooked: HookedAlgorithm | None = None
         if process_group.is_member:
+            if do_flatten:
+                _flatten_parameters(self, bool(getattr(impl, "hierarchical", False)))
+                for opt in optimizers:
+                    _unfuse(opt)
             engine = impl.engine if isinstance(impl, EngineAlgorithmImpl) else \
                 (hooked := HookedAlgorithm(impl, self, do_flatten))
             driver = AlgorithmDriver(self, engine, process_group.comm, flatten=do_flatten,
@@ -155,6 +163,44 @@ class BaguaModule:
         if driver is None:
             raise ConfigurationError("no_sync() needs a module wrapped with with_bagua(...) on a member rank")
         return driver.no_sync()
+
+
+def _flatten_parameters(module: nn.Module, hierarchical: bool) -> None:
+    """Move the communicated parameters into one contiguous buffer per bucket of the default plan.
+
+    ``param.data`` is re-pointed at a view of the new buffer (same values, shape and ``Parameter``
+    object), so optimizers keep stepping the same parameters. Done before the engine is set up, so its
+    buckets see the final storage.
+    """
+    named = trainable_parameters(module)
+    by_name = dict(named)
+    plan = default_plan(named, bucket_size=env.get_default_bucket_size(), hierarchical=hierarchical)
+    with torch.no_grad():
+        for bucket in plan.buckets:
+            kinds: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+            for decl in bucket:
+                p = by_name[decl.name]
+                if not p.is_sparse:
+                    kinds.setdefault((p.dtype, p.device), []).append(p)
+            for params in kinds.values():
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+                offset = 0
+                for p in params:
+                    p.data = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+
+
+def _unfuse(optimizer: torch.optim.Optimizer) -> None:
+    """A fused optimizer whose parameters ``do_flatten`` just moved steps tensor by tensor from now on.
+
+    As in Bagua: its flat layout (and its state's) is gone, so ``fuse_step()`` becomes ``step()`` (same
+    result; ``_bagua_fused_count`` stops growing). Wrap with ``do_flatten=False`` to keep fused steps.
+    """
+    if hasattr(optimizer, "fuse_step") and hasattr(optimizer, "_bagua_fused_count"):
+        def plain_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+            return self.step(closure)
+
+        optimizer.fuse_step = types.MethodType(plain_step, optimizer)
 
 
 def _patch_module() -> None:

@@ -22,7 +22,7 @@ After it, the values the process group was initialised with (arguments of ``init
 override the environment), so both agree for the rest of the job. Rank and world size of a
 torch.distributed group initialised by someone else (a Lightning strategy, a user's own call) count
 before any variable. A variable that is set but not an
-integer raises a :class:`~bagua_lightning.errors.ConfigurationError` naming it.
+integer raises a :class:`~bagua_lightning.core.errors.ConfigurationError` naming it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..errors import ConfigurationError
+from ..core.errors import ConfigurationError
 
 __all__ = [
     "find_free_network_port",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import socket
 import time
 from datetime import timedelta
@@ -29,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigurationError
-from ..strategy import comm as _engine_comm
-from ..strategy.comm import CommContext
+from ..core.errors import ConfigurationError
+from ..engine import comm as _engine_comm
+from ..engine.comm import CommContext
 from . import env
 from ._communicator import CommunicatorOps, operations_left_behind
 from ._ops import all_gather_single
@@ -230,7 +231,7 @@ class BaguaProcessGroup:
 
     @property
     def comm(self) -> CommContext:
-        """This group as the engine's :class:`~bagua_lightning.strategy.comm.CommContext`.
+        """This group as the engine's :class:`~bagua_lightning.engine.comm.CommContext`.
 
         Ranks are positions in the group. With the same number of the group's ranks on every node,
         ``local_size`` is that number, ``intra_group`` this node's ranks (None with one rank per node) and
@@ -401,6 +402,26 @@ def _leave_together(store: dist.Store, rank: int, world_size: int) -> None:
         log.debug("leaving torch.distributed at exit: %s", exc)
 
 
+def _share_cores(local_size: int) -> None:
+    """Give each of the node's ``local_size`` CPU ranks its share of the cores for torch's intra-op threads.
+
+    torch starts as many intra-op (OpenMP) threads as the machine has cores in every process; with several
+    ranks per node they outnumber the cores, and OpenMP's spinning barriers then make each small operator
+    wait for descheduled threads (on 2 cores, 2 ranks: ~70 ms per tiny ``linear`` instead of ~50 us).
+    torchrun avoids it by setting ``OMP_NUM_THREADS=1``; processes started otherwise (``multiprocessing``,
+    Bagua's tests) get the same here. An explicit ``OMP_NUM_THREADS`` is left alone.
+    """
+    if local_size <= 1 or os.environ.get("OMP_NUM_THREADS", "").strip():
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    share = max(1, cores // local_size)
+    if torch.get_num_threads() > share:
+        torch.set_num_threads(share)
+
+
 def init_process_group(store: dist.Store | None = None, rank: int = -1, world_size: int = -1,
                        local_world_size: int = -1) -> None:
     """Initialise torch.distributed and Bagua's default process group; call it before any other API.
@@ -459,6 +480,8 @@ def init_process_group(store: dist.Store | None = None, rank: int = -1, world_si
                 "start at most one process per GPU on each node"
             )
         torch.cuda.set_device(device)
+    if not use_cuda:
+        _share_cores(local_size)
     if not adopted:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timeout)

@@ -13,15 +13,19 @@ Importing this module patches ``torch.Tensor`` (as importing ``bagua.torch_api``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .bucket import BaguaBucket
-
 Getter = Callable[[torch.Tensor], torch.Tensor]
 Setter = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class ReadyListener(Protocol):
+    """What a Bagua tensor needs of the bucket holding it (:class:`~.bucket.BaguaBucket`)."""
+
+    def _mark_ready(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is final for this step."""
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +43,7 @@ class BaguaTensor:
     _bagua_module_name: str | None
     _bagua_getter: Getter
     _bagua_setter: Setter
-    _bagua_bucket: BaguaBucket | None
+    _bagua_bucket: ReadyListener | None
 
     def ensure_bagua_tensor(
         self: Any,

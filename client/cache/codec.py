@@ -19,7 +19,7 @@ checked by value. A flipped bit, a truncated value or a valid entry copied under
 Digest kinds:
 
 * ``hmac-sha256`` (first 24 bytes): when a cache key (a secret shared by the job, see
-  :func:`bagua_lightning.services_file.resolve_cache_key`) is configured. Only holders of the key can write an
+  :func:`bagua_lightning.core.services_file.resolve_cache_key`) is configured. Only holders of the key can write an
   entry that reads back, so an entry forged by someone who can write to Redis is a miss. With a key, entries
   without this digest are refused.
 * ``xxh3-64`` (when the ``xxhash`` package is installed, ~30 GB/s) or ``crc32`` (zlib) otherwise: without

@@ -11,8 +11,8 @@ import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from ...errors import ConfigurationError
-from ...services_file import resolve_cache_key
+from ...core.errors import ConfigurationError
+from ...core.services_file import resolve_cache_key
 from . import codec
 from .faults import OutagePolicy, OutageTracker
 from .keys import entry_prefix
@@ -47,7 +47,7 @@ class CacheLoader:
             from the cache when reading it: only for a Redis that nobody untrusted can write to.
         store: an existing :class:`Store` to use instead of creating a ``RedisStore``.
         cache_key: the secret that authenticates entries (HMAC-SHA256); None: the deployment's
-            (:func:`bagua_lightning.services_file.resolve_cache_key`), ``b""``: none (unkeyed digest). Every
+            (:func:`bagua_lightning.core.services_file.resolve_cache_key`), ``b""``: none (unkeyed digest). Every
             job sharing a cache must use the same key: an entry written without it, or with another, is a
             miss.
         outage_policy: back-off while the store is unavailable.
@@ -76,13 +76,16 @@ class CacheLoader:
                 'CacheLoader(serializer="pickle"): entries are unpickled when read, so anyone who can write to '
                 "this Redis can run code in every training process. Use it only with a trusted, "
                 "password-protected Redis.", UserWarning, stacklevel=2)
-        self.store: Store = store if store is not None else RedisStore(**kwargs)
+        self.store: Store = store if store is not None else RedisStore(outage_policy=outage_policy, **kwargs)
         self.record_catalog = record_catalog
         self._allow_pickle = serializer == "pickle"
         if cache_key is None:
             cache_key = resolve_cache_key()
         self._secret = (cache_key.encode() if isinstance(cache_key, str) else cache_key) or None
-        self._outage = OutageTracker(f"the sample cache ({self.store!r})", outage_policy)
+        # A RedisStore backs off each failing node itself (the keys of the others keep hitting); any other
+        # store gets one circuit breaker around all of it.
+        self._outage: OutageTracker | None = None if self.store.isolates_failures else OutageTracker(
+            f"the sample cache ({self.store!r})", outage_policy)
         self._counters = SharedCounters()
         self._buffer: dict[str, tuple[memoryview, bool]] = {}  # redis key -> (entry, overwrite)
         self._lock = threading.Lock()
@@ -114,7 +117,8 @@ class CacheLoader:
         """Values of ``keys`` in order, fetched in one batched read; misses come from ``load_many_fn(missing)``.
 
         Raises:
-            TypeError: a loaded value the codec cannot store (the message names it and the opt-in).
+            TypeError: a loaded value the codec cannot store (the message names it and the opt-in); checked when
+                the value is written, so not while every node of the store is unavailable.
         """
         if _registered_pid[0] != os.getpid():  # first use in a forked DataLoader worker
             _register_exit_flush(self)
@@ -127,7 +131,8 @@ class CacheLoader:
         to_fetch = list(range(len(keys)))
         if self._buffer:
             to_fetch = self._from_buffer(rkeys, out, found, to_fetch)
-        if to_fetch and self._outage.available():
+        outage = self._outage
+        if to_fetch and (outage is None or outage.available()):
             everything = len(to_fetch) == len(rkeys)
             fetch_keys = list(map(str.encode, rkeys if everything else [rkeys[j] for j in to_fetch]))
             values, error = self.store.fetch_views(fetch_keys)
@@ -150,9 +155,10 @@ class CacheLoader:
                     nbytes += len(value)
             if error is not None:
                 counters.add("errors")
-                self._outage.failure(error)
-            else:
-                self._outage.success()
+                if outage is not None:
+                    outage.failure(error)
+            elif outage is not None:
+                outage.success()
             counters.add("bytes_read", nbytes)
         missing = [j for j, hit in enumerate(found) if not hit]
         counters.add("hits", len(keys) - len(missing))
@@ -163,6 +169,10 @@ class CacheLoader:
                 raise ValueError(f"load function returned {len(loaded)} values for {len(missing)} keys")
             for j, value in zip(missing, loaded, strict=True):
                 out[j] = value
+            if not self.store.writable():  # every node backing off: no entry could be written, skip encoding
+                counters.add("write_errors", len(missing))
+                return out
+            for j, value in zip(missing, loaded, strict=True):
                 entry = codec.encode(value, rkeys[j].encode(), allow_pickle=self._allow_pickle, secret=self._secret)
                 self._buffer[rkeys[j]] = (entry, overwrite[j])
             _pending[id(self)] = self  # kept alive until flushed, at the latest at exit
@@ -189,7 +199,7 @@ class CacheLoader:
         with self._lock:
             items, self._buffer = self._buffer, {}
             _pending.pop(id(self), None)
-        if not self._outage.available():
+        if self._outage is not None and not self._outage.available():
             self._counters.add("write_errors", len(items))
             return
         new = [(k, v) for k, (v, ow) in items.items() if not ow]
@@ -201,12 +211,15 @@ class CacheLoader:
                 continue
             done, error = self.store.put(batch, overwrite)
             if error is not None:
-                failed += len(batch)
                 self._counters.add("errors")
-                self._outage.failure(error)
-                continue
+                if self._outage is not None:
+                    self._outage.failure(error)
+                # The keys of the nodes that answered are written; the others (a failed node, or one backing
+                # off) count as failed. (An NX key that existed on a live node is counted so too: a
+                # slight overcount, only during an outage.)
+                failed += done.count(False)
             for (_, v), ok in zip(batch, done, strict=True):
-                if ok or overwrite:
+                if ok:
                     self._counters.add("writes")
                     self._counters.add("bytes_written", v.nbytes)
                 if ok and not overwrite:

@@ -1,7 +1,7 @@
 """``hosts=None``: the node-local cache servers of a job, found or started, and shared across its nodes.
 
 The server itself (how it is started, where its state and secret live, how it is stopped) is
-:mod:`bagua_lightning.local_redis`'s. This module coordinates a job over a ``torch.distributed`` store:
+:mod:`bagua_lightning.core.local_redis`'s. This module coordinates a job over a ``torch.distributed`` store:
 
 The interface (small on purpose)::
 
@@ -16,7 +16,7 @@ initialised, else this process alone). Protocol, under the prefix ``bagua_lightn
 1. every rank publishes its node identity (host name and the address it reaches the rendezvous from)
    under ``rank/<rank>``; every rank reads all of them, so all ranks agree on the nodes (in order of
    their lowest rank) and on each node's leader (its lowest rank);
-2. each leader starts or reuses its node's server (:func:`~bagua_lightning.local_redis.ensure_server`).
+2. each leader starts or reuses its node's server (:func:`~bagua_lightning.core.local_redis.ensure_server`).
    On one node it listens on 127.0.0.1 only. On several nodes it also listens on the address the node
    reaches the rendezvous from, and all servers share one password: node 0's leader publishes its
    server's password under ``password``; the other leaders switch their servers to it
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ...errors import ServiceUnavailableError
-from ...local_redis import LocalServer, ensure_server, local_dir, read_server, set_password
-from ...services_file import format_address
+from ...core.errors import ServiceUnavailableError
+from ...core.local_redis import LocalServer, ensure_server, local_dir, read_server, set_password
+from ...core.services_file import format_address
 
 _PREFIX = "bagua_lightning/redis_local/"
 LOOPBACK = "127.0.0.1"

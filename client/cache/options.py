@@ -9,8 +9,8 @@ from typing import Any
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from ...errors import ConfigurationError
-from ...services_file import resolve_redis_password
+from ...core.errors import ConfigurationError
+from ...core.services_file import resolve_redis_password
 
 # bytes per socket read: a batch of samples is hundreds of KB per node, read in a few large chunks
 SOCKET_READ_SIZE = 1024 * 1024
@@ -59,7 +59,7 @@ class RedisOptions:
             raise ConfigurationError(f"retries={self.retries}, backoff_cap_s={self.backoff_cap_s} must be >= 0.")
 
     def resolve_password(self, hosts: Sequence[tuple[str, int]]) -> None:
-        """Fill in an unset password for ``hosts`` (:func:`~bagua_lightning.services_file.resolve_redis_password`:
+        """Fill in an unset password for ``hosts`` (:func:`~bagua_lightning.core.services_file.resolve_redis_password`:
         the services file's password goes only to the nodes it records)."""
         if self.password is None:
             self.password = resolve_redis_password(hosts)

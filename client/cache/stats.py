@@ -18,11 +18,12 @@ class CacheStats:
         hits: samples decoded from the cache.
         misses: samples loaded from the source (not cached, evicted, corrupt, or the store unavailable).
         corrupt: entries that failed their checksum or format check (each also counts as a miss).
-        errors: store calls that failed (unreachable, timed out, failing over).
+        errors: store calls that did not get every answer (a node unreachable, timed out, failing over, or
+            backing off after failing: then its keys are skipped without a network call).
         bytes_read: bytes of entries read from the cache.
         bytes_written: bytes of entries written to the cache.
         writes: entries written.
-        write_errors: entries that could not be written because the store failed.
+        write_errors: entries that could not be written because their node (or the whole store) failed.
     """
 
     hits: int = 0

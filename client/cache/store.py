@@ -13,6 +13,11 @@
 
 Connections are opened lazily and per process: after a ``fork`` (DataLoader workers) the child opens its own,
 and a pickled store (``spawn``) carries only its configuration.
+
+Failures are isolated per node (:class:`~.faults.NodeBreakers`): a node that fails is skipped without network
+calls until its next try while the others keep serving, and a store that cannot connect at all backs off the
+same way. :meth:`RedisStore.fetch` and :meth:`RedisStore.put` never raise for anything Redis does; one warning
+is logged per outage (per process), one info line when every node answers again.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from typing import Any
 
 import redis
 
-from ...errors import ConfigurationError
-from ...services_file import resolve_redis_hosts
-from .backends import STORE_ERRORS, Backend, ClusterBackend, NodesBackend, Value, probe_is_cluster
+from ...core.errors import ConfigurationError
+from ...core.services_file import resolve_redis_hosts
+from .backends import STORE_ERRORS, Backend, NodesBackend, Value, probe_is_cluster
 from .catalog import RESERVED_KEYS, Catalog, RedisCatalog
+from .cluster_backend import ClusterBackend
+from .faults import CONNECT, NodeBreakers, OutagePolicy
 from .hashing import RendezvousHash
 from .options import RedisOptions, parse_hosts
 
@@ -47,7 +54,12 @@ class Store(ABC):
     never raise for a failing store (they return the error beside the values, so training goes on with the
     source), and :meth:`catalog`. Stores that can do better than the defaults (one round trip for many
     keys, write-if-absent on the server) override them.
+
+    A store whose ``isolates_failures`` is True backs off failing nodes itself (and warns); the loader then
+    keeps no store-wide circuit breaker around it.
     """
+
+    isolates_failures = False
 
     @abstractmethod
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -112,6 +124,11 @@ class Store(ABC):
         """The datasets catalog this store keeps, or None (the loader then keeps no bookkeeping)."""
         return None
 
+    def writable(self) -> bool:
+        """False when a write now would reach no node at all (every one backing off): the loader then skips
+        encoding entries it could not write. Without a network call."""
+        return True
+
 
 def _raise(error: BaseException | None) -> None:
     if error is not None:
@@ -131,6 +148,7 @@ class ClusterStore(Store):
         if not stores or not all(isinstance(s, Store) for s in stores):
             raise ConfigurationError(f"ClusterStore(stores={stores!r}) needs a non-empty list of Store objects.")
         self.stores = stores
+        self.isolates_failures = all(s.isolates_failures for s in stores)
         self._ring = RendezvousHash([f"store-{i}" for i in range(len(stores))])
 
     def _groups(self, keys: Sequence[str | bytes]) -> dict[int, list[int]]:
@@ -175,6 +193,9 @@ class ClusterStore(Store):
     def mset(self, dictionary: Mapping[str, Value]) -> None:
         _raise(self.put(list(dictionary.items()))[1])
 
+    def writable(self) -> bool:
+        return any(s.writable() for s in self.stores)
+
     def num_keys(self) -> int:
         return sum(s.num_keys() for s in self.stores)
 
@@ -211,11 +232,17 @@ class RedisStore(Store):
         cluster_mode: for independent servers: shard keys over all of them (True) or use host ``n % m`` on
             the n-th node (False). A real Redis Cluster is always used as a cluster.
         capacity_per_node: ``maxmemory`` in bytes of a spawned local server (no effect on existing servers).
+        outage_policy: back-off of a failing node (and of connecting); default :class:`OutagePolicy()`.
         **options: :class:`RedisOptions` fields (``password``, ``username``, ``ssl``, timeouts, retries).
     """
 
+    isolates_failures = True
+
     def __init__(self, hosts: Sequence[Any] | None = None, cluster_mode: bool = True,
-                 capacity_per_node: int = DEFAULT_CAPACITY, **options: Any) -> None:
+                 capacity_per_node: int = DEFAULT_CAPACITY, outage_policy: OutagePolicy | None = None,
+                 **options: Any) -> None:
+        if outage_policy is not None and not isinstance(outage_policy, OutagePolicy):
+            raise ConfigurationError(f"outage_policy={outage_policy!r}; give an OutagePolicy or None.")
         if not isinstance(capacity_per_node, int) or capacity_per_node <= 0:
             raise ConfigurationError(f"capacity_per_node={capacity_per_node!r}; give a positive number of bytes.")
         self.options = RedisOptions.from_kwargs(options)
@@ -243,6 +270,7 @@ class RedisStore(Store):
         self.hosts = parse_hosts(hosts)
         if not self.local:  # a node-local server's password came with its address
             self.options.resolve_password(self.hosts)
+        self.breakers = NodeBreakers(f"the sample cache ({self!r})", outage_policy)
         self._backend_obj: Backend | None = None
         self._pid = os.getpid()
         self._creator_pid = self._pid
@@ -252,7 +280,7 @@ class RedisStore(Store):
         state = self.__dict__.copy()
         state["_backend_obj"] = None
         state["managed_pid"] = None  # only the creating process stops the server it started
-        return state
+        return state  # ``breakers`` pickles without its outage: a spawned worker presumes every node up
 
     @property
     def backend(self) -> Backend:
@@ -264,10 +292,26 @@ class RedisStore(Store):
 
     def _connect(self) -> Backend:
         if (len(self.hosts) > 1 or not self.local) and probe_is_cluster(self.hosts, self.options):
-            return ClusterBackend(self.hosts, self.options)
+            return ClusterBackend(self.hosts, self.options, self.breakers)
         if self.cluster_mode or len(self.hosts) == 1:
-            return NodesBackend(self.hosts, self.options)
-        return NodesBackend([self.hosts[node_index() % len(self.hosts)]], self.options)
+            return NodesBackend(self.hosts, self.options, self.breakers)
+        return NodesBackend([self.hosts[node_index() % len(self.hosts)]], self.options, self.breakers)
+
+    def _usable(self) -> tuple[Backend | None, BaseException | None]:
+        """The backend, connected if need be, or None and why: connecting failed now, or backs off (then
+        without a network call)."""
+        backend = self._backend_obj
+        if backend is not None and self._pid == os.getpid():
+            return backend, None
+        if not self.breakers.available(CONNECT):
+            return None, redis.ConnectionError(f"{self!r} is unavailable (backing off)")
+        try:
+            backend = self.backend
+        except STORE_ERRORS as exc:  # nothing answers (RedisClusterException included): back off
+            self.breakers.failure(CONNECT, exc)
+            return None, exc
+        self.breakers.success(CONNECT)
+        return backend, None
 
     @property
     def is_cluster(self) -> bool:
@@ -283,19 +327,36 @@ class RedisStore(Store):
         return self._fetch(keys, True)
 
     def _fetch(self, keys: Sequence[bytes], views: bool) -> Fetched:
+        backend, error = self._usable()
+        if backend is None:
+            return [None] * len(keys), error
         try:
-            return self.backend.fetch(keys, views)
-        except STORE_ERRORS as exc:
-            self._backend_obj = None  # reconnect (and re-probe the topology) next time
+            return backend.fetch(keys, views)
+        except STORE_ERRORS as exc:  # backends report node failures beside the values; this is anything else
+            self._lost(exc)
             return [None] * len(keys), exc
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> Written:
-        """Write ``items`` pipelined (``SET`` / ``SET NX``); never raises for the store."""
+        """Write ``items`` pipelined per node (``SET`` / ``SET NX``); the keys of failing nodes are not written.
+        Never raises for the store."""
+        backend, error = self._usable()
+        if backend is None:
+            return [False] * len(items), error
         try:
-            return self.backend.put(items, overwrite)
+            return backend.put(items, overwrite)
         except STORE_ERRORS as exc:
-            self._backend_obj = None
+            self._lost(exc)
             return [False] * len(items), exc
+
+    def _lost(self, exc: BaseException) -> None:
+        # Reconnect (and re-probe the topology) at the next try.
+        self.breakers.failure(CONNECT, exc)
+        backend, self._backend_obj = self._backend_obj, None
+        if backend is not None:
+            try:
+                backend.close()
+            except STORE_ERRORS:
+                pass
 
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
         values, error = self.fetch(list(keys))
@@ -304,6 +365,14 @@ class RedisStore(Store):
 
     def mset(self, dictionary: Mapping[str, Value]) -> None:
         _raise(self.put(list(dictionary.items()), overwrite=True)[1])
+
+    def writable(self) -> bool:
+        if not self.breakers.down:
+            return True
+        backend = self._backend_obj
+        if backend is None or self._pid != os.getpid():
+            return self.breakers.available(CONNECT)
+        return backend.writable()
 
     def catalog(self) -> Catalog:
         return RedisCatalog(self.backend.client_for_key(RESERVED_KEYS[0]), self.backend.primaries)

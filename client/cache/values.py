@@ -20,7 +20,7 @@ import struct
 import sys
 from typing import Any
 
-from ...errors import CacheError
+from ...core.errors import CacheError
 
 MAX_DEPTH = 32  # nesting levels of containers, images, namedtuples and dataclasses
 ALIGN = 64  # bytes; every array starts on this boundary of the data region

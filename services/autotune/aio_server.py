@@ -56,7 +56,7 @@ def _is_big(sync: AutotuneServicer, name: str, request: Any) -> bool:
     """Whether ``request``'s work grows with a large model (then it runs in a worker thread)."""
     if name in _HEAVY:
         return True
-    return sync.service.tensor_count(request.model_name) > BIG_MODEL_TENSORS
+    return sync.service.tensor_count(request.model_name, getattr(request, "job_id", "")) > BIG_MODEL_TENSORS
 
 
 def _handler(sync: AutotuneServicer, name: str, workers: ThreadPoolExecutor) -> Callable[[Any, Any], Awaitable[Any]]:

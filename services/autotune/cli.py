@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ...cli import bind_port_arg
-from ...errors import ConfigurationError
+from ...core.errors import ConfigurationError
+from ...core.services_file import ENV_AUTOTUNE_TOKEN
 from ...proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration
-from ...services_file import ENV_AUTOTUNE_TOKEN
 from .config import TUNERS, ServiceConfig
 from .server import DEFAULT_PORT, SERVER_KINDS, TlsFiles, read_token_file, serve
 
@@ -117,7 +117,7 @@ def _add_tuning_options(p: argparse.ArgumentParser, *, warmup_time_s: float | No
 
 
 def _size_arg(text: str) -> int:
-    from ...procs import parse_bytes
+    from ...core.procs import parse_bytes
 
     try:
         return parse_bytes(text)

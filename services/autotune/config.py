@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ...errors import ConfigurationError
+from ...core.errors import ConfigurationError
 from ...proto.plan import DEFAULT_BUCKET_SIZE
 
 TUNERS = ("auto", "bayes", "planner")

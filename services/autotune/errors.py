@@ -7,7 +7,7 @@ import so the logic stays testable without a server.
 
 from __future__ import annotations
 
-from ...errors import BaguaLightningError
+from ...core.errors import BaguaLightningError
 
 
 class AutotuneRequestError(BaguaLightningError):

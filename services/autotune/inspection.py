@@ -28,16 +28,19 @@ def register_inspection(sub: Any) -> None:
         p.add_argument("--tls-root-cert", type=Path, default=None, help="PEM of the CA of the service (TLS)")
         p.add_argument("--timeout-s", type=float, default=5.0, help="deadline of the call, seconds (default 5)")
 
-    ls = sub.add_parser("ls", help="list the models a running service tunes")
+    ls = sub.add_parser("ls", help="list the jobs and models a running service tunes, and the best plan per "
+                                   "model shape that new jobs start from")
     common(ls)
     ls.set_defaults(func=_ls)
     show = sub.add_parser("show", help="one model's plans and measured samples")
     common(show)
     show.add_argument("model", help="model name (see `autotune ls`)")
+    show.add_argument("--job", default="", help="the job's id when several jobs tune the model (see `autotune ls`)")
     show.set_defaults(func=_show)
     plot = sub.add_parser("plot", help="plot a model's speed per measured plan and its bucket layouts")
     common(plot)
     plot.add_argument("model", help="model name (see `autotune ls`)")
+    plot.add_argument("--job", default="", help="the job's id when several jobs tune the model (see `autotune ls`)")
     plot.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
     plot.add_argument("--log-file", type=Path, default=None,
                       help="read this sample log (serve --log-dir) instead of asking the service")
@@ -48,7 +51,7 @@ def _one_line_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[
     """Service errors (unknown model, no token, unreachable) end the command with their message, no traceback."""
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
-        from ...errors import AutotuneError, ServiceUnavailableError
+        from ...core.errors import AutotuneError, ServiceUnavailableError
 
         try:
             return command(args)
@@ -59,7 +62,7 @@ def _one_line_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[
 
 def _client(args: argparse.Namespace) -> Any:
     from ...client.autotune import AutotuneClient, quick_retry
-    from ...services_file import resolve_autotune_address
+    from ...core.services_file import resolve_autotune_address
 
     return AutotuneClient(target=resolve_autotune_address(args.target), timeout_s=args.timeout_s,
                           retry=quick_retry(1, args.timeout_s), root_certificates=args.tls_root_cert)
@@ -68,26 +71,32 @@ def _client(args: argparse.Namespace) -> Any:
 @_one_line_errors
 def _ls(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        models = client.list_models()
+        models, shared = client.list_jobs()
     if not models:
-        print("no models")
-        return 0
-    print(f"{'MODEL':40s} {'TENSORS':>7s} {'MiB':>8s} {'RANKS':>5s} {'PLAN':>5s} {'SAMPLES':>7s} "
-          f"{'REPORTS':>7s} {'BEST':>10s} {'IDLE_S':>7s} STATE")
-    for m in models:
-        best = "-" if m.best_score is None else f"{m.best_score:.4g}"
-        print(f"{m.model_name[:40]:40s} {m.tensors:7d} {m.total_bytes / MIB:8.1f} {m.world_size:5d} "
-              f"v{m.plan_version:<4d} {m.samples:7d} {m.reports_accepted:7d} {best:>10s} {m.idle_s:7.0f} "
-              f"{'completed' if m.completed else 'tuning'}")
+        print("no jobs")
+    else:
+        print(f"{'MODEL':32s} {'JOB':24s} {'TENSORS':>7s} {'MiB':>8s} {'RANKS':>5s} {'PLAN':>5s} {'SAMPLES':>7s} "
+              f"{'REPORTS':>7s} {'BEST':>10s} {'IDLE_S':>7s} STATE")
+        for m in models:
+            best = "-" if m.best_score is None else f"{m.best_score:.4g}"
+            print(f"{m.model_name[:32]:32s} {(m.job_id or '-')[:24]:24s} {m.tensors:7d} {m.total_bytes / MIB:8.1f} "
+                  f"{m.world_size:5d} v{m.plan_version:<4d} {m.samples:7d} {m.reports_accepted:7d} {best:>10s} "
+                  f"{m.idle_s:7.0f} {'completed' if m.completed else 'tuning'}")
+    if shared:
+        print(f"\nbest plan per model shape (what a new job starts from):\n"
+              f"{'KEY':40s} {'MODEL':32s} {'FROM_JOB':24s} {'BUCKETS':>7s} {'SCORE':>10s} STATE")
+        for p in shared:
+            print(f"{p.key[:40]:40s} {p.model_name[:32]:32s} {(p.job_id or '-')[:24]:24s} {p.buckets:7d} "
+                  f"{p.score:10.4g} {'completed' if p.completed else 'tuning'}")
     return 0
 
 
 @_one_line_errors
 def _show(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        d = client.describe_model(args.model)
+        d = client.describe_model(args.model, args.job)
     m = d.summary
-    print(f"model {m.model_name}: {m.tensors} tensors, {m.total_bytes / MIB:.1f} MiB, world size {m.world_size} "
+    print(f"model {m.model_name}{f' (job {m.job_id})' if m.job_id else ''}: {m.tensors} tensors, {m.total_bytes / MIB:.1f} MiB, world size {m.world_size} "
           f"({m.nproc_per_node} per node), tuner {m.tuner or '-'}, "
           f"{'completed' if m.completed else 'tuning'}")
     print(f"reports: {m.reports_accepted} accepted, {m.reports_ignored} duplicates ignored; "
@@ -129,7 +138,7 @@ def _plot(args: argparse.Namespace) -> int:
             raise SystemExit(f"{args.log_file} holds no samples of model {args.model!r}")
     else:
         with _client(args) as client:
-            d = client.describe_model(args.model)
+            d = client.describe_model(args.model, args.job)
         rows = [{"index": s.index, "speed": s.speed, "score": s.score, "plan_version": s.plan_version,
                  "bucket_bytes": list(s.bucket_bytes)} for s in d.samples]
         if not rows:

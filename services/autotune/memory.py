@@ -11,9 +11,9 @@ of 100,000 tensors (benchmarks/autotune_service_load.py); they err on the high s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import ResourceExhaustedError
 
@@ -74,12 +74,12 @@ def check_fits(model_name: str, needed: int, budget: int) -> None:
 class Held:
     """One session as the budget sees it."""
 
-    name: str
+    name: Hashable
     last_used: float
     nbytes: int
 
 
-def choose_evictions(held: Iterable[Held], budget: int, keep: str) -> list[str]:
+def choose_evictions(held: Iterable[Held], budget: int, keep: Hashable) -> list[Hashable]:
     """Names to evict, least recently used first, until the rest fit ``budget`` bytes (0: no budget).
 
     ``keep`` (the session just used) is never chosen: a registration that fits the budget alone
@@ -89,7 +89,7 @@ def choose_evictions(held: Iterable[Held], budget: int, keep: str) -> list[str]:
     total = sum(h.nbytes for h in sessions)
     if not budget or total <= budget:
         return []
-    chosen = []
+    chosen: list[Hashable] = []
     for h in sorted(sessions, key=lambda h: h.last_used):
         if total <= budget:
             break
@@ -108,12 +108,12 @@ class MemoryAccount:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._bytes: dict[str, int] = {}
-        self._name_bytes: dict[str, int] = {}
+        self._bytes: dict[Hashable, int] = {}
+        self._name_bytes: dict[Hashable, int] = {}
         self.total = 0
         self.evicted_for_bytes = 0
 
-    def update(self, name: str, session: ModelSession, name_bytes: int | None = None) -> bool:
+    def update(self, name: Hashable, session: ModelSession, name_bytes: int | None = None) -> bool:
         """Re-measure ``session`` (``name_bytes``: its tensor names' total, given once at registration);
         True when the total is now over budget."""
         if name_bytes is not None:
@@ -123,14 +123,14 @@ class MemoryAccount:
         self._bytes[name] = nbytes
         return bool(self.budget) and self.total > self.budget
 
-    def forget(self, name: str) -> None:
+    def forget(self, name: Hashable) -> None:
         self.total -= self._bytes.pop(name, 0)
         self._name_bytes.pop(name, None)
 
-    def over_budget(self, sessions: dict[str, ModelSession], keep: str) -> list[str]:
+    def over_budget(self, sessions: dict[Any, ModelSession], keep: Hashable) -> list[Any]:
         """Names of ``sessions`` to evict (least recently used first) to get back under the budget."""
         return choose_evictions((Held(n, s.last_used, self._bytes.get(n, 0)) for n, s in sessions.items()),
                                 self.budget, keep)
 
-    def bytes_of(self, name: str) -> int:
+    def bytes_of(self, name: Hashable) -> int:
         return self._bytes.get(name, 0)

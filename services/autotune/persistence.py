@@ -34,6 +34,14 @@ def plan_key(fingerprint: str, world_size: int, nproc_per_node: int) -> str:
     return f"{fingerprint}-w{world_size}-n{nproc_per_node}"
 
 
+def parse_plan_key(key: str) -> tuple[str, int, int]:
+    """``(fingerprint, world_size, nproc_per_node)`` of a :func:`plan_key`; ValueError for another string."""
+    match = re.fullmatch(r"(.+)-w(\d+)-n(\d+)", key)
+    if match is None:
+        raise ValueError(f"{key!r} is not a plan key '<fingerprint>-w<world_size>-n<nproc_per_node>'")
+    return match.group(1), int(match.group(2)), int(match.group(3))
+
+
 @dataclass(frozen=True, slots=True)
 class StoredPlan:
     """A remembered plan.
@@ -44,6 +52,7 @@ class StoredPlan:
         completed: whether tuning had completed when it was stored.
         model_name: the model it was tuned for (informational).
         saved_at: Unix time it was stored, in seconds.
+        job_id: the job whose session measured it (informational; empty: none).
     """
 
     plan: BucketPlan
@@ -51,10 +60,19 @@ class StoredPlan:
     completed: bool
     model_name: str
     saved_at: float = 0.0
+    job_id: str = ""
+
+    def better_than(self, other: StoredPlan | None) -> bool:
+        """Whether this plan should replace ``other`` as the best of its key: a higher score, or the
+        same score from a session that completed (its plan is final) where ``other``'s had not."""
+        if other is None or self.score > other.score:
+            return True
+        return self.score == other.score and self.completed and not other.completed
 
     def to_json(self) -> str:
         return json.dumps({"plan": self.plan.to_dict(), "score": self.score, "completed": self.completed,
-                           "model_name": self.model_name, "saved_at": self.saved_at or time.time()})
+                           "model_name": self.model_name, "saved_at": self.saved_at or time.time(),
+                           "job_id": self.job_id})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StoredPlan:
@@ -69,7 +87,8 @@ class StoredPlan:
         if not isinstance(completed, bool):
             raise TypeError(f"stored completed must be a bool, got {completed!r}")
         return cls(plan=BucketPlan.from_dict(data["plan"]), score=score, completed=completed,
-                   model_name=str(data.get("model_name", ""))[:1024], saved_at=float(data.get("saved_at", 0.0)))
+                   model_name=str(data.get("model_name", ""))[:1024], saved_at=float(data.get("saved_at", 0.0)),
+                   job_id=str(data.get("job_id", ""))[:1024])
 
 
 MAX_STORED_BYTES = 64 * 1024**2  # a stored plan of 100k tensors with long names stays well below

@@ -11,6 +11,8 @@ import multiprocessing
 import os
 import threading
 import time
+import unicodedata
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -18,9 +20,9 @@ from dataclasses import dataclass
 from ...proto.plan import DTYPE_SIZES, BucketPlan, BucketTimingRecord, TensorDeclaration
 from .config import ServiceConfig
 from .costmodel import Sample
-from .errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from .memory import MemoryAccount, check_fits, registration_bytes
-from .persistence import PlanStore
+from .persistence import PlanStore, StoredPlan
 from .proposal import Proposal, Tuner, exit_with_parent, propose_in_worker
 from .reports import PlanRef, Spread
 from .samplelog import SampleLog
@@ -31,6 +33,10 @@ from .validation import check_name
 logger = logging.getLogger(__name__)
 
 MAX_WORLD_SIZE = 1 << 20  # ranks of one job
+MAX_SHARED_PLANS = 4096  # best plans per shape held in memory (least recently used dropped; the store keeps all)
+
+#: What identifies a tuning session: (job_id, model_name); job_id "" for registrations without a job.
+SessionKey = tuple[str, str]
 # Each request decodes its own copy of every dtype string: share one per dtype (~50 B a tensor).
 _DTYPES = {name: name for name in DTYPE_SIZES}
 
@@ -64,7 +70,12 @@ class ModelInfo:
 
 
 class AutotuneService:
-    """All models' sessions; safe to call from many threads.
+    """All jobs' sessions; safe to call from many threads.
+
+    Every (job_id, model_name) is its own session, so concurrent jobs of one model tune
+    independently. What they learn is shared by shape: the best plan per store key
+    (tensor-list fingerprint, world size, ranks per node) is kept in memory and in the
+    store, replaced only by a better one, and a new session starts from it.
 
     The service-wide lock guards only the table of sessions (a dict lookup, an insert,
     an eviction); requests of a model then hold that model's own lock, and store or
@@ -82,8 +93,12 @@ class AutotuneService:
         self.config = config
         self._clock = clock
         self.io = StoreIO(store, sample_log, timeout_s=config.store_timeout_s)
-        self._sessions: dict[str, ModelSession] = {}
+        self._sessions: dict[SessionKey, ModelSession] = {}
         self._lock = threading.Lock()
+        # The best plan per store key, from sessions' saves and store loads; its own lock, taken inside
+        # a session's lock (a session saves under it) and never the other way round.
+        self._shared: OrderedDict[str, StoredPlan] = OrderedDict()
+        self._shared_lock = threading.Lock()
         self.evicted = 0
         self.memory = MemoryAccount(config.max_memory)  # bytes held per session, guarded by self._lock
         self._retired_plans = 0  # plans issued by sessions since evicted (for the running total)
@@ -112,24 +127,73 @@ class AutotuneService:
         if self._tuning_pool is not None:
             self._tuning_pool.shutdown(wait=True, cancel_futures=True)
 
-    def session(self, model_name: str) -> ModelSession:
-        """The session of a registered model; NotFoundError otherwise."""
-        session = self._sessions.get(model_name)
+    def session(self, model_name: str, job_id: str = "") -> ModelSession:
+        """The session of a registered (job, model); NotFoundError otherwise."""
+        session = self._sessions.get((job_id, model_name))
         if session is None:
             self._check_name("model_name", model_name)  # a malformed name is INVALID_ARGUMENT, not NOT_FOUND
-            raise NotFoundError(f"model_name {model_name!r:.200} is not registered (or was evicted as the least "
-                                "recently used); call RegisterTensors first")
+            job = f" under job_id {job_id!r:.120}" if job_id else " without a job_id"
+            raise NotFoundError(f"model_name {model_name!r:.200} is not registered{job} (or was evicted as the "
+                                "least recently used); call RegisterTensors first")
         return session
 
-    def tensor_count(self, model_name: str) -> int:
-        """Tensors a held model declared (0 when not held): how heavy its requests are."""
-        session = self._sessions.get(model_name)
+    def tensor_count(self, model_name: str, job_id: str = "") -> int:
+        """Tensors a held (job, model) declared (0 when not held): how heavy its requests are."""
+        session = self._sessions.get((job_id, model_name))
         return len(session.registration.tensors) if session is not None else 0
+
+    def find_session(self, model_name: str, job_id: str = "") -> ModelSession:
+        """:meth:`session`; with an empty ``job_id``, also the only job's session of ``model_name``."""
+        if job_id or ("", model_name) in self._sessions:
+            return self.session(model_name, job_id)
+        with self._lock:
+            matches = [s for (_, name), s in self._sessions.items() if name == model_name]
+        if len(matches) > 1:
+            jobs = sorted(s.registration.job_id for s in matches)
+            raise FailedPreconditionError(f"model_name {model_name!r:.200} is held by {len(matches)} jobs "
+                                          f"({jobs[:5]}); name the job (job_id)")
+        return matches[0] if matches else self.session(model_name)
 
     @property
     def model_names(self) -> list[str]:
+        """The model name of every session held (once per job)."""
         with self._lock:
-            return list(self._sessions)
+            return [name for _, name in self._sessions]
+
+    # -- what jobs share: the best plan per shape ----------------------------------------------------
+    def _remember(self, key: str, stored: StoredPlan) -> bool:
+        """Keep ``stored`` as the best of ``key`` when it beats the one known; whether it did."""
+        with self._shared_lock:
+            known = self._shared.get(key)
+            if known is not None and not stored.better_than(known):
+                return False
+            self._shared[key] = stored
+            self._shared.move_to_end(key)
+            while len(self._shared) > MAX_SHARED_PLANS:
+                self._shared.popitem(last=False)
+            return True
+
+    def _save_best(self, key: str, stored: StoredPlan) -> None:
+        """A session's new best (queued to the store only when it beats every job's best of that shape)."""
+        if self._remember(key, stored):
+            self.io.save(key, stored)
+
+    def _best_for(self, key: str) -> StoredPlan | None:
+        """The best plan known for ``key``: this service's (newer than the store's queued writes), else the
+        store's, read with no lock held."""
+        with self._shared_lock:
+            known = self._shared.get(key)
+        if known is not None:
+            return known
+        stored = self.io.load(key)
+        if stored is not None:
+            self._remember(key, stored)
+        return stored
+
+    def shared_plans(self) -> list[tuple[str, StoredPlan]]:
+        """The best plan per store key known to this service, sorted by key."""
+        with self._shared_lock:
+            return sorted(self._shared.items(), key=lambda kv: kv[0])
 
     @property
     def plans_issued(self) -> int:
@@ -137,6 +201,13 @@ class AutotuneService:
         with self._lock:
             sessions = list(self._sessions.values())
         return self._retired_plans + sum(s.plans_issued for s in sessions)
+
+    def _check_job_id(self, job_id: str) -> None:
+        self._check_name("job_id", job_id)
+        bad = next((c for c in job_id if unicodedata.category(c).startswith("C")), None)
+        if bad is not None:
+            raise InvalidArgumentError(f"job_id {job_id[:80]!r} holds the control character {bad!r}; use printable "
+                                       "characters (e.g. the launcher's run id)")
 
     def _check_name(self, what: str, name: str) -> None:
         check_name(what, name, self.config.max_name_bytes)
@@ -163,11 +234,27 @@ class AutotuneService:
         return tuple(tensors)
 
     def register(self, model_name: str, tensor_list: Sequence[tuple[str, int, str]], whether_to_bucket: bool,
-                 world_size: int = 0, nproc_per_node: int = 0) -> BucketPlan:
-        """Declare a model's tensors; returns the initial plan (remembered best, else default)."""
+                 world_size: int = 0, nproc_per_node: int = 0, job_id: str = "") -> BucketPlan:
+        """Declare a model's tensors; returns the initial plan (see :meth:`register_session`)."""
+        return self.register_session(model_name, tensor_list, whether_to_bucket, world_size, nproc_per_node,
+                                     job_id=job_id).current_plan
+
+    def register_session(self, model_name: str, tensor_list: Sequence[tuple[str, int, str]],
+                         whether_to_bucket: bool, world_size: int = 0, nproc_per_node: int = 0, *,
+                         job_id: str = "", resume: BucketPlan | None = None,
+                         resume_completed: bool = False) -> ModelSession:
+        """Declare a model's tensors for a job; returns its session (whose current plan is the answer).
+
+        A new session starts from ``resume`` (a resumed job's plan) when given, else from the best
+        plan known for its shape, else the default plan. A job (non-empty ``job_id``) that
+        registers again with another world size or ranks per node gets a new session for the new
+        shape, its plan versions continuing; without a job id that is FailedPreconditionError.
+        """
         if not model_name:
             raise InvalidArgumentError("model_name is empty; name the model")
         self._check_name("model_name", model_name)
+        if job_id:
+            self._check_job_id(job_id)
         if len(tensor_list) <= self.config.max_tensors:  # more: refused below, with the count
             name_bytes = sum(len(t[0]) for t in tensor_list)
             check_fits(model_name, registration_bytes(len(tensor_list), name_bytes), self.config.max_memory)
@@ -181,76 +268,99 @@ class AutotuneService:
             raise InvalidArgumentError(
                 f"nproc_per_node must be in [0, world_size={world}] (0: one node), got {nproc_per_node}")
         registration = Registration(model_name=model_name, tensors=tensors, whether_to_bucket=whether_to_bucket,
-                                    world_size=world, nproc_per_node=per_node)
-        session = self._sessions.get(model_name)
-        created = False
-        if session is None:
-            # The store is read with no lock held: a slow store delays this registration only.
-            remembered = self.io.load(registration.store_key)
-            fresh = ModelSession(registration, self.config, remembered=remembered, persist=self.io.save,
-                                 sample_log=self.io.log if self.io.sample_log is not None else None,
-                                 propose_async=self._propose_async if self._tuning_pool else None,
-                                 clock=self._clock)
-            with self._lock:
-                session = self._sessions.get(model_name)
-                if session is None:
+                                    world_size=world, nproc_per_node=per_node, job_id=job_id)
+        key = registration.session_key
+        session = self._sessions.get(key)
+        if session is not None:
+            if not job_id or session.same_shape(registration):
+                session.check_same_registration(registration)
+                session.last_used = self._clock()
+                return session
+            session.check_same_model(registration)  # a resize keeps the model
+        # The store is read with no lock held: a slow store delays this registration only.
+        start: StoredPlan | None
+        first_version = 0 if session is None else session.next_version
+        if resume is not None:
+            start = StoredPlan(plan=resume, score=0.0, completed=resume_completed, model_name=model_name,
+                               job_id=job_id)
+            first_version = max(first_version, resume.version)
+        else:
+            start = self._best_for(registration.store_key)
+        fresh = ModelSession(registration, self.config, remembered=start, first_version=first_version,
+                             persist=self._save_best,
+                             sample_log=self.io.log if self.io.sample_log is not None else None,
+                             propose_async=self._propose_async if self._tuning_pool else None, clock=self._clock)
+        if resume is not None and not fresh.current_plan.same_layout(resume):
+            raise InvalidArgumentError(f"resume_hyperparameters does not cover exactly the {len(tensors)} tensors of "
+                                       f"tensor_list; send the plan the job runs, or none")
+        with self._lock:
+            held = self._sessions.get(key)
+            current: ModelSession = fresh if held is None or held is session else held
+            if current is fresh:  # nobody registered (or re-registered) this key meanwhile
+                if held is None:
                     self._evict_for_one()
-                    session = self._sessions[model_name] = fresh
-                    created = True
-                    if self.memory.update(model_name, fresh, name_bytes):
-                        self._evict_for_bytes(keep=model_name)
-                    logger.info("event=model_registered model=%s tensors=%d world_size=%d nproc_per_node=%d "
-                                "whether_to_bucket=%s", model_name, len(tensors), world, per_node,
-                                whether_to_bucket)
-        if not created:
-            session.check_same_registration(registration)
-        session.last_used = self._clock()
-        return session.current_plan
+                else:
+                    self._retired_plans += held.plans_issued
+                self._sessions[key] = fresh
+                if self.memory.update(key, fresh, name_bytes):
+                    self._evict_for_bytes(keep=key)
+                old = session.registration if session is not None else None
+                logger.info("event=%s model=%s job=%s tensors=%d world_size=%d nproc_per_node=%d "
+                            "whether_to_bucket=%s%s", "model_registered" if old is None else "job_reregistered",
+                            model_name, job_id, len(tensors), world, per_node, whether_to_bucket,
+                            "" if old is None else f" was_world_size={old.world_size} "
+                            f"was_nproc_per_node={old.nproc_per_node} first_version={first_version}")
+        if current is not fresh:
+            current.check_same_registration(registration)
+        current.last_used = self._clock()
+        return current
 
     def _evict_for_one(self) -> None:
         """Lock held: make room for one more model by dropping the least recently used ones."""
         while len(self._sessions) >= self.config.max_models:
-            name = min(self._sessions, key=lambda n: self._sessions[n].last_used)
-            self._evict(name, "max-models")
+            key = min(self._sessions, key=lambda k: self._sessions[k].last_used)
+            self._evict(key, "max-models")
 
-    def _evict(self, name: str, reason: str) -> None:
+    def _evict(self, key: SessionKey, reason: str) -> None:
         """Lock held: drop one session (its best plan is in the store already: sessions persist each new best)."""
-        old = self._sessions.pop(name)
-        freed = self.memory.bytes_of(name)
-        self.memory.forget(name)
+        old = self._sessions.pop(key)
+        freed = self.memory.bytes_of(key)
+        self.memory.forget(key)
         self._retired_plans += old.plans_issued
         self.evicted += 1
-        logger.info("event=model_evicted model=%s reason=%s idle_s=%.1f bytes=%d models=%d accounted_bytes=%d",
-                    name, reason, self._clock() - old.last_used, freed, len(self._sessions), self.memory.total)
+        logger.info("event=model_evicted model=%s job=%s reason=%s idle_s=%.1f bytes=%d models=%d "
+                    "accounted_bytes=%d", key[1], key[0], reason, self._clock() - old.last_used, freed,
+                    len(self._sessions), self.memory.total)
 
-    def _evict_for_bytes(self, keep: str) -> None:
+    def _evict_for_bytes(self, keep: SessionKey) -> None:
         """Lock held: drop the least recently used sessions (never ``keep``) until the rest fit --max-memory."""
-        for name in self.memory.over_budget(self._sessions, keep):
-            self._evict(name, "max-memory")
+        for key in self.memory.over_budget(self._sessions, keep):
+            self._evict(key, "max-memory")
             self.memory.evicted_for_bytes += 1
 
-    def _reaccount(self, model_name: str, session: ModelSession) -> None:
+    def _reaccount(self, key: SessionKey, session: ModelSession) -> None:
         """Re-measure a session that grew (a new plan or sample), evicting others when over budget."""
         with self._lock:
-            if self._sessions.get(model_name) is session and self.memory.update(model_name, session):
-                self._evict_for_bytes(keep=model_name)
+            if self._sessions.get(key) is session and self.memory.update(key, session):
+                self._evict_for_bytes(keep=key)
 
     def report(self, model_name: str, rank: int, train_iter: int, plan: PlanRef | None, speed: float,
                bucket_timings: Sequence[BucketTimingRecord] = (), backward_ms: float = 0.0,
-               spread: Spread = Spread()) -> bool:
+               spread: Spread = Spread(), job_id: str = "") -> bool:
         """Record a measurement; False when it duplicates a recorded (rank, train_iter)."""
-        return self.session(model_name).report(rank, train_iter, plan, speed, bucket_timings, backward_ms, spread)
+        return self.session(model_name, job_id).report(rank, train_iter, plan, speed, bucket_timings, backward_ms,
+                                                       spread)
 
-    def ask(self, model_name: str, rank: int, train_iter: int) -> tuple[BucketPlan, bool]:
+    def ask(self, model_name: str, rank: int, train_iter: int, job_id: str = "") -> tuple[BucketPlan, bool]:
         """The plan for ``train_iter`` (identical for every rank) and whether tuning completed."""
-        session = self.session(model_name)
+        session = self.session(model_name, job_id)
         issued = session.plans_issued
         answer = session.ask(rank, train_iter)
         if session.plans_issued != issued:  # a new plan (and the sample that led to it): the session grew
-            self._reaccount(model_name, session)
+            self._reaccount((job_id, model_name), session)
         return answer
 
-    def report_execution_order(self, spans: Sequence[Span], model_name: str = "") -> str:
+    def report_execution_order(self, spans: Sequence[Span], model_name: str = "", job_id: str = "") -> str:
         """Record the order tensors became ready; returns the model it was applied to."""
         if not spans:
             raise InvalidArgumentError("spans is empty; report at least one span")
@@ -258,7 +368,7 @@ class AutotuneService:
             raise ResourceExhaustedError(
                 f"spans has {len(spans)} entries, more than the service's limit of {self.config.max_tensors}")
         names = [s.tensor_name for s in sorted(spans, key=lambda s: (s.start_time, s.end_time))]
-        session = self.session(model_name) if model_name else self._session_for(names)
+        session = self.session(model_name, job_id) if model_name else self._session_for(names, job_id)
         unknown = sorted(set(names) - {t.name for t in session.registration.tensors})
         if unknown:
             raise InvalidArgumentError(
@@ -267,10 +377,10 @@ class AutotuneService:
         session.set_execution_order(names)
         return session.registration.model_name
 
-    def _session_for(self, names: Iterable[str]) -> ModelSession:
+    def _session_for(self, names: Iterable[str], job_id: str) -> ModelSession:
         wanted = set(names)
         with self._lock:
-            sessions = list(self._sessions.values())
+            sessions = [s for (job, _), s in self._sessions.items() if job == job_id]
         matches = [s for s in sessions if wanted <= s.tensor_names]
         if len(matches) != 1:
             raise NotFoundError(
@@ -289,11 +399,11 @@ class AutotuneService:
                          layouts_tracked=session.layouts_tracked)
 
     def list_models(self) -> list[ModelInfo]:
-        """Every model held now, sorted by name."""
+        """Every session held now, sorted by model name, then job id."""
         with self._lock:
-            sessions = sorted(self._sessions.items())
+            sessions = sorted(self._sessions.items(), key=lambda kv: (kv[0][1], kv[0][0]))
         return [self._info(s, with_samples=False) for _, s in sessions]
 
-    def describe(self, model_name: str) -> ModelInfo:
-        """One model's state with its samples; NotFoundError when it is not held."""
-        return self._info(self.session(model_name), with_samples=True)
+    def describe(self, model_name: str, job_id: str = "") -> ModelInfo:
+        """One session's state with its samples (see :meth:`find_session` for an empty ``job_id``)."""
+        return self._info(self.find_session(model_name, job_id), with_samples=True)

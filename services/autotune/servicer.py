@@ -30,6 +30,7 @@ from .errors import (
     ResourceExhaustedError,
 )
 from .metrics import RpcMetrics
+from .persistence import StoredPlan, parse_plan_key
 from .reports import PlanRef, Spread
 from .service import AutotuneService, ModelInfo, Span
 
@@ -118,7 +119,15 @@ def _summary(info: ModelInfo) -> Any:
         world_size=reg.world_size, nproc_per_node=reg.nproc_per_node, plan_version=info.current.version,
         completed=info.completed, samples=info.sample_count, reports_accepted=info.reports_accepted,
         reports_ignored=info.reports_ignored, best_score=info.best.score if info.best else 0.0,
-        has_best=info.best is not None, idle_s=info.idle_s, tuner=info.tuner, layouts_tracked=info.layouts_tracked)
+        has_best=info.best is not None, idle_s=info.idle_s, tuner=info.tuner, layouts_tracked=info.layouts_tracked,
+        job_id=reg.job_id, fingerprint=reg.fingerprint)
+
+
+def _shared(key: str, stored: StoredPlan) -> Any:
+    _, world, per_node = parse_plan_key(key)
+    return pb.SharedPlanSummary(key=key, model_name=stored.model_name, job_id=stored.job_id, world_size=world,
+                                nproc_per_node=per_node, score=stored.score, completed=stored.completed,
+                                buckets=len(stored.plan.buckets))
 
 
 class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
@@ -133,17 +142,17 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
         self.service = service
         self.metrics = metrics
         # Encoding a plan of many tensors costs far more than the rest of a call: encode each issued plan
-        # once, with the digest of its full layout. Keyed by (model, version); the plan object is kept to
+        # once, with the digest of its full layout. Keyed by (job, model, version); the plan object is kept to
         # check the entry is still that plan. Bounded: the least recently used entries go first.
         # Responses carrying the plan are assembled from its encoded bytes (:mod:`.wire`): encoding a plan
         # of many tensors holds the GIL for milliseconds, which every other request would wait for.
-        self._encoded: OrderedDict[tuple[str, int], tuple[BucketPlan, bytes, bytes]] = OrderedDict()
+        self._encoded: OrderedDict[tuple[str, str, int], tuple[BucketPlan, bytes, bytes]] = OrderedDict()
         self._encoded_lock = threading.Lock()
         self._encoded_tensors = 0
 
-    def _entry(self, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, bytes, bytes]:
+    def _entry(self, job_id: str, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, bytes, bytes]:
         """(plan, its encoded Hyperparameters, their digest), cached."""
-        key = (model_name, plan.version)
+        key = (job_id, model_name, plan.version)
         cached = self._encoded.get(key)
         if cached is not None and cached[0] is plan:
             return cached
@@ -161,29 +170,40 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                 self._encoded_tensors -= _tensor_count(dropped[0])
         return entry
 
-    def _response(self, model_name: str, plan: BucketPlan, kind: str, completed: bool = False) -> bytes:
+    def _response(self, job_id: str, model_name: str, plan: BucketPlan, kind: str, completed: bool = False) -> bytes:
         """The encoded response of ``kind`` carrying ``plan`` (see :mod:`.wire`)."""
-        encoded = self._entry(model_name, plan)[1]
-        return wire.register_response(encoded) if kind == "register" else wire.ask_response(encoded, completed)
+        encoded = self._entry(job_id, model_name, plan)[1]
+        return (wire.register_response(encoded, completed) if kind == "register"
+                else wire.ask_response(encoded, completed))
 
-    def _plan_ref(self, model_name: str, message: Any) -> PlanRef | None:
+    def _plan_ref(self, job_id: str, model_name: str, message: Any) -> PlanRef | None:
         if not message.buckets:
             return None
         digest = _digest(message)
         return PlanRef(version=int(message.plan_version),
-                       matches=lambda issued: self._entry(model_name, issued)[2] == digest,
+                       matches=lambda issued: self._entry(job_id, model_name, issued)[2] == digest,
                        decode=lambda: plan_from_proto(message))
 
     @_translate_errors
     def RegisterTensors(self, request: Any, context: grpc.ServicerContext) -> Any:
-        plan = self.service.register(
+        resume = None
+        if request.HasField("resume_hyperparameters") and request.resume_hyperparameters.buckets:
+            try:
+                resume = plan_from_proto(request.resume_hyperparameters)
+            except (ValueError, TypeError) as exc:
+                raise InvalidArgumentError(f"resume_hyperparameters is not a valid plan: {exc}") from exc
+        session = self.service.register_session(
             request.model_name,
             [(t.name, int(t.num_elements), t.dtype) for t in request.tensor_list],
             bool(request.whether_to_bucket),
             world_size=int(request.world_size),
             nproc_per_node=int(request.nproc_per_node),
+            job_id=request.job_id,
+            resume=resume,
+            resume_completed=bool(request.resume_completed),
         )
-        return self._response(request.model_name, plan, "register")
+        plan, completed = session.current_plan, session.completed
+        return self._response(request.job_id, request.model_name, plan, "register", completed)
 
     @_translate_errors
     def ReportMetrics(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -192,31 +212,34 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                                       wait_ms_max=t.wait_ms_max) for t in request.bucket_timings]
         spread = Spread(ranks=int(request.ranks) or 1, speed_min=request.speed_min, speed_max=request.speed_max,
                         speed_stddev=request.speed_stddev)
-        ref = self._plan_ref(request.model_name, request.hyperparameters) \
+        ref = self._plan_ref(request.job_id, request.model_name, request.hyperparameters) \
             if request.HasField("hyperparameters") else None
         accepted = self.service.report(request.model_name, int(request.rank), int(request.train_iter), ref,
-                                       float(request.speed), timings, float(request.backward_ms), spread)
+                                       float(request.speed), timings, float(request.backward_ms), spread,
+                                       job_id=request.job_id)
         return pb.ReportMetricsResponse(accepted=accepted)
 
     @_translate_errors
     def AskHyperparameters(self, request: Any, context: grpc.ServicerContext) -> Any:
-        plan, completed = self.service.ask(request.model_name, int(request.rank), int(request.train_iter))
-        return self._response(request.model_name, plan, "ask", completed)
+        plan, completed = self.service.ask(request.model_name, int(request.rank), int(request.train_iter),
+                                           job_id=request.job_id)
+        return self._response(request.job_id, request.model_name, plan, "ask", completed)
 
     @_translate_errors
     def ReportTensorExecutionOrder(self, request: Any, context: grpc.ServicerContext) -> Any:
         spans = [Span(trace_id=int(s.trace_id), action=s.action, tensor_name=s.tensor_name,
                       start_time=int(s.start_time), end_time=int(s.end_time)) for s in request.spans]
-        self.service.report_execution_order(spans, request.model_name)
+        self.service.report_execution_order(spans, request.model_name, job_id=request.job_id)
         return pb.ReportTensorExecutionOrderResponse()
 
     @_translate_errors
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return pb.ListModelsResponse(models=[_summary(info) for info in self.service.list_models()])
+        return pb.ListModelsResponse(models=[_summary(info) for info in self.service.list_models()],
+                                     shared_plans=[_shared(k, p) for k, p in self.service.shared_plans()])
 
     @_translate_errors
     def DescribeModel(self, request: Any, context: grpc.ServicerContext) -> Any:
-        info = self.service.describe(request.model_name)
+        info = self.service.describe(request.model_name, request.job_id)
         reply = pb.DescribeModelResponse(summary=_summary(info))
         reply.samples.extend(
             pb.SampleRecord(index=i + 1, plan_version=s.plan.version, bucket_size=s.plan.bucket_size,
@@ -224,5 +247,6 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                             speed=s.speed, score=s.score, exposed_ms=s.exposed_ms, reports=s.reports,
                             train_iter=s.train_iter)
             for i, s in enumerate(info.samples))
-        best = self._entry(request.model_name, info.best.plan)[1] if info.best is not None else None
-        return wire.describe_response(reply, self._entry(request.model_name, info.current)[1], best)
+        job = info.registration.job_id
+        best = self._entry(job, request.model_name, info.best.plan)[1] if info.best is not None else None
+        return wire.describe_response(reply, self._entry(job, request.model_name, info.current)[1], best)

@@ -57,13 +57,24 @@ _MAX_DECISIONS = 4096  # cached train_iter -> plan decisions before the oldest a
 
 @dataclass(frozen=True, slots=True)
 class Registration:
-    """What ``RegisterTensors`` declared for a model."""
+    """What ``RegisterTensors`` declared for a model (``job_id`` empty: registered without a job)."""
 
     model_name: str
     tensors: tuple[TensorDeclaration, ...]
     whether_to_bucket: bool
     world_size: int
     nproc_per_node: int
+    job_id: str = ""
+
+    @property
+    def session_key(self) -> tuple[str, str]:
+        """What identifies the session: one per (job, model)."""
+        return self.job_id, self.model_name
+
+    @property
+    def label(self) -> str:
+        """How logs and errors name the session."""
+        return f"{self.model_name!r:.200} (job {self.job_id!r:.120})" if self.job_id else f"{self.model_name!r:.200}"
 
     @property
     def fingerprint(self) -> str:
@@ -89,8 +100,10 @@ class ModelSession:
     Args:
         registration: what the model declared.
         config: limits and how to tune.
-        remembered: the plan the store remembered for this model (loaded by the caller,
-            outside every lock), or None.
+        remembered: the plan to start from (the best remembered for the model's shape, loaded by
+            the caller outside every lock, or the plan a resumed job runs), or None: the default plan.
+        first_version: the initial plan's version; later plans count on from it (a job that
+            re-registers or resumes keeps its versions increasing).
         persist: takes ``(store key, plan)`` to save; it must only queue the write (the
             session calls it under its lock; the store is written by the service's writer
             thread, never under a lock). None: nothing persists.
@@ -102,7 +115,7 @@ class ModelSession:
     """
 
     def __init__(self, registration: Registration, config: ServiceConfig, *, remembered: StoredPlan | None = None,
-                 persist: Callable[[str, StoredPlan], None] | None = None,
+                 first_version: int = 0, persist: Callable[[str, StoredPlan], None] | None = None,
                  sample_log: Callable[[str, dict[str, Any]], None] | None = None,
                  propose_async: Callable[[Tuner, tuple[Sample, ...]], Future[Proposal]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -130,7 +143,7 @@ class ModelSession:
         self._decided_iters: list[int] = []
         self._issued: OrderedDict[int, BucketPlan] = OrderedDict()
         self._issued_keys: dict[int, tuple[str, bool]] = {}
-        self._next_version = 1
+        self._next_version = first_version + 1
         self._fresh_reports = 0
         self._best: Sample | None = None
         self.completed = config.autotune_level == 0
@@ -142,16 +155,16 @@ class ModelSession:
 
         initial = BucketPlan(buckets=split_into_buckets(self._order, config.default_bucket_size,
                                                         whether_to_bucket=registration.whether_to_bucket),
-                             bucket_size=config.default_bucket_size)
+                             bucket_size=config.default_bucket_size, version=first_version)
         remembered = self._usable(remembered)
         if remembered is not None:
-            initial = dataclasses.replace(remembered.plan, version=0)
+            initial = dataclasses.replace(remembered.plan, version=first_version)
             self.completed = self.completed or remembered.completed
-            logger.info("event=plan_restored model=%s key=%s completed=%s score=%.4g buckets=%d",
-                        registration.model_name, registration.store_key, remembered.completed,
+            logger.info("event=plan_restored model=%s job=%s key=%s completed=%s score=%.4g buckets=%d",
+                        registration.model_name, registration.job_id, registration.store_key, remembered.completed,
                         remembered.score, len(initial.buckets))
         self._current = initial
-        self._issued[0] = initial
+        self._issued[first_version] = initial
         self._issued_at = self.started_at
 
     # -- persistence -------------------------------------------------------------------------------
@@ -171,7 +184,7 @@ class ModelSession:
             return
         self._persist_fn(self.registration.store_key, StoredPlan(
             plan=sample.plan, score=sample.score, completed=completed,
-            model_name=self.registration.model_name, saved_at=time.time()))
+            model_name=self.registration.model_name, saved_at=time.time(), job_id=self.registration.job_id))
 
     # -- public API (each takes the lock) ----------------------------------------------------------
     @property
@@ -195,19 +208,39 @@ class ModelSession:
         return len(self._stats)
 
     @property
+    def next_version(self) -> int:
+        """The version the next new plan would get."""
+        with self._lock:
+            return self._next_version
+
+    @property
     def plans_remembered(self) -> int:
         """Issued plans this session remembers by version (at most ``config.max_plans``)."""
         return len(self._issued)
 
-    def check_same_registration(self, other: Registration) -> None:
-        """Raise FailedPreconditionError when ``other`` re-registers this model differently."""
+    def check_same_model(self, other: Registration) -> None:
+        """Raise FailedPreconditionError when ``other`` declares another model under this session's name."""
         mine = self.registration
         if other.fingerprint != mine.fingerprint:
             raise FailedPreconditionError(
-                f"model_name {mine.model_name!r} is already registered with a different tensor_list "
+                f"model_name {mine.label} is already registered with a different tensor_list "
                 f"({len(mine.tensors)} tensors, fingerprint {mine.fingerprint}; got {len(other.tensors)} "
                 f"tensors, fingerprint {other.fingerprint}); use a new model_name for a different model")
-        for name in ("whether_to_bucket", "world_size", "nproc_per_node"):
+        if other.whether_to_bucket != mine.whether_to_bucket:
+            raise FailedPreconditionError(
+                f"model_name {mine.label} is already registered with whether_to_bucket="
+                f"{mine.whether_to_bucket!r}, got {other.whether_to_bucket!r}; use a new model_name")
+
+    def same_shape(self, other: Registration) -> bool:
+        """Whether ``other`` has this session's world size and ranks per node."""
+        mine = self.registration
+        return (other.world_size, other.nproc_per_node) == (mine.world_size, mine.nproc_per_node)
+
+    def check_same_registration(self, other: Registration) -> None:
+        """Raise FailedPreconditionError when ``other`` re-registers this model differently."""
+        mine = self.registration
+        self.check_same_model(other)
+        for name in ("world_size", "nproc_per_node"):
             if getattr(other, name) != getattr(mine, name):
                 raise FailedPreconditionError(
                     f"model_name {mine.model_name!r} is already registered with {name}="
@@ -479,6 +512,7 @@ class ModelSession:
         self._sample_log(self.registration.model_name, {
             "time": time.time(),
             "model_name": self.registration.model_name,
+            "job_id": self.registration.job_id,
             "sample": len(self._history),
             "train_iter": train_iter,
             "tuner": self.tuner_kind,

@@ -24,6 +24,7 @@ SERVICE = "bagua_lightning.autotune.v1.AutotuneService"
 
 # Field numbers in autotune.proto (never reused, so fixed here).
 _REGISTER_PLAN = 1  # RegisterTensorsResponse.recommended_hyperparameters
+_REGISTER_COMPLETED = 2  # RegisterTensorsResponse.is_autotune_completed
 _ASK_PLAN = 1  # AskHyperparametersResponse.recommended_hyperparameters
 _ASK_COMPLETED = 2  # AskHyperparametersResponse.is_autotune_completed
 _DESCRIBE_CURRENT = 2  # DescribeModelResponse.current
@@ -47,9 +48,9 @@ def message_field(number: int, encoded: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(encoded)) + encoded
 
 
-def register_response(plan: bytes) -> bytes:
+def register_response(plan: bytes, completed: bool = False) -> bytes:
     """An encoded ``RegisterTensorsResponse`` carrying the encoded plan ``plan``."""
-    return message_field(_REGISTER_PLAN, plan)
+    return message_field(_REGISTER_PLAN, plan) + (_varint(_REGISTER_COMPLETED << 3) + b"\x01" if completed else b"")
 
 
 def ask_response(plan: bytes, completed: bool) -> bytes:

@@ -6,7 +6,7 @@ must not import torch at module level, so that ``bagua-lightning --help`` and th
 fast and run in the torch-free service image.
 
 Errors: every error reaches the user as one line naming the value and the fix. Usage errors (a bad flag
-or value, :class:`~bagua_lightning.errors.ConfigurationError`) exit with 2, failures (a service that does
+or value, :class:`~bagua_lightning.core.errors.ConfigurationError`) exit with 2, failures (a service that does
 not come up, an unreachable server) with 1. ``--debug`` shows the traceback as well.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from .errors import BaguaLightningError, ConfigurationError
+from .core.errors import BaguaLightningError, ConfigurationError
 
 # command -> the module that registers it (several commands may share one module).
 _COMMANDS: dict[str, str] = {
@@ -66,7 +66,7 @@ def bind_port_arg(text: str) -> int:
 
 def size_arg(text: str) -> int:
     """argparse type: a byte size such as ``1073741824``, ``512mb``, ``4gb`` or ``0``."""
-    from .procs import parse_bytes
+    from .core.procs import parse_bytes
 
     try:
         return parse_bytes(text)

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError, ServiceUnavailableError
-from .services_file import (
+from .core.errors import ConfigurationError, ServiceUnavailableError
+from .core.services_file import (
     ENV_AUTOTUNE,
     ENV_AUTOTUNE_TOKEN,
     ENV_CACHE_KEY,
@@ -189,7 +189,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .examples.report import (
+    from .demo_report import (
         DATASET_NAME,
         format_comparison,
         format_job,

@@ -2,7 +2,7 @@
 
 ``ddp.register_comm_hook(ByteGradState(), bytegrad_hook)`` or Lightning's
 ``DDPStrategy(ddp_comm_state=ByteGradState(), ddp_comm_hook=bytegrad_hook)``; see
-:mod:`bagua_lightning.strategy.hooks`. Importing this module imports neither Lightning nor
+:mod:`bagua_lightning.engine.hooks`. Importing this module imports neither Lightning nor
 Triton.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .strategy.hooks import ByteGradState, bytegrad_hook
+    from .engine.hooks import ByteGradState, bytegrad_hook
 
 __all__ = ["ByteGradState", "bytegrad_hook"]
 
@@ -19,7 +19,7 @@ __all__ = ["ByteGradState", "bytegrad_hook"]
 def __getattr__(name: str) -> Any:
     # torch.distributed and the exchange load when a hook is first asked for.
     if name in __all__:
-        from .strategy import hooks
+        from .engine import hooks
 
         return getattr(hooks, name)
     raise AttributeError(f"module 'bagua_lightning.hooks' has no attribute {name!r}")

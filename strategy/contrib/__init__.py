@@ -1,15 +1,23 @@
-"""Bagua's contrib, rebuilt: fused optimizer, load-balancing samplers, SyncBatchNorm, mixture of experts.
+"""Bagua's contrib under the strategy's path: the engine's implementations, plus the Lightning glue.
 
-Usable on their own, with ``BaguaStrategy`` and through ``bagua_lightning.torch_api.contrib`` /
-``bagua_lightning.torch_api.model_parallel.moe``.
+``bagua_lightning.strategy.contrib`` is the documented import path; the implementations live in
+:mod:`bagua_lightning.engine.contrib` (``torch_api`` re-exports them under Bagua's paths too), and
+:mod:`.lightning` adapts a ``Trainer`` to them.
 """
 
-from .fused_optimizer import fuse_optimizer, fuse_step, is_fused_optimizer
-from .load_balancing import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
-from .moe import MoE, is_moe_param
-from .sync_batchnorm import SyncBatchNorm
+from ...engine.contrib import (
+    LoadBalancingDistributedBatchSampler,
+    LoadBalancingDistributedSampler,
+    MoE,
+    SyncBatchNorm,
+    fuse_optimizer,
+    fuse_step,
+    is_fused_optimizer,
+    is_moe_param,
+    moe,
+)
 
 __all__ = [
     "LoadBalancingDistributedBatchSampler", "LoadBalancingDistributedSampler", "MoE", "SyncBatchNorm",
-    "fuse_optimizer", "fuse_step", "is_fused_optimizer", "is_moe_param",
+    "fuse_optimizer", "fuse_step", "is_fused_optimizer", "is_moe_param", "moe",
 ]

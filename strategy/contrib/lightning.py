@@ -19,8 +19,8 @@ from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
-from .load_balancing import LoadBalancingDistributedBatchSampler
-from .sync_batchnorm import SyncBatchNorm
+from ...engine.contrib.load_balancing import LoadBalancingDistributedBatchSampler
+from ...engine.contrib.sync_batchnorm import SyncBatchNorm
 
 __all__ = ["BaguaSyncBatchNorm", "adapt_trainer"]
 

@@ -61,12 +61,6 @@ def redis_cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster
     yield from deployment(tmp_path_factory.mktemp("redis-cluster3"), nodes=3)
 
 
-@pytest.fixture(scope="session")
-def redis_cluster3r(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterInfo]:
-    """A Redis Cluster of 3 masters + 3 replicas with a 1 s failover timeout (a test kills a master)."""
-    yield from deployment(tmp_path_factory.mktemp("redis-cluster3r"), nodes=3, replicas=1, node_timeout_ms=1000)
-
-
 @pytest.fixture(params=["standalone", "servers3", "cluster3"])
 def any_deployment(request: pytest.FixtureRequest) -> tuple[str, ClusterInfo, dict[str, object]]:
     """Each topology in turn, with the store options it needs; its data is cleared first."""

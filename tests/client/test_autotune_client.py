@@ -17,7 +17,7 @@ import pytest
 from bagua_lightning.client import AutotuneClient
 from bagua_lightning.client.autotune import PlanAnswer
 from bagua_lightning.client.retry import ExponentialBackoff, Retry
-from bagua_lightning.errors import (
+from bagua_lightning.core.errors import (
     AutotuneAuthenticationError,
     AutotuneRequestRejectedError,
     ModelNotRegisteredError,

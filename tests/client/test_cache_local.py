@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from bagua_lightning.client import RedisStore
-from bagua_lightning.local_redis import PASSWORD_FILE, local_dir, stop_server
-from bagua_lightning.redis_server import is_redis_pid
+from bagua_lightning.core.local_redis import PASSWORD_FILE, local_dir, stop_server
+from bagua_lightning.core.redis_server import is_redis_pid
 from tests.procs import free_port
 
 
@@ -89,7 +89,7 @@ def test_local_rank_zero_starts_the_server_and_the_others_find_it(local_state: P
 
 
 def test_a_server_started_for_one_node_serves_a_later_multi_node_job(local_state: Path) -> None:
-    from bagua_lightning.local_redis import ensure_server, read_server, set_password
+    from bagua_lightning.core.local_redis import ensure_server, read_server, set_password
 
     first = ensure_server(32 * 1024 * 1024)
     assert first.binds == ("127.0.0.1",)

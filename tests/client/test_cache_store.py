@@ -8,9 +8,10 @@ import pytest
 import redis
 
 from bagua_lightning.client.cache import RedisStore
-from bagua_lightning.client.cache.backends import ClusterBackend, NodesBackend
+from bagua_lightning.client.cache.backends import NodesBackend
+from bagua_lightning.client.cache.cluster_backend import ClusterBackend
 from bagua_lightning.client.cache.hashing import RendezvousHash
-from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.services.redis_cluster import ClusterInfo
 from tests.client.conftest import TEST_PASSWORD
 

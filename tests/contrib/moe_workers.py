@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bagua_lightning.strategy.contrib.moe import MoE, is_moe_param, top1gating, top2gating
+from bagua_lightning.engine.contrib.moe import MoE, is_moe_param, top1gating, top2gating
 from tests.contrib.workers import _init
 
 M, LOCAL, TOKENS = 8, 2, 24

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.optim as optim
 
-from bagua_lightning.strategy.contrib import fused_optimizer
-from bagua_lightning.strategy.contrib.fused_optimizer import (
+from bagua_lightning.engine.contrib import fused_optimizer
+from bagua_lightning.engine.contrib.fused_optimizer import (
     calculate_mutual_groups,
     fuse_optimizer,
     fuse_step,

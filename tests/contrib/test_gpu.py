@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.strategy.launch import run_ranks
+from tests.ranks import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from tests.procs import free_port
-from tests.strategy.launch import run_commands
+from tests.ranks import run_commands
 
 WORKER = str(Path(__file__).with_name("lightning_contrib_workers.py"))
 

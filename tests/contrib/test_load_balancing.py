@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from bagua_lightning.strategy.contrib.load_balancing import (
+from bagua_lightning.engine.contrib.load_balancing import (
     LoadBalancingDistributedBatchSampler,
     LoadBalancingDistributedSampler,
 )

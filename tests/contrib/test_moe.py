@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bagua_lightning.strategy.contrib.moe import MoE, TopKGate, is_moe_param, top1gating
-from tests.strategy.launch import run_ranks
+from bagua_lightning.engine.contrib.moe import MoE, TopKGate, is_moe_param, top1gating
+from tests.ranks import run_ranks
 
 WORKER = str(Path(__file__).with_name("workers.py"))
 

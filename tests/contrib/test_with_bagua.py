@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.strategy.launch import run_ranks
+from tests.ranks import run_ranks
 
 WORKER = str(Path(__file__).with_name("bagua_workers.py"))
 

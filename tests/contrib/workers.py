@@ -28,7 +28,7 @@ def _split(total: int, world: int, uneven: bool) -> list[int]:
 
 
 def sync_bn(backend: str, uneven: bool) -> None:
-    from bagua_lightning.strategy.contrib.sync_batchnorm import SyncBatchNorm
+    from bagua_lightning.engine.contrib.sync_batchnorm import SyncBatchNorm
 
     rank, world, device = _init(backend)
     if world == 1:  # one GPU: still take the collective path (a one-rank gather and all-reduce)

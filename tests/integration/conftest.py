@@ -24,9 +24,8 @@ from typing import Any
 import pytest
 
 from bagua_lightning import procs as processes
-from bagua_lightning.procs import read_secret
-from bagua_lightning.services import deploy
-from bagua_lightning.services_file import (
+from bagua_lightning.core.procs import read_secret
+from bagua_lightning.core.services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,
     ENV_AUTOTUNE_TOKEN,
     ENV_FILE,
@@ -34,6 +33,7 @@ from bagua_lightning.services_file import (
     ServicesInfo,
     read_services_file,
 )
+from bagua_lightning.services import deploy
 from tests.integration.compose import COMPOSE_FILE
 from tests.procs import free_port
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bagua_lightning.local_redis import stop_server
+from bagua_lightning.core.local_redis import stop_server
 from tests.integration.cache_two_nodes import SAMPLES
 from tests.integration.netns import connected_hosts, netns_usable
 from tests.procs import free_port

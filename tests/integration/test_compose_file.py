@@ -22,10 +22,10 @@ import jsonschema
 import pytest
 
 from bagua_lightning.cli import build_parser
-from bagua_lightning.redis_server import DEFAULT_NODE_TIMEOUT_MS, NodeTLS, tls_port
+from bagua_lightning.core.redis_server import DEFAULT_NODE_TIMEOUT_MS, NodeTLS, tls_port
+from bagua_lightning.core.services_file import DEFAULT_AUTOTUNE_ADDRESS
 from bagua_lightning.services import deploy, deploy_cli, redis_cli
 from bagua_lightning.services.redis_cluster import DEFAULT_EVICTION_POLICY, NodeConfig
-from bagua_lightning.services_file import DEFAULT_AUTOTUNE_ADDRESS
 from tests.integration.compose import (
     COMPOSE_FILE,
     ROOT,

@@ -21,9 +21,9 @@ import pytest
 
 from bagua_lightning import cli
 from bagua_lightning import procs as processes
-from bagua_lightning.examples.report import JobResult, load_job
+from bagua_lightning.core.services_file import ENV_FILE, read_services_file
+from bagua_lightning.demo_report import JobResult, load_job
 from bagua_lightning.services.redis_cluster import stop_cluster
-from bagua_lightning.services_file import ENV_FILE, read_services_file
 from tests.integration.conftest import free_port_block, stop_recorded
 from tests.procs import free_port
 

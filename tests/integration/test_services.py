@@ -16,10 +16,10 @@ import pytest
 from bagua_lightning import procs as processes
 from bagua_lightning.client import AutotuneClient
 from bagua_lightning.client.cache.store import RedisStore
+from bagua_lightning.core.services_file import ENV_REDIS_PASSWORD
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
 from bagua_lightning.services import deploy, health
 from bagua_lightning.services.autotune.persistence import StoredPlan, open_store
-from bagua_lightning.services_file import ENV_REDIS_PASSWORD
 from tests.integration.conftest import Deployment, _is_free
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.client.retry import ExponentialBackoff, Retry
-from bagua_lightning.errors import AutotuneError
+from bagua_lightning.core.errors import AutotuneError
 from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from tests.procs import free_port, running, wait_until
 
@@ -76,3 +77,31 @@ def raw_stub(target: str) -> tuple[grpc.Channel, Any]:
     """A plain gRPC channel and stub: sends requests the typed client would refuse to build."""
     channel = grpc.insecure_channel(target)
     return channel, pb_grpc.AutotuneServiceStub(channel)
+
+
+# --- the CLI, run for real in a private state folder (fixtures and helpers of the CLI tests) --------------
+
+CLI = [sys.executable, "-m", "bagua_lightning.cli"]
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """The CLI's environment: a private state folder, no inherited addresses or secrets."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith("BAGUA_LIGHTNING_")}
+    out.update(XDG_STATE_HOME=str(tmp_path / "state"), BAGUA_LIGHTNING_SERVICES_FILE=str(tmp_path / "services.json"),
+               NO_PROXY="127.0.0.1,localhost")
+    return out
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], code: int, *fragments: str) -> None:
+    """``result`` failed with ``code`` and said so in exactly one line containing every fragment."""
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.services import deploy
-from bagua_lightning.services_file import (
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.core.services_file import (
     ServicesFileError,
     check_port,
     parse_address,
@@ -23,8 +22,9 @@ from bagua_lightning.services_file import (
     resolve_autotune_address,
     resolve_redis_hosts,
 )
+from bagua_lightning.services import deploy
 from tests.procs import free_port
-from tests.services.test_deploy_safety import cli, env, one_line_error  # noqa: F401 (fixture)
+from tests.services.conftest import cli, one_line_error
 
 
 @pytest.mark.parametrize("args", [
@@ -55,7 +55,7 @@ from tests.services.test_deploy_safety import cli, env, one_line_error  # noqa: 
     ["--log-level", "LOUD", "status"],
     ["no-such-command"],
 ])
-def test_usage_errors_are_one_line_with_exit_2(env: dict[str, str], args: list[str]) -> None:  # noqa: F811
+def test_usage_errors_are_one_line_with_exit_2(env: dict[str, str], args: list[str]) -> None:
     started = time.monotonic()
     result = cli(env, *args)
     assert time.monotonic() - started < 60  # refused at once, not after a health-check deadline
@@ -73,7 +73,7 @@ def test_usage_errors_are_one_line_with_exit_2(env: dict[str, str], args: list[s
     ("BAGUA_LIGHTNING_REDIS_HOSTS", "127.0.0.1"),
     ("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", "127.0.0.1:95136"),
 ])
-def test_bad_addresses_in_the_environment(env: dict[str, str], variable: str, value: str) -> None:  # noqa: F811
+def test_bad_addresses_in_the_environment(env: dict[str, str], variable: str, value: str) -> None:
     one_line_error(cli({**env, variable: value}, "status"), 2, variable, value)
 
 
@@ -86,7 +86,7 @@ def test_bad_addresses_in_the_environment(env: dict[str, str], variable: str, va
     json.dumps({"version": 2, "deployment": "x", "processes": {"redis": [{"pid": "1"}]}}),
     json.dumps(["not", "an", "object"]),
 ])
-def test_malformed_services_file_is_a_clear_error_and_is_kept(env: dict[str, str], content: str) -> None:  # noqa: F811
+def test_malformed_services_file_is_a_clear_error_and_is_kept(env: dict[str, str], content: str) -> None:
     path = Path(env["BAGUA_LIGHTNING_SERVICES_FILE"])
     path.write_text(content)
     for command in ("status", "down", "up"):
@@ -117,7 +117,7 @@ def test_port_validation_in_the_library(monkeypatch: pytest.MonkeyPatch) -> None
         resolve_redis_hosts()
 
 
-def test_up_host_localhost_is_resolved(env: dict[str, str]) -> None:  # noqa: F811
+def test_up_host_localhost_is_resolved(env: dict[str, str]) -> None:
     # Redis nodes meet and announce by address: a name is resolved once, where it enters.
     assert deploy.UpConfig(host="localhost", single=True).host == "127.0.0.1"
     result = cli(env, "up", "--host", "localhost", "--single", "--autotune-port", str(free_port()),
@@ -136,7 +136,7 @@ def test_deep_services_file_is_an_error_not_a_recursion(tmp_path: Path) -> None:
         read_services_file(path)
 
 
-def test_taken_port_is_one_line_and_debug_shows_the_traceback(env: dict[str, str]) -> None:  # noqa: F811
+def test_taken_port_is_one_line_and_debug_shows_the_traceback(env: dict[str, str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -147,7 +147,7 @@ def test_taken_port_is_one_line_and_debug_shows_the_traceback(env: dict[str, str
         assert debug.returncode == 2 and "Traceback" in debug.stderr
 
 
-def test_second_up_with_another_state_folder_on_the_same_ports_fails_fast(env: dict[str, str],  # noqa: F811
+def test_second_up_with_another_state_folder_on_the_same_ports_fails_fast(env: dict[str, str],
                                                                           tmp_path: Path) -> None:
     ports = ["--single", "--autotune-port", str(free_port()), "--redis-port", str(free_port()), "--maxmemory", "32mb"]
     first = cli(env, "up", *ports)
@@ -163,14 +163,14 @@ def test_second_up_with_another_state_folder_on_the_same_ports_fails_fast(env: d
         assert cli(env, "down").returncode == 0
 
 
-def test_a_port_claimed_by_a_starting_up_is_refused_at_once(env: dict[str, str]) -> None:  # noqa: F811
+def test_a_port_claimed_by_a_starting_up_is_refused_at_once(env: dict[str, str]) -> None:
     port = free_port()
     with deploy._claim_ports([port]):
         one_line_error(cli(env, "up", "--single", "--autotune-port", str(port), "--redis-port", str(free_port())),
                        2, f"port {port}", "claimed")
 
 
-def test_status_with_nothing_running_is_quick(env: dict[str, str]) -> None:  # noqa: F811
+def test_status_with_nothing_running_is_quick(env: dict[str, str]) -> None:
     # Measured, not asserted against a bound (the machine is shared): the result is printed for the log.
     started = time.monotonic()
     result = cli({**env, "BAGUA_LIGHTNING_REDIS_HOSTS": f"127.0.0.1:{free_port()}"}, "status")
@@ -179,7 +179,7 @@ def test_status_with_nothing_running_is_quick(env: dict[str, str]) -> None:  # n
     assert "Traceback" not in result.stderr and os.path.basename(env["BAGUA_LIGHTNING_SERVICES_FILE"]) in result.stderr
 
 
-def test_failures_exit_1_with_one_line(env: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+def test_failures_exit_1_with_one_line(env: dict[str, str], tmp_path: Path) -> None:
     missing = tmp_path / "no-such-password"
     one_line_error(cli(env, "redis", "up", "--single", "--port", str(free_port()), "--password-file", str(missing),
                        "--state-dir", str(tmp_path / "s")), 2, str(missing))
@@ -187,7 +187,7 @@ def test_failures_exit_1_with_one_line(env: dict[str, str], tmp_path: Path) -> N
     assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_cli_module_does_not_import_the_autotune_service_for_status(env: dict[str, str]) -> None:  # noqa: F811
+def test_cli_module_does_not_import_the_autotune_service_for_status(env: dict[str, str]) -> None:
     code = ("import sys; from bagua_lightning.cli import build_parser; build_parser(['status']); "
             "print(any(m.startswith(('bagua_lightning.services.autotune', 'torch', 'lightning')) for m in sys.modules))")
     out = subprocess.run([*cli.__globals__["CLI"][:1], "-c", code], env=env, capture_output=True, text=True,

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from bagua_lightning import procs as processes
-from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.core.services_file import ENV_FILE, read_services_file
 from bagua_lightning.services import deploy
-from bagua_lightning.services_file import ENV_FILE, read_services_file
 from tests.integration.conftest import _recorded_pids, free_port_block
 from tests.procs import free_port, running, wait_until
 

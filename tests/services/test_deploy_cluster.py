@@ -26,8 +26,8 @@ import redis
 from redis.cluster import RedisCluster
 
 from bagua_lightning import procs
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.redis_server import (
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.core.redis_server import (
     CLUSTER_SLOTS,
     NodeConfig,
     NodeTLS,
@@ -35,8 +35,8 @@ from bagua_lightning.redis_server import (
     cluster_info,
     tls_port,
 )
+from bagua_lightning.core.services_file import ENV_FILE, ServicesInfo, read_services_file
 from bagua_lightning.services import deploy
-from bagua_lightning.services_file import ENV_FILE, ServicesInfo, read_services_file
 from tests.procs import free_port, stop_process, wait_until
 
 ROGUE_WATCH_S = 8.0  # how long the rogue keeps trying before we conclude it stayed out

@@ -18,35 +18,11 @@ from pathlib import Path
 import pytest
 
 from bagua_lightning import procs
-from bagua_lightning.procs import ProcessRecord
-from bagua_lightning.services_file import ServicesInfo, write_services_file
+from bagua_lightning.core.procs import ProcessRecord
+from bagua_lightning.core.services_file import ServicesInfo, write_services_file
 from tests.client.conftest import free_port_block
 from tests.procs import free_port, stop_process, wait_until
-
-CLI = [sys.executable, "-m", "bagua_lightning.cli"]
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
-    """The CLI's environment: a private state folder, no inherited addresses or secrets."""
-    out = {k: v for k, v in os.environ.items() if not k.startswith("BAGUA_LIGHTNING_")}
-    out.update(XDG_STATE_HOME=str(tmp_path / "state"), BAGUA_LIGHTNING_SERVICES_FILE=str(tmp_path / "services.json"),
-               NO_PROXY="127.0.0.1,localhost")
-    return out
-
-
-def cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def one_line_error(result: subprocess.CompletedProcess[str], code: int, *fragments: str) -> None:
-    """``result`` failed with ``code`` and said so in exactly one line containing every fragment."""
-    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
+from tests.services.conftest import CLI, cli, one_line_error
 
 
 @pytest.fixture
@@ -182,7 +158,7 @@ def test_another_local_user_is_refused(env: dict[str, str], tmp_path: Path) -> N
 
 
 def test_node_local_server_is_listed_and_stopped(env: dict[str, str]) -> None:
-    start = ("from bagua_lightning.local_redis import ensure_server; "
+    start = ("from bagua_lightning.core.local_redis import ensure_server; "
              "s = ensure_server(1 << 60, timeout_s=30); print(s.pid, s.maxmemory)")
     made = subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
@@ -266,7 +242,7 @@ def test_dead_node_local_server_is_a_stale_record_until_down(env: dict[str, str]
              "--maxmemory", "32mb")
     assert up.returncode == 0, up.stderr
     try:
-        start = "from bagua_lightning.local_redis import ensure_server; print(ensure_server(1 << 26).pid)"
+        start = "from bagua_lightning.core.local_redis import ensure_server; print(ensure_server(1 << 26).pid)"
         made = subprocess.run([*CLI[:1], "-c", start], env=env, capture_output=True, text=True, timeout=60)
         assert made.returncode == 0, made.stderr
         os.kill(int(made.stdout), 9)

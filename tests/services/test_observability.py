@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from bagua_lightning.client.autotune import AutotuneClient
-from bagua_lightning.errors import AutotuneAuthenticationError, ModelNotRegisteredError
+from bagua_lightning.core.errors import AutotuneAuthenticationError, ModelNotRegisteredError
 from bagua_lightning.services.autotune.samplelog import log_file_name
 from tests.procs import free_port, wait_until
 from tests.services import ranks

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from bagua_lightning.cli import main as cli_main
-from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.services import redis_cluster
 from bagua_lightning.services.redis_cluster import ClusterSpec, is_redis_pid, start_cluster, stop_cluster
 from tests.client.conftest import free_port_block

@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from bagua_lightning import procs, services_file
-from bagua_lightning.services_file import ServicesInfo
+from bagua_lightning.core.services_file import ServicesInfo
 from tests.procs import free_port
 
 PASSWORD = "recorded-redis-password-5b1f0c"
@@ -214,7 +214,7 @@ def test_status_sends_secrets_the_user_passes_explicitly(recorded: ServicesInfo,
 def test_autotune_client_and_strategy_client_send_no_recorded_token_elsewhere(recorded: ServicesInfo,
                                                                              rpc: GrpcRecorder) -> None:
     from bagua_lightning.client.autotune import AutotuneClient
-    from bagua_lightning.strategy.autotune.controller import AutotuneSettings, default_client
+    from bagua_lightning.engine.autotune.controller import AutotuneSettings, default_client
 
     client = AutotuneClient(target=rpc.address, timeout_s=2.0)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -18,7 +19,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bagua_lightning.client.autotune import AutotuneClient, PlanAnswer
-from bagua_lightning.errors import AutotuneError
+from bagua_lightning.core.errors import AutotuneError
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
 from bagua_lightning.services.autotune.samplelog import log_file_name
@@ -287,3 +288,40 @@ def test_tuning_defaults_from_the_environment(tmp_path: Path) -> None:
                          env={**env, "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S": "soon"})
     assert bad.returncode != 0
     assert "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S must be a number of seconds, got 'soon'" in bad.stderr
+
+
+def test_jobs_over_grpc_and_autotune_ls(start_service) -> None:
+    """Job ids and resume plans travel over gRPC; ``autotune ls`` lists jobs and the shared best plan."""
+    job = ranks.sim_job(0)
+    tensors = [t.to_dict() for t in job.tensors]
+    with start_service(*FAST, "--max-samples", "3") as (target, _), AutotuneClient(target=target) as client:
+        first = client.register_job("net", tensors, job_id="run-1", world_size=2)
+        assert first.plan.version == 0 and not first.completed
+        answer = client.ask_hyperparameters("net", 0, 0, job_id="run-1")
+        for it in range(1, 12):
+            if answer.completed:
+                break
+            speed, timings, backward_ms = job.measure(answer.plan)
+            client.report_metrics("net", 0, it, answer.plan, speed, timings, backward_ms=backward_ms,
+                                  job_id="run-1")
+            answer = client.ask_hyperparameters("net", 0, it, job_id="run-1")
+        assert answer.completed
+        # Another job of the model: its own session, starting on run-1's final plan, already final.
+        second = client.register_job("net", tensors, job_id="run-2", world_size=2)
+        assert second.completed and second.plan.same_layout(answer.plan)
+        with pytest.raises(AutotuneError, match="under job_id 'run-3'"):
+            client.ask_hyperparameters("net", 0, 0, job_id="run-3")
+        # A resumed job on its own plan and version.
+        resumed = client.register_job("net", tensors, job_id="run-4", world_size=2,
+                                      resume=dataclasses.replace(first.plan, version=9))
+        assert resumed.plan.version == 9 and resumed.plan.same_layout(first.plan)
+        models, shared = client.list_jobs()
+        assert [(m.job_id, m.samples > 0) for m in models] == [("run-1", True), ("run-2", False), ("run-4", False)]
+        assert len({m.fingerprint for m in models}) == 1
+        assert [(p.job_id, p.completed, p.world_size) for p in shared] == [("run-1", True, 2)]
+        ls = subprocess.run([sys.executable, "-m", "bagua_lightning.cli", "autotune", "ls", "--target", target],
+                            capture_output=True, text=True, timeout=120)
+        assert ls.returncode == 0, ls.stderr
+        lines = ls.stdout.splitlines()
+        assert sum(line.startswith("net ") for line in lines) == 3 and "run-4" in ls.stdout
+        assert any(line.startswith(f"{models[0].fingerprint}-w2-n2") and "run-1" in line for line in lines)

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from bagua_lightning.services.autotune.aio_server import create_aio_server
@@ -193,11 +193,11 @@ class _GatedService(AutotuneService):
         super().__init__(*args, **kwargs)
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def register(self, *args: Any, **kwargs: Any) -> Any:
+    def register_session(self, *args: Any, **kwargs: Any) -> Any:
         self.entered.set()
         if not self.release.wait(DEADLINE_S):
             raise TimeoutError("the test never released the registration")
-        return super().register(*args, **kwargs)
+        return super().register_session(*args, **kwargs)
 
 
 @pytest.mark.parametrize("kind", ["threads", "aio"])

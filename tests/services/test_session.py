@@ -169,3 +169,92 @@ def test_redis_store_round_trip(redis_url: str) -> None:
     loaded = store.load("k")
     assert loaded is not None and loaded.plan == plan and loaded.score == 9.5 and loaded.completed
     store.close()
+
+
+# ------------------------------------------------------------------ jobs: own sessions, shared best plans
+
+
+def _tune(service: AutotuneService, job_id: str, job_seed: int, *, first_iter: int = 0,
+          speed_scale: float = 1.0) -> tuple[BucketPlan, bool]:
+    """Report and ask until the session of (job_id, "m") completes; returns its final answer."""
+    job = sim_job(job_seed)
+    plan, completed = service.ask("m", 0, first_iter, job_id=job_id)
+    for it in range(first_iter + 1, first_iter + 20):
+        if completed:
+            break
+        speed, timings, backward = job.measure(plan)
+        service.report("m", 0, it, _ref(plan), speed * speed_scale, timings, backward, job_id=job_id)
+        plan, completed = service.ask("m", 0, it, job_id=job_id)
+    return plan, completed
+
+
+def test_jobs_of_one_model_tune_apart_and_share_their_best_plan(tmp_path: Path) -> None:
+    store = DirectoryPlanStore(tmp_path)
+    service = AutotuneService(ServiceConfig(world_size=2, max_samples=3, **FAST), store=store)
+    rows = _rows(list(sim_job(0).tensors))
+    for job_id in ("job-a", "job-b"):
+        assert service.register("m", rows, True, job_id=job_id).version == 0
+    # Job a measures plans; job b's history stays empty, and its plan for an iteration is its own.
+    final_a, completed_a = _tune(service, "job-a", 0)
+    assert completed_a
+    a, b = service.session("m", "job-a"), service.session("m", "job-b")
+    assert len(a.samples) == 3 and b.samples == [] and not b.completed
+    # Job b measures the same plans but reports them twice as slow: its best does not replace a's.
+    _, completed_b = _tune(service, "job-b", 0, first_iter=1000, speed_scale=0.5)
+    assert completed_b and len(b.samples) == 3 and len(a.samples) == 3
+    assert b.best is not None and a.best is not None and b.best.score < a.best.score
+    ((key, shared),) = service.shared_plans()
+    assert shared.job_id == "job-a" and shared.completed and shared.plan.same_layout(final_a)
+    service.close()
+    assert StoredPlan.from_json((tmp_path / f"{key}.json").read_text()).job_id == "job-a"
+    # A third job, on a new service that reads the store, starts from a's final plan, already final.
+    third = AutotuneService(ServiceConfig(world_size=2, max_samples=3, **FAST), store=DirectoryPlanStore(tmp_path))
+    session = third.register_session("m", rows, True, job_id="job-c")
+    assert session.current_plan.same_layout(final_a) and session.completed
+    assert {(i.registration.job_id, i.sample_count) for i in third.list_models()} == {("job-c", 0)}
+    third.close()
+
+
+def test_a_job_that_changes_world_size_re_registers_and_continues() -> None:
+    service = AutotuneService(ServiceConfig(max_samples=20, **FAST))
+    rows = _rows(list(sim_job(0).tensors))
+    service.register("m", rows, True, world_size=2, job_id="elastic")
+    _tune(service, "elastic", 0)  # a few plans
+    before = service.session("m", "elastic")
+    assert before.next_version > 1
+    plan = service.register("m", rows, True, world_size=3, job_id="elastic")
+    after = service.session("m", "elastic")
+    assert after is not before and after.registration.world_size == 3
+    assert plan.version == before.next_version  # versions keep increasing: trainers re-bucket
+    assert after.samples == [] and len(service.model_names) == 1
+    # The new shape has its own best plans; the old shape's best stays for jobs of that shape.
+    assert {k.split("-w")[1] for k, _ in service.shared_plans()} == {"2-n2"}
+    with pytest.raises(FailedPreconditionError, match="different tensor_list"):
+        service.register("m", rows[:2], True, world_size=3, job_id="elastic")
+    # Without a job id the name is one session: another world size is refused, as before.
+    service.register("m", rows, True, world_size=2)
+    with pytest.raises(FailedPreconditionError, match="world_size"):
+        service.register("m", rows, True, world_size=3)
+
+
+def test_a_resumed_job_starts_from_its_plan_or_continues_its_session() -> None:
+    service = AutotuneService(ServiceConfig(world_size=2, max_samples=20, **FAST))
+    rows = _rows(abcde())
+    default = service.register("m", rows, True, job_id="first")
+    saved = BucketPlan(buckets=tuple((t,) for b in reversed(default.buckets) for t in reversed(b)), bucket_size=4,
+                       version=7)
+    resumed = service.register_session("m", rows, True, job_id="second", resume=saved, resume_completed=True)
+    assert resumed.current_plan.same_layout(saved) and resumed.current_plan.version == 7 and resumed.completed
+    # The session exists: the registration continues it and the resume plan is ignored.
+    again = service.register_session("m", rows, True, job_id="first", resume=saved)
+    assert again.current_plan == default
+    with pytest.raises(InvalidArgumentError, match="resume_hyperparameters does not cover"):
+        service.register_session("m", rows, True, job_id="third",
+                                 resume=BucketPlan(buckets=(default.buckets[0][:2],), version=1))
+    with pytest.raises(InvalidArgumentError, match="control character"):
+        service.register("m", rows, True, job_id="bad\nid")
+    with pytest.raises(NotFoundError, match="under job_id 'nobody'"):
+        service.ask("m", 0, 0, job_id="nobody")
+    with pytest.raises(FailedPreconditionError, match="held by 2 jobs"):
+        service.describe("m")
+    assert service.describe("m", "second").registration.job_id == "second"

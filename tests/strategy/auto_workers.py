@@ -17,10 +17,10 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 
 import bagua_lightning  # noqa: F401  (registers "bagua")
+from bagua_lightning.engine.algorithms.base import get_algorithm_class
+from bagua_lightning.engine.comm import CommContext
+from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 from bagua_lightning.strategy import BaguaStrategy
-from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-from bagua_lightning.strategy.comm import CommContext
-from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
 from tests.strategy.lightning_workers import Model, flat_params, trainer, worker_main
 
 CANDIDATES = ["gradient_allreduce", "bytegrad", "decentralized"]

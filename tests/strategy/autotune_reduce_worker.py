@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bagua_lightning.engine.autotune import Measurement, reduce_over_ranks
 from bagua_lightning.proto.plan import BucketTimingRecord
-from bagua_lightning.strategy.autotune import Measurement, reduce_over_ranks
 
 
 def main() -> int:

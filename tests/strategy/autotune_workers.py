@@ -1,6 +1,6 @@
 """Worker for tests/strategy/test_autotune.py: autotuned training in plain torch loops, one JSON per rank.
 
-Started with torchrun's environment variables (tests/strategy/launch.py:run_ranks). In one
+Started with torchrun's environment variables (tests/ranks.py:run_ranks). In one
 process, against the real autotune service at ``--address``:
 
 1. ``reference``: the same training without autotune (the loss to match);
@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bagua_lightning.errors import PlanMismatchError
-from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-from bagua_lightning.strategy.autotune import AutotuneController, AutotuneSettings
-from bagua_lightning.strategy.comm import CommContext
-from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+from bagua_lightning.core.errors import PlanMismatchError
+from bagua_lightning.engine.algorithms.base import get_algorithm_class
+from bagua_lightning.engine.autotune import AutotuneController, AutotuneSettings
+from bagua_lightning.engine.comm import CommContext
+from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
-LOGGER = "bagua_lightning.strategy.autotune"
+LOGGER = "bagua_lightning.engine.autotune"
 
 
 class Net(nn.Module):
@@ -111,7 +112,8 @@ def mismatch(comm: CommContext, address: str) -> str:
 def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3, fault_dir: Path | None = None,
         fault_steps: tuple[int, int] = (0, 0), model_name: str | None = None,
         algorithm: str = "gradient_allreduce", apply_delay: int | None = None,
-        aggregate_reports: bool = True, depth: int = 5) -> dict[str, Any]:
+        aggregate_reports: bool = True, depth: int = 5,
+        after_setup: Callable[[], None] | None = None) -> dict[str, Any]:
     model = Net(depth)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     wrapper = BaguaDistributedDataParallel(model, get_algorithm_class(algorithm).from_kwargs(), comm,
@@ -131,6 +133,8 @@ def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3
     try:
         if ctl is not None:
             ctl.setup()
+        if after_setup is not None:
+            after_setup()
         for step in range(steps):
             if fault_dir is not None and comm.rank == 0 and step in fault_steps:
                 kind = "kill" if step == fault_steps[0] else "restart"
@@ -160,7 +164,8 @@ def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3
     return {"losses": losses, "records": records, "warnings": counter.messages, "completed_at": completed_at,
             "applied": ctl.applied if ctl else [], "registered": ctl.registered if ctl else False,
             "summary": summary.line() if summary else "", "speeds": ctl.speeds if ctl else [],
-            "threads": sorted(t.name for t in threading.enumerate() if "autotune" in t.name)}
+            "threads": sorted(t.name for t in threading.enumerate() if "autotune" in t.name),
+            "job_id": ctl.job_id if ctl else "", "model_name": ctl.model_name if ctl else ""}
 
 
 def main() -> int:

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_lightning.strategy import compressed_comm as comm_module
-from bagua_lightning.strategy.compressed_comm import ExchangeBuffers, compressed_exchange_
-from bagua_lightning.strategy.compression import (
-    LEVELS,
+from bagua_lightning.engine import compressed_comm as comm_module
+from bagua_lightning.engine.chunk_format import LEVELS
+from bagua_lightning.engine.compressed_comm import ExchangeBuffers, compressed_exchange_
+from bagua_lightning.engine.compression import (
     compress_chunks,
     decompress_chunks,
     max_quantisation_error,

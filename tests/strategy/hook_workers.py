@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from bagua_lightning.engine.chunk_format import LEVELS
 from bagua_lightning.hooks import ByteGradState, bytegrad_hook
-from bagua_lightning.strategy.compression import LEVELS
 
 
 def model() -> nn.Module:

@@ -1,4 +1,4 @@
-"""The Triton kernels of ``strategy/kernels`` against the CPU torch path, one check per function.
+"""The Triton kernels of ``engine/kernels`` against the CPU torch path, one check per function.
 
 Run by ``test_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (CPU tensors
 through Triton's interpreter, tiny shapes), and on a GPU machine as
@@ -17,15 +17,16 @@ from collections.abc import Callable
 
 import torch
 
-from bagua_lightning.strategy import kernels
-from bagua_lightning.strategy.algorithms.low_precision_decentralized import (
+from bagua_lightning.engine import kernels
+from bagua_lightning.engine.algorithms.low_precision_decentralized import (
     FIVE_THIRDS,
     THIRD,
     _add_decompressed,
     weight_difference_,
 )
-from bagua_lightning.strategy.compressed_comm import _sum_levels
-from bagua_lightning.strategy.compression import HEADER_BYTES, compress_chunks, decompress_chunks, read_header
+from bagua_lightning.engine.chunk_format import HEADER_BYTES
+from bagua_lightning.engine.compressed_comm import _sum_levels
+from bagua_lightning.engine.compression import compress_chunks, decompress_chunks, read_header
 
 CHECKS: dict[str, Callable[[torch.device, int | None], None]] = {}
 

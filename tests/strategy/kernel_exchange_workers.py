@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_lightning.strategy import comm as comm_module
-from bagua_lightning.strategy.compressed_comm import ExchangeBuffers, compressed_exchange_
+from bagua_lightning.engine import comm as comm_module
+from bagua_lightning.engine.compressed_comm import ExchangeBuffers, compressed_exchange_
 from tests.strategy.compressed_exchange_workers import reference
 
 

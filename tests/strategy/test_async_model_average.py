@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.algorithms.async_model_average import AsyncModelAverageAlgorithm
-from bagua_lightning.strategy.algorithms.base import get_algorithm_class
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.engine.algorithms.async_model_average import AsyncModelAverageAlgorithm
+from bagua_lightning.engine.algorithms.base import get_algorithm_class
 from tests.strategy.weight_averaging_workers import async_scenarios, run_ranks
 
 

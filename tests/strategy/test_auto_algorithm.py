@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.autotune.selection import (
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.engine.autotune.selection import (
     DEFAULT_CANDIDATES,
     AlgorithmSelector,
     AutoSettings,
@@ -18,7 +18,7 @@ from bagua_lightning.strategy.autotune.selection import (
     choose,
 )
 from tests.procs import free_port
-from tests.strategy.launch import run_commands
+from tests.ranks import run_commands
 
 WORKER = str(Path(__file__).with_name("auto_workers.py"))
 

@@ -23,11 +23,10 @@ import pytest
 import torch
 
 from bagua_lightning.client.autotune import AutotuneClient
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.procs import new_deployment_id
-from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, StepTimings, TensorDeclaration
-from bagua_lightning.services_file import ServicesInfo, write_services_file
-from bagua_lightning.strategy.autotune import (
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.core.procs import new_deployment_id
+from bagua_lightning.core.services_file import ServicesInfo, write_services_file
+from bagua_lightning.engine.autotune import (
     AutotuneSettings,
     AutotuneSummary,
     BoundaryReport,
@@ -35,9 +34,10 @@ from bagua_lightning.strategy.autotune import (
     batch_size_of,
     model_name_for,
 )
+from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, StepTimings, TensorDeclaration
 from tests.procs import free_port, wait_until
+from tests.ranks import run_ranks
 from tests.services.conftest import FAST, autotune_service
-from tests.strategy.launch import run_ranks
 
 HERE = Path(__file__).parent
 PLAIN_WORKER = str(HERE / "autotune_workers.py")
@@ -184,8 +184,12 @@ def test_lightning_two_ranks_tune_match_log_and_second_job(tmp_path: Path) -> No
         run_ranks(LIGHTNING_WORKER, [str(tmp_path), "--address", target], world_size=2, log_dir=tmp_path,
                   timeout_s=420, env={"GROUP_RANK": "0"})
         with AutotuneClient(target=target) as client:
-            (model,) = client.list_models()
-            samples = client.describe_model(model.model_name).samples
+            # Two fits, two jobs: each its own session; the first (tuned) measured plans, the second started
+            # from its final plan, already final, and measured none.
+            models = sorted(client.list_models(), key=lambda m: m.samples)
+            assert len(models) == 2 and models[0].samples == 0 and models[0].completed
+            assert len({m.job_id for m in models}) == 2 and len({m.model_name for m in models}) == 1
+            samples = client.describe_model(models[1].model_name, models[1].job_id).samples
     # Reports are aggregated: one per interval for the job (rank 0, after an all_gather), not one per rank.
     # The first plan was measured over one interval: one report (two ranks reporting their own would be two).
     assert samples and samples[0].reports == 1, samples
@@ -196,9 +200,10 @@ def test_lightning_two_ranks_tune_match_log_and_second_job(tmp_path: Path) -> No
         assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5
         assert r["summary_completed"], r["summary"]
         assert "completed" in r["summary"] and "samples/s per rank" in r["summary"]
-        # A second job of the same model starts on the plan the first one settled on.
+        # A second job of the same model starts on the plan the first one settled on (in its own session:
+        # same layout, its own version numbers).
         final = records[-1]
-        assert r["second_records"][0][1:] == final[1:]
+        assert r["second_records"][0][2:] == final[2:]
     metrics = res[0]["metrics"]
     assert {int(m["step"]) for m in metrics} >= {0, 3, 6, 9}
     assert metrics[-1]["autotune/completed"] == "1.0"

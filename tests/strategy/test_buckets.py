@@ -8,10 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from bagua_lightning.errors import PlanMismatchError
-from bagua_lightning.proto.plan import BucketPlan
-from bagua_lightning.strategy import QAdamOptimizer
-from bagua_lightning.strategy.buckets import (
+from bagua_lightning.core.errors import PlanMismatchError
+from bagua_lightning.engine.buckets import (
     Bucket,
     BucketEngine,
     check_plan,
@@ -19,6 +17,8 @@ from bagua_lightning.strategy.buckets import (
     default_plan,
     trainable_parameters,
 )
+from bagua_lightning.proto.plan import BucketPlan
+from bagua_lightning.strategy import QAdamOptimizer
 
 
 def _model() -> nn.Module:
@@ -127,9 +127,9 @@ def test_qadam_optimizer_alone_is_adam_during_warmup() -> None:
 
 
 def test_wrapper_keeps_a_given_plan_and_recuts_only_the_default_one() -> None:
-    from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-    from bagua_lightning.strategy.comm import CommContext
-    from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+    from bagua_lightning.engine.algorithms.base import get_algorithm_class
+    from bagua_lightning.engine.comm import CommContext
+    from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
     comm = CommContext(rank=0, world_size=1, local_rank=0, local_size=1)  # one rank: collectives are no-ops
     named = trainable_parameters(_model())

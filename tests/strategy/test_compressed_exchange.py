@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.strategy.launch import run_ranks
+from tests.ranks import run_ranks
 
 WORKER = str(Path(__file__).with_name("compressed_exchange_workers.py"))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bagua_lightning.strategy.compression import (
+from bagua_lightning.engine.compression import (
     compress_chunks,
     compressed_nbytes,
     decompress_chunks,

@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 import torch
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-from bagua_lightning.strategy.algorithms.decentralized import DecentralizedAlgorithm
-from bagua_lightning.strategy.comm import CommContext
-from bagua_lightning.strategy.topology import check_shift_one_world_size, ring_neighbours, shift_one_peer
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.engine.algorithms.base import get_algorithm_class
+from bagua_lightning.engine.algorithms.decentralized import DecentralizedAlgorithm
+from bagua_lightning.engine.comm import CommContext
+from bagua_lightning.engine.topology import check_shift_one_world_size, ring_neighbours, shift_one_peer
 from tests.strategy.weight_averaging_workers import (
     decentralized_trace,
     decentralized_traces,

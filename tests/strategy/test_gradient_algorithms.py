@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from tests.ranks import run_ranks
 from tests.strategy.conftest import backend_params
-from tests.strategy.launch import run_ranks
 
 WORKER = str(Path(__file__).with_name("gradient_workers.py"))
 

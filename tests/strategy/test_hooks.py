@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.strategy.launch import REPO, run_ranks
+from tests.ranks import REPO, run_ranks
 
 WORKER = str(Path(__file__).with_name("hook_workers.py"))
 
@@ -36,7 +36,7 @@ def test_hook_refuses_a_wrong_state() -> None:
 
 def test_importing_the_hooks_module_loads_neither_lightning_nor_triton() -> None:
     code = ("import sys, bagua_lightning.hooks; "
-            "print(sorted(m for m in ('lightning', 'triton', 'bagua_lightning.strategy.hooks') if m in sys.modules))")
+            "print(sorted(m for m in ('lightning', 'triton', 'bagua_lightning.engine.hooks') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from bagua_lightning.strategy.algorithms.q_adam import QAdamOptimizer
-from bagua_lightning.strategy.compression import compress_chunks, decompress_chunks, max_quantisation_error
-from tests.strategy.launch import REPO, run_ranks
+from bagua_lightning.engine.algorithms.q_adam import QAdamOptimizer
+from bagua_lightning.engine.compression import compress_chunks, decompress_chunks, max_quantisation_error
+from tests.ranks import REPO, run_ranks
 
 CHECKS = [
     "compress_matches_cpu_bytes",
@@ -165,7 +165,7 @@ def test_qadam_multi_tensor_step_equals_the_per_parameter_loop(external: bool) -
 def _low_precision_through_kernels(comm: Any, kwargs: dict[str, Any], steps: int) -> dict[str, Any]:
     """low_precision_decentralized with its difference/apply on the (interpreted) kernels, CPU tensors."""
     os.environ["TRITON_INTERPRET"] = "1"  # before this process first imports triton (at the first launch)
-    from bagua_lightning.strategy import kernels
+    from bagua_lightning.engine import kernels
     from tests.strategy.weight_averaging_workers import low_precision_trace
 
     kernels.enabled = lambda device: True  # type: ignore[assignment]  # this child only

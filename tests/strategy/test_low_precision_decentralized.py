@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-from bagua_lightning.strategy.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.engine.algorithms.base import get_algorithm_class
+from bagua_lightning.engine.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 from tests.strategy.weight_averaging_workers import low_precision_trace, low_precision_traces, run_ranks
 
 

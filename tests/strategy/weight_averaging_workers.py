@@ -1,9 +1,8 @@
-"""Real multi-process Gloo harness for the weight-averaging algorithms' tests.
+"""Scenarios of the weight-averaging algorithms' tests, run on real Gloo ranks.
 
-:func:`run_ranks` starts ``world_size`` processes (spawn), each initialises a Gloo
-process group on 127.0.0.1, builds a :class:`CommContext` and calls a scenario
-function; the results come back by rank. Processes are always stopped, also on
-failure or timeout. Scenario functions live here (importable by the children).
+:func:`run_ranks` runs a scenario on every rank (through :func:`tests.ranks.run_function`) with the
+job's :class:`CommContext`; the results come back by rank. Scenario functions live here (importable
+by the ranks).
 
 The toy task: a small MLP fitting a fixed random teacher, each rank on its own
 shard of the data, so weights drift apart between rank unless averaged.
@@ -11,24 +10,18 @@ shard of the data, so weights drift apart between rank unless averaged.
 
 from __future__ import annotations
 
-import datetime
-import io
-import os
-import queue
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from bagua_lightning.engine.algorithms.base import Algorithm, get_algorithm_class
+from bagua_lightning.engine.comm import CommContext
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration, split_into_buckets
-from bagua_lightning.strategy.algorithms.base import Algorithm, get_algorithm_class
-from bagua_lightning.strategy.comm import CommContext
-from tests.procs import free_port
+from tests.ranks import run_function
 
 Scenario = Callable[..., Any]
 
@@ -36,71 +29,13 @@ Scenario = Callable[..., Any]
 def run_ranks(
     scenario: Scenario, world_size: int, *args: Any, local_size: int | None = None, timeout_s: float = 120.0
 ) -> list[Any]:
-    """Run ``scenario(comm, *args)`` on ``world_size`` Gloo ranks; return the results by rank.
-
-    Raises ``RuntimeError`` with the failing rank's traceback, or ``TimeoutError``.
-    """
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(rank, world_size, local_size or world_size, port, scenario, args, results),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(got) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(got))} did not finish in {timeout_s} s")
-            try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
-                if dead:
-                    raise RuntimeError(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            got[rank] = torch.load(io.BytesIO(value), weights_only=True)
-        for p in procs:
-            p.join(timeout=30)
-        return [got[r] for r in range(world_size)]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+    """Run ``scenario(comm, *args)`` on ``world_size`` Gloo ranks (:func:`tests.ranks.run_function`); results by rank."""
+    return run_function(_with_comm, scenario, local_size or world_size, *args, world_size=world_size,
+                        local_size=local_size, timeout_s=timeout_s)
 
 
-def _entry(rank: int, world_size: int, local_size: int, port: int, scenario: Scenario,
-           args: tuple[Any, ...], results: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        comm = CommContext.build(local_size=local_size)
-        value = scenario(comm, *args)
-        dist.barrier()
-        # Plain bytes through the queue: tensors shared by file descriptor die with the child.
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        results.put((rank, True, buffer.getvalue()))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _with_comm(scenario: Scenario, local_size: int, *args: Any) -> Any:
+    return scenario(CommContext.build(local_size=local_size), *args)
 
 
 # --- the toy task ---------------------------------------------------------------------------------
@@ -183,7 +118,7 @@ def decentralized_traces(comm: CommContext, configs: list[dict[str, Any]], steps
 
 def low_precision_trace(comm: CommContext, kwargs: dict[str, Any], steps: int, lr: float = 0.1) -> dict[str, Any]:
     """Train ``steps`` steps and check the DCD-PSGD update of every communicating step on this rank."""
-    from bagua_lightning.strategy.compression import max_quantisation_error
+    from bagua_lightning.engine.compression import max_quantisation_error
 
     model = make_model()
     algo: Any = build("low_precision_decentralized", comm, model, **kwargs)
@@ -248,7 +183,7 @@ def _thread_alive() -> bool:
 
 
 def _wrapped(comm: CommContext, lr: float, **kwargs: Any) -> tuple[Any, Any, torch.optim.Optimizer]:
-    from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+    from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
     model = make_model()
     algo = get_algorithm_class("async").from_kwargs(**kwargs)

@@ -242,14 +242,20 @@ def case_partial(out: Path, rank: int) -> dict[str, Any]:
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model = model.with_bagua([opt], AsyncModelAverageAlgorithm(sync_interval_ms=20, warmup_steps=3), process_group=group)
+    # The same training without Bagua, from the weights the wrapped model starts with.
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
     for _ in range(2):
         model.bagua_algorithm.resume(model)
-        model.bagua_algorithm.resume(model)
+        model.bagua_algorithm.resume(model)  # twice: a no-op while running
         train(model, opt, 8, seed=rank)
         model.bagua_algorithm.abort(model)
-        model.bagua_algorithm.abort(model)
+        model.bagua_algorithm.abort(model)  # twice: a no-op once stopped
+        train(ref, ref_opt, 8, seed=rank)
     model._bagua_teardown()
-    return {}
+    # Members averaged (gradients in warm-up, then weights); the rank outside the group trained alone.
+    return {"in_group": rank in group.ranks, "as_local_training": bool(torch.equal(flat(model), flat(ref)))}
 
 
 def case_bucket_state(out: Path, rank: int) -> dict[str, Any]:

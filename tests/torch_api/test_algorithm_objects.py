@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 import bagua_lightning.torch_api as bagua
-from bagua_lightning.errors import ConfigurationError
-from bagua_lightning.strategy.algorithms.gradient_allreduce import (
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.engine.algorithms.gradient_allreduce import (
     GradientAllReduceAlgorithm as EngineAllReduce,
 )
-from bagua_lightning.strategy.algorithms.q_adam import QAdamOptimizerError
-from bagua_lightning.strategy.buckets import trainable_parameters
-from bagua_lightning.strategy.comm import CommContext
-from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+from bagua_lightning.engine.algorithms.q_adam import QAdamOptimizerError
+from bagua_lightning.engine.buckets import trainable_parameters
+from bagua_lightning.engine.comm import CommContext
+from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 from bagua_lightning.torch_api.algorithms import Algorithm, AlgorithmImpl
 from bagua_lightning.torch_api.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from bagua_lightning.torch_api.algorithms.bytegrad import ByteGradAlgorithm

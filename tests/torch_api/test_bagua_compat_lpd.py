@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.strategy.launch import run_ranks
+from tests.ranks import run_ranks
 
 WORKERS = Path(__file__).with_name("bagua_rule_workers.py")
 

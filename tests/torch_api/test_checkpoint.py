@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.torch_api.checkpoint import load_checkpoint, save_checkpoint
 from bagua_lightning.torch_api.checkpoint.checkpointing import TRACKER_FILE
 from tests.torch_api.launch import run_case

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bagua_lightning.errors import ConfigurationError
+from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.torch_api import env
 from tests.torch_api.launch import run_case
 

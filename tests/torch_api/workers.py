@@ -164,8 +164,27 @@ def check_alltoall(r: int, n: int) -> None:
     want_x = x.clone()
     for i in range(n):
         want_x[r_displs[i]:r_displs[i] + r_counts[i]] = want_t[r_displs[i]:r_displs[i] + r_counts[i]]
-    C.alltoall_v_inplace(x, s_counts, s_displs, r_counts, r_displs)
-    eq(x, want_x, "alltoall_v_inplace")
+    C.alltoall_v(x, s_counts, s_displs, x, r_counts, r_displs)  # one tensor as input and output
+    eq(x, want_x, "alltoall_v aliased")
+    # Bagua's in-place form: one layout for both directions (counts are symmetric here), the
+    # displacements given with Bagua's trailing total, as NumPy arrays as Bagua's example passes them.
+    import numpy as np
+
+    y = send_t.clone()
+    want_y = send_t.clone()
+    for i in range(n):
+        want_y[s_displs[i]:s_displs[i] + s_counts[i]] = t([1000 * i + 10 * r + m for m in range(s_counts[i])])
+    C.alltoall_v_inplace(y, np.array(s_counts), np.array([*s_displs, s_displs[-1] + s_counts[-1]]))
+    eq(y, want_y, "alltoall_v_inplace")
+    # recv_counts is the most accepted: a larger slot keeps its tail.
+    big = torch.full((recv_t.numel() + n,), -1, dtype=torch.int64)
+    roomy = [c + 1 for c in r_counts]
+    roomy_displs = layout(roomy, 2)
+    want_big = big.clone()
+    for i in range(n):
+        want_big[roomy_displs[i]:roomy_displs[i] + r_counts[i]] = want_t[r_displs[i]:r_displs[i] + r_counts[i]]
+    C.alltoall_v(send_t, s_counts, s_displs, big, roomy, roomy_displs)
+    eq(big, want_big, "alltoall_v with room to spare")
 
 
 def check_p2p_and_misc(r: int, n: int) -> None:
@@ -248,7 +267,7 @@ def case_primitives() -> None:
 
 def case_process_group() -> None:
     """4 ranks as 2 nodes x 2 (LOCAL_WORLD_SIZE=2)."""
-    from bagua_lightning.strategy.comm import hierarchical_all_reduce_
+    from bagua_lightning.engine.comm import hierarchical_all_reduce_
     from bagua_lightning.torch_api.process_group import _get_default_group
 
     C.init_process_group()

@@ -12,9 +12,11 @@ per parameter gradient, after backward and after ``optimizer.step()``. The defau
 mark each parameter's gradient ready as autograd produces it, and wait for nothing
 (bucket operations finish in the thread that marks the last tensor ready).
 
-The builtin algorithms are :class:`EngineAlgorithmImpl` subclasses: each holds one
-instance of the engine's algorithm (``bagua_lightning.strategy.algorithms``), the
-implementation ``BaguaStrategy`` runs too, and ``with_bagua`` drives that instance
+The builtin algorithms are derived from the engine's registrations
+(:func:`bagua_algorithm`): Bagua's class is an :class:`EngineAlgorithm` factory with the
+engine class's constructor, and its implementation an :class:`EngineAlgorithmImpl`
+holding one instance of the engine's algorithm (``bagua_lightning.engine.algorithms``),
+the implementation ``BaguaStrategy`` runs too; ``with_bagua`` drives that instance
 directly (overlapping communication with backward). Their Bagua hooks call the same
 engine hooks, so calling them by hand behaves as the engine does.
 """
@@ -22,22 +24,25 @@ engine hooks, so calling them by hand behaves as the engine does.
 from __future__ import annotations
 
 import abc
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
+from ...engine.algorithms.base import Algorithm as _EngineAlgorithm
+from ...engine.algorithms.base import AlgorithmSpec, algorithm_classes, get_algorithm_class
+from ...engine.buckets import trainable_parameters
+from ...engine.comm import CommContext
 from ...proto.plan import BucketPlan
-from ...strategy.algorithms.base import Algorithm as EngineAlgorithm
-from ...strategy.buckets import trainable_parameters
-from ...strategy.comm import CommContext
 from ..bucket import BaguaBucket
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..process_group import BaguaProcessGroup
 
-__all__ = ["Algorithm", "AlgorithmImpl", "EngineAlgorithmImpl"]
+__all__ = ["Algorithm", "AlgorithmImpl", "EngineAlgorithm", "EngineAlgorithmImpl", "bagua_algorithm", "bagua_algorithms"]
 
 
 class AlgorithmImpl:
@@ -123,7 +128,7 @@ class EngineAlgorithmImpl(AlgorithmImpl):
     #: Bagua's state names exposed on ``model.bagua_buckets[i]``, mapped to engine state (subclasses).
     bucket_state: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, process_group: BaguaProcessGroup, engine: EngineAlgorithm) -> None:
+    def __init__(self, process_group: BaguaProcessGroup, engine: _EngineAlgorithm) -> None:
         super().__init__(process_group)
         self.engine = engine
         self._step = 0
@@ -166,7 +171,7 @@ class EngineAlgorithmImpl(AlgorithmImpl):
         return get
 
 
-class HookedAlgorithm(EngineAlgorithm):
+class HookedAlgorithm(_EngineAlgorithm):
     """Runs a user's :class:`AlgorithmImpl` through the engine's driver (the same hooks the builtins get).
 
     ``setup`` builds the impl's tensors and buckets (grouped as the engine's plan
@@ -234,3 +239,124 @@ class HookedAlgorithm(EngineAlgorithm):
 
     def bind_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         pass
+
+
+def _bind(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a derived constructor by name, defaults applied (TypeError names a wrong call)."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+class EngineAlgorithm(Algorithm):
+    """Bagua's class of a registered engine algorithm (built by :func:`bagua_algorithm`).
+
+    Its constructor is the engine class's (Bagua's arguments and defaults), after the
+    optimizer for algorithms that need one (``QAdamAlgorithm(q_adam_optimizer, ...)``);
+    the arguments are checked now and kept as attributes.
+    """
+
+    #: The engine class this builds (set by :func:`bagua_algorithm`).
+    engine_class: ClassVar[type[_EngineAlgorithm]]
+    #: The implementation :meth:`reify` returns (set by :func:`bagua_algorithm`).
+    impl_class: ClassVar[type[RegisteredAlgorithmImpl]]
+    #: Bagua's constructor arguments, without ``self`` (set by :func:`bagua_algorithm`).
+    arguments: ClassVar[inspect.Signature]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._arguments = _bind(self.arguments, args, kwargs)
+        self.engine_class(**_adopt(self, self.engine_class, self._arguments))  # validate now, not at wrap time
+
+    def reify(self, process_group: BaguaProcessGroup) -> RegisteredAlgorithmImpl:
+        return self.impl_class(process_group, **self._arguments)
+
+
+class RegisteredAlgorithmImpl(EngineAlgorithmImpl):
+    """One model's implementation of a registered engine algorithm (built by :func:`bagua_algorithm`).
+
+    Takes the process group, then the same arguments as its :class:`EngineAlgorithm`.
+    """
+
+    #: The engine class whose instance this owns (set by :func:`bagua_algorithm`).
+    engine_class: ClassVar[type[_EngineAlgorithm]]
+    #: The arguments after the process group, as :attr:`EngineAlgorithm.arguments` (set by :func:`bagua_algorithm`).
+    arguments: ClassVar[inspect.Signature]
+
+    def __init__(self, process_group: BaguaProcessGroup, *args: Any, **kwargs: Any) -> None:
+        arguments = _bind(self.arguments, args, kwargs)
+        super().__init__(process_group, self.engine_class(**_adopt(self, self.engine_class, arguments)))
+
+
+def _adopt(owner: object, engine: type[_EngineAlgorithm], arguments: dict[str, Any]) -> dict[str, Any]:
+    """Keep ``arguments`` as attributes of ``owner`` (the optimizer as ``optimizer``, checked); the engine's."""
+    engine_kwargs = dict(arguments)
+    optimizer_arg = engine.spec.optimizer_arg
+    if optimizer_arg is not None:
+        optimizer = engine_kwargs.pop(optimizer_arg)
+        engine.check_optimizer(optimizer)
+        owner.optimizer = optimizer  # type: ignore[attr-defined]
+    for key, value in engine_kwargs.items():
+        setattr(owner, key, value)
+    return engine_kwargs
+
+
+def _module_method(engine: type[_EngineAlgorithm], name: str, on_impl: bool) -> Callable[..., None]:
+    """Bagua's ``abort``/``resume``-style method: the engine method of the same name, given the module."""
+
+    def on_factory(self: EngineAlgorithm, bagua_module: nn.Module) -> None:
+        getattr(bagua_module.bagua_algorithm, name)(bagua_module)
+
+    def on_implementation(self: RegisteredAlgorithmImpl, bagua_module: nn.Module) -> None:
+        getattr(self.engine, name)(bagua_module)
+
+    method = on_implementation if on_impl else on_factory
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = getattr(engine, name).__doc__
+    return method
+
+
+@functools.cache
+def bagua_algorithm(name: str) -> tuple[type[EngineAlgorithm], type[RegisteredAlgorithmImpl]]:
+    """Bagua's ``Algorithm`` class and its ``AlgorithmImpl`` for the engine algorithm registered as ``name``.
+
+    Both are derived from the registration (:class:`~bagua_lightning.engine.algorithms.base.AlgorithmSpec`):
+    the names (``<bagua_name>``, ``<bagua_name>Impl``), the constructor (the engine class's, after the
+    optimizer when the algorithm needs one), the state on ``model.bagua_buckets[i]`` and the methods
+    taking the wrapped module. The same name always gives the same two classes.
+    """
+    engine = get_algorithm_class(name)
+    spec: AlgorithmSpec = engine.spec
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [p for p in inspect.signature(engine.__init__).parameters.values() if p.name != "self"]
+    if spec.optimizer_arg is not None:
+        params.insert(0, inspect.Parameter(spec.optimizer_arg, positional))
+    module = __package__  # where every registered algorithm's classes resolve by name (pickle, repr)
+
+    def factory_init(self: EngineAlgorithm, *args: Any, **kwargs: Any) -> None:
+        EngineAlgorithm.__init__(self, *args, **kwargs)
+
+    def impl_init(self: RegisteredAlgorithmImpl, process_group: BaguaProcessGroup, *args: Any, **kwargs: Any) -> None:
+        RegisteredAlgorithmImpl.__init__(self, process_group, *args, **kwargs)
+
+    self_param = inspect.Parameter("self", positional)
+    factory_init.__signature__ = inspect.Signature([self_param, *params])  # type: ignore[attr-defined]
+    impl_init.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [self_param, inspect.Parameter("process_group", positional), *params])
+    shared: dict[str, Any] = {"__module__": module, "engine_class": engine, "arguments": inspect.Signature(params)}
+    methods = {m: _module_method(engine, m, on_impl=True) for m in spec.module_methods}
+    impl_cls = type(f"{spec.bagua_name}Impl", (RegisteredAlgorithmImpl,), {
+        **shared, **methods, "__init__": impl_init, "bucket_state": dict(spec.bucket_state),
+        "__doc__": f"One model's ``{spec.name}``: the process group, then :class:`{spec.bagua_name}`'s arguments.",
+    })
+    methods = {m: _module_method(engine, m, on_impl=False) for m in spec.module_methods}
+    factory_cls = type(spec.bagua_name, (EngineAlgorithm,), {
+        **shared, **methods, "__init__": factory_init, "impl_class": impl_cls,
+        "__doc__": f"Create Bagua's ``{spec.name}`` algorithm.\n\n{engine.__doc__ or ''}",
+    })
+    return factory_cls, impl_cls
+
+
+def bagua_algorithms() -> dict[str, type[EngineAlgorithm]]:
+    """Bagua's class of every registered engine algorithm, by Bagua's class name (``"QAdamAlgorithm"``)."""
+    classes = [bagua_algorithm(name)[0] for name in algorithm_classes()]
+    return {cls.__name__: cls for cls in classes}

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigurationError
+from ...core.errors import ConfigurationError
 from .. import communication
 
 __all__ = ["load_checkpoint", "save_checkpoint"]

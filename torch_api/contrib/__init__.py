@@ -1,6 +1,6 @@
 """Bagua's ``bagua.torch_api.contrib``: fused optimizer, load-balancing samplers, SyncBatchNorm, cached dataset.
 
-The implementations live in ``bagua_lightning.strategy.contrib`` and ``bagua_lightning.client.cache``
+The implementations live in ``bagua_lightning.engine.contrib`` and ``bagua_lightning.client.cache``
 (usable with ``BaguaStrategy`` too).
 """
 

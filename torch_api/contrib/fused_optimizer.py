@@ -1,4 +1,4 @@
-"""The fused optimizer under its module names (implementation: ``strategy/contrib/fused_optimizer.py``).
+"""The fused optimizer under its module names (implementation: ``engine/contrib/fused_optimizer.py``).
 
 ``FusedOptimizer`` is the class form of :func:`fuse_optimizer` that Bagua scripts written before
 ``fuse_optimizer`` existed use: ``FusedOptimizer(optimizer, do_flatten)`` converts ``optimizer`` in place and
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ...strategy.contrib.fused_optimizer import fuse_optimizer, fuse_step, is_fused_optimizer
+from ...engine.contrib.fused_optimizer import fuse_optimizer, fuse_step, is_fused_optimizer
 
 __all__ = ["FusedOptimizer", "fuse_optimizer", "fuse_step", "is_fused_optimizer"]
 

@@ -1,6 +1,6 @@
-"""Bagua's ``bagua.torch_api.contrib.load_balancing_data_loader`` (implementation: ``strategy/contrib/load_balancing.py``)."""
+"""Bagua's ``bagua.torch_api.contrib.load_balancing_data_loader`` (implementation: ``engine/contrib/load_balancing.py``)."""
 
-from ...strategy.contrib.load_balancing import (
+from ...engine.contrib.load_balancing import (
     LoadBalancingDistributedBatchSampler,
     LoadBalancingDistributedSampler,
 )

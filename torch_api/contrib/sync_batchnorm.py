@@ -1,5 +1,5 @@
-"""Bagua's ``bagua.torch_api.contrib.sync_batchnorm`` (implementation: ``strategy/contrib/sync_batchnorm.py``)."""
+"""Bagua's ``bagua.torch_api.contrib.sync_batchnorm`` (implementation: ``engine/contrib/sync_batchnorm.py``)."""
 
-from ...strategy.contrib.sync_batchnorm import SyncBatchNorm
+from ...engine.contrib.sync_batchnorm import SyncBatchNorm
 
 __all__ = ["SyncBatchNorm"]

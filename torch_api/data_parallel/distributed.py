@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ...strategy.buckets import UNUSED_ATTRIBUTE
-from ...strategy.ddp import AlgorithmDriver
+from ...engine.buckets import UNUSED_ATTRIBUTE
+from ...engine.ddp import AlgorithmDriver
 from .. import distributed as _distributed  # noqa: F401  (patches torch.nn.Module)
 from ..algorithms.base import Algorithm
 from ..algorithms.gradient_allreduce import GradientAllReduceAlgorithm

@@ -67,27 +67,35 @@ class ExecutionSpan(_message.Message):
     def __init__(self, trace_id: _Optional[int] = ..., action: _Optional[str] = ..., tensor_name: _Optional[str] = ..., start_time: _Optional[int] = ..., end_time: _Optional[int] = ...) -> None: ...
 
 class RegisterTensorsRequest(_message.Message):
-    __slots__ = ("model_name", "tensor_list", "whether_to_bucket", "world_size", "nproc_per_node")
+    __slots__ = ("model_name", "tensor_list", "whether_to_bucket", "world_size", "nproc_per_node", "job_id", "resume_hyperparameters", "resume_completed")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TENSOR_LIST_FIELD_NUMBER: _ClassVar[int]
     WHETHER_TO_BUCKET_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     NPROC_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_HYPERPARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     tensor_list: _containers.RepeatedCompositeFieldContainer[TensorDeclaration]
     whether_to_bucket: bool
     world_size: int
     nproc_per_node: int
-    def __init__(self, model_name: _Optional[str] = ..., tensor_list: _Optional[_Iterable[_Union[TensorDeclaration, _Mapping]]] = ..., whether_to_bucket: _Optional[bool] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ...) -> None: ...
+    job_id: str
+    resume_hyperparameters: Hyperparameters
+    resume_completed: bool
+    def __init__(self, model_name: _Optional[str] = ..., tensor_list: _Optional[_Iterable[_Union[TensorDeclaration, _Mapping]]] = ..., whether_to_bucket: _Optional[bool] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., job_id: _Optional[str] = ..., resume_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., resume_completed: _Optional[bool] = ...) -> None: ...
 
 class RegisterTensorsResponse(_message.Message):
-    __slots__ = ("recommended_hyperparameters",)
+    __slots__ = ("recommended_hyperparameters", "is_autotune_completed")
     RECOMMENDED_HYPERPARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    IS_AUTOTUNE_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     recommended_hyperparameters: Hyperparameters
-    def __init__(self, recommended_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ...) -> None: ...
+    is_autotune_completed: bool
+    def __init__(self, recommended_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., is_autotune_completed: _Optional[bool] = ...) -> None: ...
 
 class ReportMetricsRequest(_message.Message):
-    __slots__ = ("model_name", "rank", "train_iter", "hyperparameters", "speed", "bucket_timings", "backward_ms", "ranks", "speed_min", "speed_max", "speed_stddev")
+    __slots__ = ("model_name", "rank", "train_iter", "hyperparameters", "speed", "bucket_timings", "backward_ms", "ranks", "speed_min", "speed_max", "speed_stddev", "job_id")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAIN_ITER_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +107,7 @@ class ReportMetricsRequest(_message.Message):
     SPEED_MIN_FIELD_NUMBER: _ClassVar[int]
     SPEED_MAX_FIELD_NUMBER: _ClassVar[int]
     SPEED_STDDEV_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     rank: int
     train_iter: int
@@ -110,7 +119,8 @@ class ReportMetricsRequest(_message.Message):
     speed_min: float
     speed_max: float
     speed_stddev: float
-    def __init__(self, model_name: _Optional[str] = ..., rank: _Optional[int] = ..., train_iter: _Optional[int] = ..., hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., speed: _Optional[float] = ..., bucket_timings: _Optional[_Iterable[_Union[BucketTiming, _Mapping]]] = ..., backward_ms: _Optional[float] = ..., ranks: _Optional[int] = ..., speed_min: _Optional[float] = ..., speed_max: _Optional[float] = ..., speed_stddev: _Optional[float] = ...) -> None: ...
+    job_id: str
+    def __init__(self, model_name: _Optional[str] = ..., rank: _Optional[int] = ..., train_iter: _Optional[int] = ..., hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., speed: _Optional[float] = ..., bucket_timings: _Optional[_Iterable[_Union[BucketTiming, _Mapping]]] = ..., backward_ms: _Optional[float] = ..., ranks: _Optional[int] = ..., speed_min: _Optional[float] = ..., speed_max: _Optional[float] = ..., speed_stddev: _Optional[float] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class ReportMetricsResponse(_message.Message):
     __slots__ = ("accepted",)
@@ -119,14 +129,16 @@ class ReportMetricsResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class AskHyperparametersRequest(_message.Message):
-    __slots__ = ("model_name", "rank", "train_iter")
+    __slots__ = ("model_name", "rank", "train_iter", "job_id")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAIN_ITER_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     rank: int
     train_iter: int
-    def __init__(self, model_name: _Optional[str] = ..., rank: _Optional[int] = ..., train_iter: _Optional[int] = ...) -> None: ...
+    job_id: str
+    def __init__(self, model_name: _Optional[str] = ..., rank: _Optional[int] = ..., train_iter: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class AskHyperparametersResponse(_message.Message):
     __slots__ = ("recommended_hyperparameters", "is_autotune_completed")
@@ -137,12 +149,14 @@ class AskHyperparametersResponse(_message.Message):
     def __init__(self, recommended_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., is_autotune_completed: _Optional[bool] = ...) -> None: ...
 
 class ReportTensorExecutionOrderRequest(_message.Message):
-    __slots__ = ("spans", "model_name")
+    __slots__ = ("spans", "model_name", "job_id")
     SPANS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     spans: _containers.RepeatedCompositeFieldContainer[ExecutionSpan]
     model_name: str
-    def __init__(self, spans: _Optional[_Iterable[_Union[ExecutionSpan, _Mapping]]] = ..., model_name: _Optional[str] = ...) -> None: ...
+    job_id: str
+    def __init__(self, spans: _Optional[_Iterable[_Union[ExecutionSpan, _Mapping]]] = ..., model_name: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class ReportTensorExecutionOrderResponse(_message.Message):
     __slots__ = ()
@@ -153,7 +167,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelSummary(_message.Message):
-    __slots__ = ("model_name", "tensors", "total_bytes", "world_size", "nproc_per_node", "plan_version", "completed", "samples", "reports_accepted", "reports_ignored", "best_score", "has_best", "idle_s", "tuner", "layouts_tracked")
+    __slots__ = ("model_name", "tensors", "total_bytes", "world_size", "nproc_per_node", "plan_version", "completed", "samples", "reports_accepted", "reports_ignored", "best_score", "has_best", "idle_s", "tuner", "layouts_tracked", "job_id", "fingerprint")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +183,8 @@ class ModelSummary(_message.Message):
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
     TUNER_FIELD_NUMBER: _ClassVar[int]
     LAYOUTS_TRACKED_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     tensors: int
     total_bytes: int
@@ -184,19 +200,45 @@ class ModelSummary(_message.Message):
     idle_s: float
     tuner: str
     layouts_tracked: int
-    def __init__(self, model_name: _Optional[str] = ..., tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., plan_version: _Optional[int] = ..., completed: _Optional[bool] = ..., samples: _Optional[int] = ..., reports_accepted: _Optional[int] = ..., reports_ignored: _Optional[int] = ..., best_score: _Optional[float] = ..., has_best: _Optional[bool] = ..., idle_s: _Optional[float] = ..., tuner: _Optional[str] = ..., layouts_tracked: _Optional[int] = ...) -> None: ...
+    job_id: str
+    fingerprint: str
+    def __init__(self, model_name: _Optional[str] = ..., tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., plan_version: _Optional[int] = ..., completed: _Optional[bool] = ..., samples: _Optional[int] = ..., reports_accepted: _Optional[int] = ..., reports_ignored: _Optional[int] = ..., best_score: _Optional[float] = ..., has_best: _Optional[bool] = ..., idle_s: _Optional[float] = ..., tuner: _Optional[str] = ..., layouts_tracked: _Optional[int] = ..., job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class SharedPlanSummary(_message.Message):
+    __slots__ = ("key", "model_name", "job_id", "world_size", "nproc_per_node", "score", "completed", "buckets")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NPROC_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    model_name: str
+    job_id: str
+    world_size: int
+    nproc_per_node: int
+    score: float
+    completed: bool
+    buckets: int
+    def __init__(self, key: _Optional[str] = ..., model_name: _Optional[str] = ..., job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., score: _Optional[float] = ..., completed: _Optional[bool] = ..., buckets: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "shared_plans")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PLANS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelSummary]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ...) -> None: ...
+    shared_plans: _containers.RepeatedCompositeFieldContainer[SharedPlanSummary]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ..., shared_plans: _Optional[_Iterable[_Union[SharedPlanSummary, _Mapping]]] = ...) -> None: ...
 
 class DescribeModelRequest(_message.Message):
-    __slots__ = ("model_name",)
+    __slots__ = ("model_name", "job_id")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
-    def __init__(self, model_name: _Optional[str] = ...) -> None: ...
+    job_id: str
+    def __init__(self, model_name: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class SampleRecord(_message.Message):
     __slots__ = ("index", "plan_version", "bucket_size", "is_hierarchical_reduce", "bucket_bytes", "speed", "score", "exposed_ms", "reports", "train_iter")

@@ -74,8 +74,9 @@ class AutotuneServiceServicer:
         it: later calls with the same declaration return the current plan.
         INVALID_ARGUMENT: empty model_name or tensor_list, duplicate names,
         num_elements <= 0, unknown dtype, world_size/nproc_per_node out of range.
-        FAILED_PRECONDITION: model_name already registered with other tensors,
-        whether_to_bucket, world_size or nproc_per_node.
+        FAILED_PRECONDITION: (job_id, model_name) already registered with other
+        tensors or whether_to_bucket; without job_id also with another
+        world_size or nproc_per_node (with one, that re-registers the job).
         RESOURCE_EXHAUSTED: more tensors than the server's --max-tensors, a
         name over --max-name-bytes, or a message over --max-request-bytes.
         Beyond --max-models models the least recently used one is evicted.
@@ -131,7 +132,8 @@ class AutotuneServiceServicer:
 
     def DescribeModel(self, request, context):
         """One model's state: current and best plan and every measured sample.
-        NOT_FOUND: unknown model.
+        NOT_FOUND: unknown model (or job_id). FAILED_PRECONDITION: job_id empty
+        and several jobs hold model_name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

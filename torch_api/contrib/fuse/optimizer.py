@@ -1,6 +1,6 @@
-"""Bagua's ``bagua.torch_api.contrib.fuse.optimizer`` (implementation: ``strategy/contrib/fused_optimizer.py``)."""
+"""Bagua's ``bagua.torch_api.contrib.fuse.optimizer`` (implementation: ``engine/contrib/fused_optimizer.py``)."""
 
-from ....strategy.contrib.fused_optimizer import (
+from ....engine.contrib.fused_optimizer import (
     calculate_mutual_groups,
     fuse_optimizer,
     fuse_step,

@@ -18,8 +18,8 @@ import time
 import redis
 
 from ....client.cache.store import DEFAULT_CAPACITY, RedisStore
-from ....errors import ConfigurationError, ServiceUnavailableError
-from ....services_file import resolve_redis_password
+from ....core.errors import ConfigurationError, ServiceUnavailableError
+from ....core.services_file import resolve_redis_password
 
 __all__ = ["DEFAULT_CAPACITY", "RedisStore", "find_free_port", "start_redis_server_cli"]
 

@@ -1,4 +1,4 @@
-"""Bagua's ``bagua.torch_api.model_parallel.moe`` (implementation: ``strategy/contrib/moe/``)."""
+"""Bagua's ``bagua.torch_api.model_parallel.moe`` (implementation: ``engine/contrib/moe/``)."""
 
 from .layer import MoE
 from .utils import is_moe_param

@@ -1,5 +1,5 @@
 """Bagua's ``moe.experts``."""
 
-from ....strategy.contrib.moe.experts import Experts
+from ....engine.contrib.moe.experts import Experts
 
 __all__ = ["Experts"]

@@ -1,5 +1,5 @@
 """Bagua's ``moe.layer``."""
 
-from ....strategy.contrib.moe.layer import MoE
+from ....engine.contrib.moe.layer import MoE
 
 __all__ = ["MoE"]

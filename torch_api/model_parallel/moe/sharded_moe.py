@@ -1,6 +1,6 @@
 """Bagua's ``moe.sharded_moe``."""
 
-from ....strategy.contrib.moe.sharded_moe import (
+from ....engine.contrib.moe.sharded_moe import (
     Base,
     MOELayer,
     TopKGate,

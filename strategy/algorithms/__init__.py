@@ -1,1 +1,0 @@
-"""Bagua algorithms implemented natively on torch.distributed."""
