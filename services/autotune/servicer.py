@@ -97,30 +97,37 @@ def _digest_of(encoded: bytes) -> bytes:
     return hashlib.blake2b(encoded, digest_size=16).digest()
 
 
-_TOTAL_BYTES: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # id(registration) -> (it, its bytes)
+class _RegistrationFacts:
+    """Sums over every tensor of a registration (total bytes, fingerprint), computed once per registration:
+    for 100,000 tensors each costs tens of milliseconds of GIL-holding work per ListModels/DescribeModel."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._facts: OrderedDict[int, tuple[Any, int, str]] = OrderedDict()  # id(registration) -> (it, facts)
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def of(self, reg: Any) -> tuple[int, str]:
+        hit = self._facts.get(id(reg))
+        if hit is not None and hit[0] is reg:
+            return hit[1], hit[2]
+        total, fingerprint = sum(t.nbytes for t in reg.tensors), reg.fingerprint
+        with self._lock:
+            self._facts[id(reg)] = (reg, total, fingerprint)  # the registration is kept: its id stays its own
+            while len(self._facts) > self._capacity:
+                self._facts.popitem(last=False)
+        return total, fingerprint
 
 
-def _total_bytes(reg: Any) -> int:
-    """Bytes of a registration's tensors (a sum over every tensor: computed once per registration)."""
-    hit = _TOTAL_BYTES.get(id(reg))
-    if hit is not None and hit[0] is reg:
-        return hit[1]
-    total = sum(t.nbytes for t in reg.tensors)
-    _TOTAL_BYTES[id(reg)] = (reg, total)
-    while len(_TOTAL_BYTES) > 4096:
-        _TOTAL_BYTES.popitem(last=False)
-    return total
-
-
-def _summary(info: ModelInfo) -> Any:
+def _summary(info: ModelInfo, facts: _RegistrationFacts) -> Any:
     reg = info.registration
+    total_bytes, fingerprint = facts.of(reg)
     return pb.ModelSummary(
-        model_name=reg.model_name, tensors=len(reg.tensors), total_bytes=_total_bytes(reg),
+        model_name=reg.model_name, tensors=len(reg.tensors), total_bytes=total_bytes,
         world_size=reg.world_size, nproc_per_node=reg.nproc_per_node, plan_version=info.current.version,
         completed=info.completed, samples=info.sample_count, reports_accepted=info.reports_accepted,
         reports_ignored=info.reports_ignored, best_score=info.best.score if info.best else 0.0,
         has_best=info.best is not None, idle_s=info.idle_s, tuner=info.tuner, layouts_tracked=info.layouts_tracked,
-        job_id=reg.job_id, fingerprint=reg.fingerprint)
+        job_id=reg.job_id, fingerprint=fingerprint)
 
 
 def _shared(key: str, stored: StoredPlan) -> Any:
@@ -149,6 +156,7 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
         self._encoded: OrderedDict[tuple[str, str, int], tuple[BucketPlan, bytes, bytes]] = OrderedDict()
         self._encoded_lock = threading.Lock()
         self._encoded_tensors = 0
+        self._facts = _RegistrationFacts()
 
     def _entry(self, job_id: str, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, bytes, bytes]:
         """(plan, its encoded Hyperparameters, their digest), cached."""
@@ -234,13 +242,13 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
 
     @_translate_errors
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return pb.ListModelsResponse(models=[_summary(info) for info in self.service.list_models()],
+        return pb.ListModelsResponse(models=[_summary(info, self._facts) for info in self.service.list_models()],
                                      shared_plans=[_shared(k, p) for k, p in self.service.shared_plans()])
 
     @_translate_errors
     def DescribeModel(self, request: Any, context: grpc.ServicerContext) -> Any:
         info = self.service.describe(request.model_name, request.job_id)
-        reply = pb.DescribeModelResponse(summary=_summary(info))
+        reply = pb.DescribeModelResponse(summary=_summary(info, self._facts))
         reply.samples.extend(
             pb.SampleRecord(index=i + 1, plan_version=s.plan.version, bucket_size=s.plan.bucket_size,
                             is_hierarchical_reduce=s.plan.is_hierarchical_reduce, bucket_bytes=s.plan.bucket_bytes,
