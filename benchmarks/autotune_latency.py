@@ -119,6 +119,8 @@ def handler_cost_us(world: int, calls: int = 3000) -> dict[str, float]:
     servicer = AutotuneServicer(service)
     reg = servicer.RegisterTensors(pb.RegisterTensorsRequest(
         model_name="m", tensor_list=[pb.TensorDeclaration(**t) for t in _tensors()]), None)  # type: ignore[arg-type]
+    if isinstance(reg, bytes):  # the servicer hands back encoded responses (services/autotune/wire.py)
+        reg = pb.RegisterTensorsResponse.FromString(reg)
     plan = plan_to_proto(plan_from_proto(reg.recommended_hyperparameters))
     timings = [timing_to_proto({"bucket_index": i, "bytes": 1, "ready_ms": 1.0, "comm_ms": 1.0, "wait_ms": 0.0})
                for i in range(len(plan.buckets))]

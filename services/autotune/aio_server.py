@@ -1,9 +1,13 @@
-"""The same service on ``grpc.aio``: handlers run on the event loop, with no hop to a thread pool.
+"""The same service on ``grpc.aio``: small requests run on the event loop, big ones in worker threads.
 
-The handlers are the threaded servicer's (:class:`AutotuneServicer`), called directly
-from the loop: they take tens of microseconds and never block, except
-``RegisterTensors`` with a plan store (it reads the store, up to its deadline), which
-runs on the loop's thread pool.
+The handlers are the threaded servicer's (:class:`AutotuneServicer`). Small requests
+(a report or ask of a model of a few thousand tensors) take tens of microseconds and
+run on the loop directly: a hop to a thread would cost more than the work. Requests
+whose work grows with a model's tensors (registration, describe, listing, execution
+order, and reports or asks of a model above :data:`BIG_MODEL_TENSORS`) run in a
+bounded worker pool, so health checks and small requests never wait behind them;
+the plans they carry are pre-encoded (:mod:`.wire`), so what is left on the loop is
+a copy. A registration also reads the store (up to its deadline).
 A handler's refusal leaves through ``await context.abort`` here. Token check,
 health (open without a token) and reflection behave as in :mod:`.server`.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
 import grpc
@@ -20,10 +25,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ...proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
+from . import wire
 from .metrics import RpcMetrics
 from .readiness import OPEN_PREFIX, SERVICE_NAME
 from .service import AutotuneService
 from .servicer import AutotuneServicer
+
+BIG_MODEL_TENSORS = 5_000  # above it a model's reports and asks run in a worker (their plans cost milliseconds)
+WORKER_THREADS = 4  # big requests at once; more queue (the loop and small requests do not)
+_HEAVY = frozenset({"RegisterTensors", "DescribeModel", "ListModels", "ReportTensorExecutionOrder"})
 
 _METHODS = ("RegisterTensors", "ReportMetrics", "AskHyperparameters", "ReportTensorExecutionOrder", "ListModels",
             "DescribeModel")
@@ -42,16 +52,21 @@ class _RecordingContext:
         raise _Aborted(code, details)
 
 
-def _handler(sync: AutotuneServicer, name: str) -> Callable[[Any, Any], Awaitable[Any]]:
+def _is_big(sync: AutotuneServicer, name: str, request: Any) -> bool:
+    """Whether ``request``'s work grows with a large model (then it runs in a worker thread)."""
+    if name in _HEAVY:
+        return True
+    return sync.service.tensor_count(request.model_name, getattr(request, "job_id", "")) > BIG_MODEL_TENSORS
+
+
+def _handler(sync: AutotuneServicer, name: str, workers: ThreadPoolExecutor) -> Callable[[Any, Any], Awaitable[Any]]:
     method = getattr(sync, name)
-    # Only a registration reads the store; without one every handler finishes in microseconds, and a
-    # hop to a thread would cost more (the GIL handed back and forth) than the work.
-    blocking = name == "RegisterTensors" and sync.service.store is not None
 
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            if blocking:
-                return await asyncio.get_running_loop().run_in_executor(None, method, request, _RecordingContext())
+            if _is_big(sync, name, request):
+                return await asyncio.get_running_loop().run_in_executor(workers, method, request,
+                                                                        _RecordingContext())
             return method(request, _RecordingContext())
         except _Aborted as aborted:
             await context.abort(aborted.code, aborted.details)
@@ -60,8 +75,12 @@ def _handler(sync: AutotuneServicer, name: str) -> Callable[[Any, Any], Awaitabl
 
 class _AioServicer(pb_grpc.AutotuneServiceServicer):
     def __init__(self, sync: AutotuneServicer) -> None:
+        # Threads, not processes: a session's state lives in this process. Python code in them hands the
+        # GIL back every switch interval (serve() sets 1 ms), and the long C calls (encoding plans) are
+        # done once per plan (:mod:`.wire`).
+        self.workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="autotune-big")
         for name in _METHODS:
-            setattr(self, name, _handler(sync, name))
+            setattr(self, name, _handler(sync, name, self.workers))
 
 
 class AioTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -107,7 +126,7 @@ def create_aio_server(address: str, service: AutotuneService, *, tls: Any = None
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                  ("grpc.so_reuseport", 0)],
         interceptors=[AioTokenInterceptor(token, metrics)] if token else None)
-    pb_grpc.add_AutotuneServiceServicer_to_server(_AioServicer(AutotuneServicer(service, metrics)), server)
+    wire.add_to_server(_AioServicer(AutotuneServicer(service, metrics)), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ...cli import bind_port_arg
+from ...core.errors import ConfigurationError
 from ...core.services_file import ENV_AUTOTUNE_TOKEN
 from ...proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration
 from .config import TUNERS, ServiceConfig
@@ -106,10 +107,22 @@ def _add_tuning_options(p: argparse.ArgumentParser, *, warmup_time_s: float | No
     p.add_argument("--max-tensors", type=int, default=100_000, help="tensors per model / spans per request")
     p.add_argument("--max-models", type=int, default=1024,
                    help="models held at once; one more evicts the least recently used (default 1024)")
+    p.add_argument("--max-memory", type=_size_arg, default=2 * 1024**3,
+                   help="bytes of model state held at once, e.g. 2GiB, 512MiB (0: no budget); past it the least "
+                        "recently used models are evicted, their best plans kept in the store (default 2GiB)")
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024**2, help="largest gRPC message, bytes")
     p.add_argument("--max-name-bytes", type=int, default=1024, help="longest model or tensor name, bytes")
     p.add_argument("--max-layouts", type=int, default=64, help="measured layouts kept per model")
     p.add_argument("--store-timeout-s", type=float, default=1.0, help="deadline of one --state operation, s")
+
+
+def _size_arg(text: str) -> int:
+    from ...core.procs import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _fill_env_defaults(args: argparse.Namespace) -> None:
@@ -135,7 +148,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         world_size=args.world_size, autotune_level=args.autotune_level, max_samples=args.max_samples,
         warmup_time_s=args.warmup_time_s, sampling_confidence_time_s=args.sampling_confidence_time_s,
         default_bucket_size=args.default_bucket_size, tuner=args.tuner, early_stop=not args.no_early_stop,
-        max_tensors=args.max_tensors, max_models=args.max_models, max_request_bytes=args.max_request_bytes,
+        max_tensors=args.max_tensors, max_models=args.max_models, max_memory=args.max_memory, max_request_bytes=args.max_request_bytes,
         max_name_bytes=args.max_name_bytes, max_layouts=args.max_layouts, store_timeout_s=args.store_timeout_s,
         tuning_processes=getattr(args, "tuning_processes", 0))
 

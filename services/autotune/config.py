@@ -35,6 +35,10 @@ class ServiceConfig:
         seed: seed of the Bayesian baseline's random initial points.
         max_models: models held at once; registering one more evicts the least recently
             used model (its best plan stays in the store; its trainers register again).
+        max_memory: bytes of model state held at once (estimated per session from its tensors, plans
+            and samples, :mod:`.memory`); past it the least recently used models are evicted (their
+            best plans stay in the store), and a registration that alone needs more is refused with
+            RESOURCE_EXHAUSTED. 0: no byte budget (``max_models`` still applies).
         max_tensors: tensors per model / spans per request; more get RESOURCE_EXHAUSTED.
         max_request_bytes: largest accepted gRPC message, in bytes.
         max_name_bytes: longest model or tensor name, in UTF-8 bytes; longer get RESOURCE_EXHAUSTED.
@@ -59,6 +63,7 @@ class ServiceConfig:
     max_log2_bucket_size: float = 30.0
     seed: int = 0
     max_models: int = 1024
+    max_memory: int = 2 * 1024**3
     max_tensors: int = 100_000
     max_request_bytes: int = 16 * 1024**2
     max_name_bytes: int = 1024
@@ -95,6 +100,9 @@ class ServiceConfig:
             raise ConfigurationError(
                 f"max_layouts and max_plans must be >= 2 (the current and the best plan), got "
                 f"{self.max_layouts} and {self.max_plans}")
+        if isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory < 0:
+            raise ConfigurationError(f"max_memory must be a whole number of bytes >= 0 (0: no budget), got "
+                                     f"{self.max_memory!r}; e.g. 2147483648 (autotune serve --max-memory 2GiB)")
         if not 0 <= self.tuning_processes <= 64:
             raise ConfigurationError(f"tuning_processes must be in [0, 64], got {self.tuning_processes}")
         if not math.isfinite(self.store_timeout_s) or self.store_timeout_s <= 0:

@@ -56,6 +56,14 @@ class ServiceCollector(Collector):
         yield GaugeMetricFamily("bagua_autotune_models", "Models held now", value=len(service.model_names))
         yield CounterMetricFamily("bagua_autotune_models_evicted", "Models evicted as least recently used",
                                   value=service.evicted)
+        yield CounterMetricFamily("bagua_autotune_models_evicted_for_memory",
+                                  "Models evicted as least recently used to stay within --max-memory",
+                                  value=service.memory.evicted_for_bytes)
+        yield GaugeMetricFamily("bagua_autotune_memory_accounted_bytes",
+                                "Estimated bytes of model state held now (what --max-memory bounds)",
+                                value=service.memory.total)
+        yield GaugeMetricFamily("bagua_autotune_memory_budget_bytes", "The --max-memory budget (0: none)",
+                                value=service.config.max_memory)
         yield CounterMetricFamily("bagua_autotune_plans_issued", "Plans issued since start",
                                   value=service.plans_issued)
         yield CounterMetricFamily("bagua_autotune_store_errors", "Failed plan-store operations",

@@ -17,16 +17,18 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
-from ...proto.plan import BucketPlan, BucketTimingRecord, TensorDeclaration
+from ...proto.plan import DTYPE_SIZES, BucketPlan, BucketTimingRecord, TensorDeclaration
 from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from .memory import MemoryAccount, check_fits, registration_bytes
 from .persistence import PlanStore, StoredPlan
 from .proposal import Proposal, Tuner, exit_with_parent, propose_in_worker
 from .reports import PlanRef, Spread
 from .samplelog import SampleLog
 from .session import ModelSession, Registration
 from .storeio import StoreIO
+from .validation import check_name
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ MAX_SHARED_PLANS = 4096  # best plans per shape held in memory (least recently u
 
 #: What identifies a tuning session: (job_id, model_name); job_id "" for registrations without a job.
 SessionKey = tuple[str, str]
+# Each request decodes its own copy of every dtype string: share one per dtype (~50 B a tensor).
+_DTYPES = {name: name for name in DTYPE_SIZES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,7 @@ class AutotuneService:
         self._shared: OrderedDict[str, StoredPlan] = OrderedDict()
         self._shared_lock = threading.Lock()
         self.evicted = 0
+        self.memory = MemoryAccount(config.max_memory)  # bytes held per session, guarded by self._lock
         self._retired_plans = 0  # plans issued by sessions since evicted (for the running total)
         self._tuning_pool: ProcessPoolExecutor | None = None
         if config.tuning_processes:
@@ -126,10 +131,16 @@ class AutotuneService:
         """The session of a registered (job, model); NotFoundError otherwise."""
         session = self._sessions.get((job_id, model_name))
         if session is None:
+            self._check_name("model_name", model_name)  # a malformed name is INVALID_ARGUMENT, not NOT_FOUND
             job = f" under job_id {job_id!r:.120}" if job_id else " without a job_id"
             raise NotFoundError(f"model_name {model_name!r:.200} is not registered{job} (or was evicted as the "
                                 "least recently used); call RegisterTensors first")
         return session
+
+    def tensor_count(self, model_name: str, job_id: str = "") -> int:
+        """Tensors a held (job, model) declared (0 when not held): how heavy its requests are."""
+        session = self._sessions.get((job_id, model_name))
+        return len(session.registration.tensors) if session is not None else 0
 
     def find_session(self, model_name: str, job_id: str = "") -> ModelSession:
         """:meth:`session`; with an empty ``job_id``, also the only job's session of ``model_name``."""
@@ -199,13 +210,7 @@ class AutotuneService:
                                        "characters (e.g. the launcher's run id)")
 
     def _check_name(self, what: str, name: str) -> None:
-        if 4 * len(name) <= self.config.max_name_bytes:  # UTF-8 takes at most 4 bytes per character
-            return
-        size = len(name.encode("utf-8", "surrogatepass"))
-        if size > self.config.max_name_bytes:
-            raise ResourceExhaustedError(
-                f"{what} is {size} bytes long ({name[:40]!r}...), more than the service's limit of "
-                f"{self.config.max_name_bytes}; use a shorter name or raise --max-name-bytes")
+        check_name(what, name, self.config.max_name_bytes)
 
     def _tensors(self, tensor_list: Sequence[tuple[str, int, str]]) -> tuple[TensorDeclaration, ...]:
         if not tensor_list:
@@ -219,7 +224,7 @@ class AutotuneService:
         for i, (name, num_elements, dtype) in enumerate(tensor_list):
             self._check_name(f"tensor_list[{i}].name", name)
             try:
-                t = TensorDeclaration(name=name, num_elements=num_elements, dtype=dtype)
+                t = TensorDeclaration(name=name, num_elements=num_elements, dtype=_DTYPES.get(dtype, dtype))
             except (ValueError, TypeError) as exc:
                 raise InvalidArgumentError(f"tensor_list[{i}]: {exc}") from exc
             if t.name in seen:
@@ -250,6 +255,9 @@ class AutotuneService:
         self._check_name("model_name", model_name)
         if job_id:
             self._check_job_id(job_id)
+        if len(tensor_list) <= self.config.max_tensors:  # more: refused below, with the count
+            name_bytes = sum(len(t[0]) for t in tensor_list)
+            check_fits(model_name, registration_bytes(len(tensor_list), name_bytes), self.config.max_memory)
         tensors = self._tensors(tensor_list)
         world = world_size or self.config.world_size
         if not 1 <= world <= MAX_WORLD_SIZE:
@@ -294,6 +302,8 @@ class AutotuneService:
                 else:
                     self._retired_plans += held.plans_issued
                 self._sessions[key] = fresh
+                if self.memory.update(key, fresh, name_bytes):
+                    self._evict_for_bytes(keep=key)
                 old = session.registration if session is not None else None
                 logger.info("event=%s model=%s job=%s tensors=%d world_size=%d nproc_per_node=%d "
                             "whether_to_bucket=%s%s", "model_registered" if old is None else "job_reregistered",
@@ -309,11 +319,30 @@ class AutotuneService:
         """Lock held: make room for one more model by dropping the least recently used ones."""
         while len(self._sessions) >= self.config.max_models:
             key = min(self._sessions, key=lambda k: self._sessions[k].last_used)
-            old = self._sessions.pop(key)
-            self._retired_plans += old.plans_issued
-            self.evicted += 1
-            logger.info("event=model_evicted model=%s job=%s idle_s=%.1f models=%d", key[1], key[0],
-                        self._clock() - old.last_used, len(self._sessions))
+            self._evict(key, "max-models")
+
+    def _evict(self, key: SessionKey, reason: str) -> None:
+        """Lock held: drop one session (its best plan is in the store already: sessions persist each new best)."""
+        old = self._sessions.pop(key)
+        freed = self.memory.bytes_of(key)
+        self.memory.forget(key)
+        self._retired_plans += old.plans_issued
+        self.evicted += 1
+        logger.info("event=model_evicted model=%s job=%s reason=%s idle_s=%.1f bytes=%d models=%d "
+                    "accounted_bytes=%d", key[1], key[0], reason, self._clock() - old.last_used, freed,
+                    len(self._sessions), self.memory.total)
+
+    def _evict_for_bytes(self, keep: SessionKey) -> None:
+        """Lock held: drop the least recently used sessions (never ``keep``) until the rest fit --max-memory."""
+        for key in self.memory.over_budget(self._sessions, keep):
+            self._evict(key, "max-memory")
+            self.memory.evicted_for_bytes += 1
+
+    def _reaccount(self, key: SessionKey, session: ModelSession) -> None:
+        """Re-measure a session that grew (a new plan or sample), evicting others when over budget."""
+        with self._lock:
+            if self._sessions.get(key) is session and self.memory.update(key, session):
+                self._evict_for_bytes(keep=key)
 
     def report(self, model_name: str, rank: int, train_iter: int, plan: PlanRef | None, speed: float,
                bucket_timings: Sequence[BucketTimingRecord] = (), backward_ms: float = 0.0,
@@ -324,7 +353,12 @@ class AutotuneService:
 
     def ask(self, model_name: str, rank: int, train_iter: int, job_id: str = "") -> tuple[BucketPlan, bool]:
         """The plan for ``train_iter`` (identical for every rank) and whether tuning completed."""
-        return self.session(model_name, job_id).ask(rank, train_iter)
+        session = self.session(model_name, job_id)
+        issued = session.plans_issued
+        answer = session.ask(rank, train_iter)
+        if session.plans_issued != issued:  # a new plan (and the sample that led to it): the session grew
+            self._reaccount((job_id, model_name), session)
+        return answer
 
     def report_execution_order(self, spans: Sequence[Span], model_name: str = "", job_id: str = "") -> str:
         """Record the order tensors became ready; returns the model it was applied to."""

@@ -21,6 +21,7 @@ import grpc
 from ...proto.autotune.v1 import autotune_pb2 as pb
 from ...proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from ...proto.plan import BucketPlan, BucketTimingRecord, plan_from_proto, plan_to_proto
+from . import wire
 from .errors import (
     AutotuneRequestError,
     FailedPreconditionError,
@@ -89,18 +90,44 @@ def _tensor_count(plan: BucketPlan) -> int:
 
 
 def _digest(message: Any) -> bytes:
-    return hashlib.blake2b(message.SerializeToString(deterministic=True), digest_size=16).digest()
+    return _digest_of(message.SerializeToString(deterministic=True))
 
 
-def _summary(info: ModelInfo) -> Any:
+def _digest_of(encoded: bytes) -> bytes:
+    return hashlib.blake2b(encoded, digest_size=16).digest()
+
+
+class _RegistrationFacts:
+    """Sums over every tensor of a registration (total bytes, fingerprint), computed once per registration:
+    for 100,000 tensors each costs tens of milliseconds of GIL-holding work per ListModels/DescribeModel."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._facts: OrderedDict[int, tuple[Any, int, str]] = OrderedDict()  # id(registration) -> (it, facts)
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def of(self, reg: Any) -> tuple[int, str]:
+        hit = self._facts.get(id(reg))
+        if hit is not None and hit[0] is reg:
+            return hit[1], hit[2]
+        total, fingerprint = sum(t.nbytes for t in reg.tensors), reg.fingerprint
+        with self._lock:
+            self._facts[id(reg)] = (reg, total, fingerprint)  # the registration is kept: its id stays its own
+            while len(self._facts) > self._capacity:
+                self._facts.popitem(last=False)
+        return total, fingerprint
+
+
+def _summary(info: ModelInfo, facts: _RegistrationFacts) -> Any:
     reg = info.registration
+    total_bytes, fingerprint = facts.of(reg)
     return pb.ModelSummary(
-        model_name=reg.model_name, tensors=len(reg.tensors), total_bytes=sum(t.nbytes for t in reg.tensors),
+        model_name=reg.model_name, tensors=len(reg.tensors), total_bytes=total_bytes,
         world_size=reg.world_size, nproc_per_node=reg.nproc_per_node, plan_version=info.current.version,
         completed=info.completed, samples=info.sample_count, reports_accepted=info.reports_accepted,
         reports_ignored=info.reports_ignored, best_score=info.best.score if info.best else 0.0,
         has_best=info.best is not None, idle_s=info.idle_s, tuner=info.tuner, layouts_tracked=info.layouts_tracked,
-        job_id=reg.job_id, fingerprint=reg.fingerprint)
+        job_id=reg.job_id, fingerprint=fingerprint)
 
 
 def _shared(key: str, stored: StoredPlan) -> Any:
@@ -124,19 +151,21 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
         # Encoding a plan of many tensors costs far more than the rest of a call: encode each issued plan
         # once, with the digest of its full layout. Keyed by (job, model, version); the plan object is kept to
         # check the entry is still that plan. Bounded: the least recently used entries go first.
-        # The value also holds the finished responses that carry the plan (built once: copying a plan of
-        # many tensors into a response costs as much as encoding it).
-        self._encoded: OrderedDict[tuple[str, str, int], tuple[BucketPlan, Any, bytes, dict[Any, Any]]] = OrderedDict()
+        # Responses carrying the plan are assembled from its encoded bytes (:mod:`.wire`): encoding a plan
+        # of many tensors holds the GIL for milliseconds, which every other request would wait for.
+        self._encoded: OrderedDict[tuple[str, str, int], tuple[BucketPlan, bytes, bytes]] = OrderedDict()
         self._encoded_lock = threading.Lock()
         self._encoded_tensors = 0
+        self._facts = _RegistrationFacts()
 
-    def _entry(self, job_id: str, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, Any, bytes, dict[Any, Any]]:
+    def _entry(self, job_id: str, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, bytes, bytes]:
+        """(plan, its encoded Hyperparameters, their digest), cached."""
         key = (job_id, model_name, plan.version)
         cached = self._encoded.get(key)
         if cached is not None and cached[0] is plan:
             return cached
-        message = plan_to_proto(plan)
-        entry: tuple[BucketPlan, Any, bytes, dict[Any, Any]] = (plan, message, _digest(message), {})
+        encoded = plan_to_proto(plan).SerializeToString(deterministic=True)
+        entry = (plan, encoded, _digest_of(encoded))
         with self._encoded_lock:
             old = self._encoded.pop(key, None)
             if old is not None:
@@ -149,19 +178,11 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                 self._encoded_tensors -= _tensor_count(dropped[0])
         return entry
 
-    def _response(self, job_id: str, model_name: str, plan: BucketPlan, kind: str, completed: bool = False) -> Any:
-        """The (shared, never mutated) response of ``kind`` carrying ``plan``."""
-        _, message, _, responses = self._entry(job_id, model_name, plan)
-        response = responses.get((kind, completed))
-        if response is None:
-            if kind == "register":
-                response = pb.RegisterTensorsResponse(recommended_hyperparameters=message,
-                                                      is_autotune_completed=completed)
-            else:
-                response = pb.AskHyperparametersResponse(recommended_hyperparameters=message,
-                                                         is_autotune_completed=completed)
-            responses[(kind, completed)] = response
-        return response
+    def _response(self, job_id: str, model_name: str, plan: BucketPlan, kind: str, completed: bool = False) -> bytes:
+        """The encoded response of ``kind`` carrying ``plan`` (see :mod:`.wire`)."""
+        encoded = self._entry(job_id, model_name, plan)[1]
+        return (wire.register_response(encoded, completed) if kind == "register"
+                else wire.ask_response(encoded, completed))
 
     def _plan_ref(self, job_id: str, model_name: str, message: Any) -> PlanRef | None:
         if not message.buckets:
@@ -221,19 +242,19 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
 
     @_translate_errors
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return pb.ListModelsResponse(models=[_summary(info) for info in self.service.list_models()],
+        return pb.ListModelsResponse(models=[_summary(info, self._facts) for info in self.service.list_models()],
                                      shared_plans=[_shared(k, p) for k, p in self.service.shared_plans()])
 
     @_translate_errors
     def DescribeModel(self, request: Any, context: grpc.ServicerContext) -> Any:
         info = self.service.describe(request.model_name, request.job_id)
-        reply = pb.DescribeModelResponse(summary=_summary(info), current=plan_to_proto(info.current))
-        if info.best is not None:
-            reply.best.CopyFrom(plan_to_proto(info.best.plan))
+        reply = pb.DescribeModelResponse(summary=_summary(info, self._facts))
         reply.samples.extend(
             pb.SampleRecord(index=i + 1, plan_version=s.plan.version, bucket_size=s.plan.bucket_size,
                             is_hierarchical_reduce=s.plan.is_hierarchical_reduce, bucket_bytes=s.plan.bucket_bytes,
                             speed=s.speed, score=s.score, exposed_ms=s.exposed_ms, reports=s.reports,
                             train_iter=s.train_iter)
             for i, s in enumerate(info.samples))
-        return reply
+        job = info.registration.job_id
+        best = self._entry(job, request.model_name, info.best.plan)[1] if info.best is not None else None
+        return wire.describe_response(reply, self._entry(job, request.model_name, info.current)[1], best)

@@ -128,7 +128,7 @@ class ModelSession:
         self._clock = clock
         self._lock = threading.Lock()
         self._names = {t.name: t for t in registration.tensors}
-        self.tensor_names = frozenset(self._names)
+        self.tensor_names = self._names.keys()  # a set view: a frozenset copy would cost ~40 B a tensor
         self._order: tuple[TensorDeclaration, ...] = registration.tensors
         self._order_changed = False
         self._tuner: Tuner | None = None
