@@ -24,9 +24,10 @@ from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from .memory import MemoryAccount, check_fits, registration_bytes
 from .persistence import PlanStore, StoredPlan
 from .proposal import Proposal, Tuner, exit_with_parent, propose_in_worker
+from .registration import Registration
 from .reports import PlanRef, Spread
 from .samplelog import SampleLog
-from .session import ModelSession, Registration
+from .session import ModelSession
 from .storeio import StoreIO
 from .validation import check_name
 

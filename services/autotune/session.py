@@ -29,7 +29,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from ...proto.plan import (
@@ -37,15 +36,15 @@ from ...proto.plan import (
     BucketTimingRecord,
     TensorDeclaration,
     split_into_buckets,
-    tensor_list_fingerprint,
 )
 from .bayes import BayesianTuner
 from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import FailedPreconditionError, InvalidArgumentError
-from .persistence import StoredPlan, plan_key
+from .persistence import StoredPlan
 from .planner import ModelBasedPlanner
 from .proposal import Proposal, Tuner
+from .registration import Registration, layout_key
 from .reports import MAX_TRAIN_ITER, LayoutStats, PlanRef, Spread, check_measurement
 
 logger = logging.getLogger(__name__)
@@ -53,45 +52,6 @@ logger = logging.getLogger(__name__)
 _MAX_ITERS_PER_RANK = 4096  # remembered train_iters per rank before the oldest half is dropped
 _MAX_ITERS = 65536  # remembered (rank, train_iter) pairs per model before every rank drops its oldest half
 _MAX_DECISIONS = 4096  # cached train_iter -> plan decisions before the oldest are dropped
-
-
-@dataclass(frozen=True, slots=True)
-class Registration:
-    """What ``RegisterTensors`` declared for a model (``job_id`` empty: registered without a job)."""
-
-    model_name: str
-    tensors: tuple[TensorDeclaration, ...]
-    whether_to_bucket: bool
-    world_size: int
-    nproc_per_node: int
-    job_id: str = ""
-
-    @property
-    def session_key(self) -> tuple[str, str]:
-        """What identifies the session: one per (job, model)."""
-        return self.job_id, self.model_name
-
-    @property
-    def label(self) -> str:
-        """How logs and errors name the session."""
-        return f"{self.model_name!r:.200} (job {self.job_id!r:.120})" if self.job_id else f"{self.model_name!r:.200}"
-
-    @property
-    def fingerprint(self) -> str:
-        return tensor_list_fingerprint(self.tensors)
-
-    @property
-    def hierarchical_allowed(self) -> bool:
-        """Hierarchical reduce only differs from flat when the job spans more than one node."""
-        return self.nproc_per_node < self.world_size
-
-    @property
-    def store_key(self) -> str:
-        return plan_key(self.fingerprint, self.world_size, self.nproc_per_node)
-
-
-def _layout_key(plan: BucketPlan) -> tuple[str, bool]:
-    return plan.fingerprint(), plan.is_hierarchical_reduce
 
 
 class ModelSession:
@@ -386,7 +346,7 @@ class ModelSession:
 
     def _trim_stats(self) -> None:
         current = self._key_of(self._current)
-        best = _layout_key(self._best.plan) if self._best is not None else None
+        best = layout_key(self._best.plan) if self._best is not None else None
         while len(self._stats) > self.config.max_layouts:
             for key in self._stats:
                 if key not in (current, best):
@@ -396,10 +356,10 @@ class ModelSession:
     def _key_of(self, plan: BucketPlan) -> tuple[str, bool]:
         # Hashing a layout is the costliest part of a report: remember it for the plans issued here.
         if self._issued.get(plan.version) is not plan:
-            return _layout_key(plan)
+            return layout_key(plan)
         key = self._issued_keys.get(plan.version)
         if key is None:
-            key = self._issued_keys[plan.version] = _layout_key(plan)
+            key = self._issued_keys[plan.version] = layout_key(plan)
         return key
 
     def _plan_at(self, train_iter: int) -> BucketPlan:
