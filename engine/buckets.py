@@ -453,4 +453,18 @@ class BucketEngine:
         return self._timer.last()
 
     def close(self) -> None:
+        """Stop the runner and hand the gradients back as the module had them: tensors of their own.
+
+        Gradients bound to the buckets are views of the flat buffers; left so, they would keep
+        every buffer alive and tie the module's gradients to a layout the next owner (another
+        algorithm after a switch, or plain training) does not know. Values are kept.
+        """
         self._runner.close()
+        if not (self.bind_grads and self.flatten):
+            return
+        for b in self.buckets:
+            storage = b.flat.untyped_storage().data_ptr()
+            for p in b.params:
+                grad = p.grad
+                if grad is not None and grad.untyped_storage().data_ptr() == storage:
+                    p.grad = grad.clone(memory_format=torch.contiguous_format)
