@@ -6,7 +6,8 @@
   is re-pointed to a view of it, so the collective runs on the buffer with no copy
   (as DDP's ``gradient_as_bucket_view``). When ``zero_grad(set_to_none=True)`` left
   autograd a fresh gradient, the gradient hook copies it into its view once and
-  re-points ``.grad``;
+  re-points ``.grad``. :meth:`BucketEngine.close` hands each gradient back as a tensor of its own,
+  so neither a teardown nor a switch to another algorithm leaves the module holding the old buffers;
 * buckets are launched strictly in plan order as soon as they and every earlier
   bucket are complete, so collectives match on every rank whatever order autograd
   finishes gradients in;
