@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from bagua_lightning.strategy.algorithms.base import get_algorithm_class
-from bagua_lightning.strategy.comm import CommContext
-from bagua_lightning.strategy.ddp import BaguaDistributedDataParallel
+from bagua_lightning.engine.algorithms.base import get_algorithm_class
+from bagua_lightning.engine.comm import CommContext
+from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
 COMM = CommContext(rank=0, world_size=1, local_rank=0, local_size=1)  # one rank: collectives are no-ops
 
@@ -34,8 +34,13 @@ def _wrap(model: nn.Module, name: str) -> tuple[BaguaDistributedDataParallel, to
     return BaguaDistributedDataParallel(model, get_algorithm_class(name).from_kwargs(), COMM, optimizers=[opt]), opt
 
 
-def _buffer_storages(wrapped: BaguaDistributedDataParallel) -> set[int]:
-    return {b.flat.untyped_storage().data_ptr() for b in wrapped.algorithm.engine.buckets}  # type: ignore[attr-defined]
+def _buffers(wrapped: BaguaDistributedDataParallel) -> list[torch.Tensor]:
+    """The algorithm's flat bucket buffers (kept referenced by the caller, so no new buffer reuses their memory)."""
+    return [b.flat for b in wrapped.algorithm.engine.buckets]  # type: ignore[attr-defined]
+
+
+def _storages(buffers: list[torch.Tensor]) -> set[int]:
+    return {b.untyped_storage().data_ptr() for b in buffers}
 
 
 def _comm_threads() -> int:
@@ -46,7 +51,8 @@ def test_teardown_hands_back_gradients_of_their_own() -> None:
     model = _model()
     wrapped, opt = _wrap(model, "gradient_allreduce")
     _train(wrapped, opt, 2)
-    buffers = _buffer_storages(wrapped)
+    held = _buffers(wrapped)
+    buffers = _storages(held)
     before = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
     assert all(p.grad is not None and p.grad._base is not None for p in model.parameters())  # bucket views
     wrapped.teardown()
@@ -62,12 +68,13 @@ def test_switch_leaves_nothing_of_the_previous_algorithm(new: str) -> None:
     model = _model()
     wrapped, opt = _wrap(model, "gradient_allreduce")
     _train(wrapped, opt, 2)
-    old = _buffer_storages(wrapped)
+    held = _buffers(wrapped)
+    old = _storages(held)
     wrapped.switch_algorithm(get_algorithm_class(new).from_kwargs())
     for n, p in model.named_parameters():  # between the steps, with the last step's gradients
         assert p.grad is not None and p.grad.untyped_storage().data_ptr() not in old, n
     _train(wrapped, opt, 2, seed=2)
-    owned = _buffer_storages(wrapped) if new == "bytegrad" else set()
+    owned = _storages(_buffers(wrapped)) if new == "bytegrad" else set()
     for n, p in model.named_parameters():
         assert p.grad is not None and p.grad.is_contiguous(), n
         storage = p.grad.untyped_storage().data_ptr()
