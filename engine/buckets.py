@@ -6,7 +6,8 @@
   is re-pointed to a view of it, so the collective runs on the buffer with no copy
   (as DDP's ``gradient_as_bucket_view``). When ``zero_grad(set_to_none=True)`` left
   autograd a fresh gradient, the gradient hook copies it into its view once and
-  re-points ``.grad``;
+  re-points ``.grad``. :meth:`BucketEngine.close` hands each gradient back as a tensor of its own,
+  so neither a teardown nor a switch to another algorithm leaves the module holding the old buffers;
 * buckets are launched strictly in plan order as soon as they and every earlier
   bucket are complete, so collectives match on every rank whatever order autograd
   finishes gradients in;
@@ -453,4 +454,18 @@ class BucketEngine:
         return self._timer.last()
 
     def close(self) -> None:
+        """Stop the runner and hand the gradients back as the module had them: tensors of their own.
+
+        Gradients bound to the buckets are views of the flat buffers; left so, they would keep
+        every buffer alive and tie the module's gradients to a layout the next owner (another
+        algorithm after a switch, or plain training) does not know. Values are kept.
+        """
         self._runner.close()
+        if not (self.bind_grads and self.flatten):
+            return
+        for b in self.buckets:
+            storage = b.flat.untyped_storage().data_ptr()
+            for p in b.params:
+                grad = p.grad
+                if grad is not None and grad.untyped_storage().data_ptr() == storage:
+                    p.grad = grad.clone(memory_format=torch.contiguous_format)

@@ -378,6 +378,13 @@ class BaguaDistributedDataParallel(nn.Module):
                                       broadcast_state=False)
         self.driver.step = old.step
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        # Checkpoints hold the bare module's keys (as DDP's ``module.`` prefix would break them).
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.load_state_dict(*args, **kwargs)
+
 
 def average_module_parameters(module: nn.Module, comm: CommContext) -> None:
     """Replace every communicated parameter by its average over ``comm``'s group (in place)."""
@@ -387,10 +394,3 @@ def average_module_parameters(module: nn.Module, comm: CommContext) -> None:
         for _, p in trainable_parameters(module):
             dist.all_reduce(p.data, op=dist.ReduceOp.SUM, group=comm.group)
             p.data.div_(comm.world_size)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        # Checkpoints hold the bare module's keys (as DDP's ``module.`` prefix would break them).
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module.load_state_dict(*args, **kwargs)
