@@ -140,6 +140,9 @@ def _shared(key: str, stored: StoredPlan) -> Any:
 class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
     """``bagua_lightning.autotune.v1.AutotuneService`` over an :class:`AutotuneService`.
 
+    The methods carrying a plan return encoded bytes, not messages: register it with
+    :func:`.wire.add_to_server`, not the generated ``add_AutotuneServiceServicer_to_server``.
+
     Args:
         service: the logic.
         metrics: counts every call by method and status code (None: not counted).

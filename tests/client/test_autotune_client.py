@@ -23,11 +23,11 @@ from bagua_lightning.core.errors import (
     ModelNotRegisteredError,
     ServiceUnavailableError,
 )
-from bagua_lightning.proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord
 from bagua_lightning.services.autotune.config import ServiceConfig
 from bagua_lightning.services.autotune.server import create_server
 from bagua_lightning.services.autotune.service import AutotuneService
+from bagua_lightning.services.autotune import wire
 from bagua_lightning.services.autotune.servicer import AutotuneServicer
 from tests.procs import free_port
 
@@ -169,7 +169,7 @@ class _SlowServicer(AutotuneServicer):
 
 def test_every_call_has_a_deadline() -> None:
     server = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_AutotuneServiceServicer_to_server(_SlowServicer(_service()), server)
+    wire.add_to_server(_SlowServicer(_service()), server)  # its replies are pre-encoded bytes
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
