@@ -24,10 +24,10 @@ from bagua_lightning.core.errors import (
     ServiceUnavailableError,
 )
 from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord
+from bagua_lightning.services.autotune import wire
 from bagua_lightning.services.autotune.config import ServiceConfig
 from bagua_lightning.services.autotune.server import create_server
 from bagua_lightning.services.autotune.service import AutotuneService
-from bagua_lightning.services.autotune import wire
 from bagua_lightning.services.autotune.servicer import AutotuneServicer
 from tests.procs import free_port
 
