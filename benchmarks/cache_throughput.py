@@ -44,7 +44,7 @@ from bagua_lightning.client.cache.backends import pack_gets
 from bagua_lightning.services.redis_cluster import running_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interleaved import bootstrap_ratio  # noqa: E402  # a sibling module of the benchmarks
+from interleaved import bootstrap_ratio  # a sibling module of the benchmarks
 
 hiredis: Any
 try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
-import os
 import pickle
 import sys
 import typing
