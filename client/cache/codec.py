@@ -295,8 +295,7 @@ def _decode_uniform(values: list[Any], keys: list[bytes], secret: bytes | None) 
         if kind == DIGEST_GMAC:  # the nonces are the entries' own; only the tags need comparing
             if digests._aesgcm_class() is None:
                 return None
-            tags = gmac_tags(secret, keys, [flat[a:a + covered] for a in starts],
-                             [flat[a - DIGEST_SIZE:a - DIGEST_SIZE + NONCE_SIZE] for a in starts])
+            tags = gmac_tags(secret, flat, starts, covered, keys)
             if not hmac.compare_digest(tags, rows[:, _DIGEST_OFFSET + NONCE_SIZE:_COVERED].tobytes()):
                 return None
         else:

@@ -137,13 +137,14 @@ def hmac_digest(secret: bytes, key: bytes, covered: Any) -> bytes:
     return o.digest()[:DIGEST_SIZE]
 
 
-def gmac_tags(secret: bytes, keys: Sequence[bytes], covered: Sequence[Any], nonces: Sequence[Any]) -> bytes:
-    """The truncated GCM tags of many ``gmac-aes256`` entries (``covered[i]`` stored under ``keys[i]`` with the
-    nonce ``nonces[i]``), joined: to be compared at once with the entries' tag fields. One call each into
-    OpenSSL (AES-NI and carry-less multiplication: ~2.5 us per 12 KB entry on the 2-core VM, docs/cache.md)."""
-    enc = _gmac_cipher(secret)
-    return b"".join([enc(nonce, key, region)[-16:TAG_SIZE - 16]
-                     for nonce, key, region in zip(nonces, keys, covered, strict=True)])
+def gmac_tags(secret: bytes, buf: Any, starts: Sequence[int], length: int, keys: Sequence[bytes]) -> bytes:
+    """The truncated GCM tags of many ``gmac-aes256`` entries lying in one buffer, joined: to be compared at
+    once with the entries' tag fields. Entry ``i``'s covered part is ``buf[starts[i]:starts[i] + length]``, its
+    digest field the :data:`DIGEST_SIZE` bytes before it, and it is stored under ``keys[i]``. One call each
+    into OpenSSL (AES-NI and carry-less multiplication: ~2.5 us per 12 KB entry on the 2-core VM)."""
+    enc, size, nonce = _gmac_cipher(secret), DIGEST_SIZE, DIGEST_SIZE - NONCE_SIZE
+    return b"".join([enc(buf[a - size:a - nonce], key, buf[a:a + length])[-16:TAG_SIZE - 16]
+                     for a, key in zip(starts, keys, strict=True)])
 
 
 def digest(kind: int, key: bytes, secret: bytes | None, covered: Any, stored: Any = None) -> bytes:
