@@ -117,6 +117,8 @@ def _assemble(key: bytes, secret: bytes | None, kind: int, flags: int, skeleton:
     out[HEADER_SIZE:HEADER_SIZE + meta_len] = bytes(skeleton) + tail
     for off, view in arrays:
         out[data_start + off:data_start + off + view.nbytes] = view
+    if kind == DIGEST_GMAC and len(out) - _COVERED > digests.GMAC_MAX_BYTES:
+        kind = DIGEST_HMAC
     _HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, kind, b"", flags, len(skeleton), len(tail), data_len)
     mv = memoryview(out)
     out[_DIGEST_OFFSET:_COVERED] = _digest(kind, key, secret, mv[_COVERED:])

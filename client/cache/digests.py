@@ -50,6 +50,7 @@ KEYED_KINDS = frozenset((DIGEST_HMAC, DIGEST_GMAC))
 DIGEST_SIZE = 24  # bytes of the digest field
 NONCE_SIZE = 12  # bytes: GCM's 96-bit nonce, the first part of a gmac-aes256 field
 TAG_SIZE = DIGEST_SIZE - NONCE_SIZE  # bytes of the GCM tag kept (of 16): NIST SP 800-38D allows 96 bits
+GMAC_MAX_BYTES = 2**31 - 1  # cryptography's AEAD limit on associated data: a larger entry is written hmac-sha256
 GMAC_KEY_INFO = b"bagua-lightning cache entry digest gmac-aes256 v1"  # HKDF info: this key serves only this
 
 _U64 = struct.Struct("<Q")

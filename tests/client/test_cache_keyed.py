@@ -250,3 +250,12 @@ def test_hmac_entries_in_redis_are_hits_for_a_gmac_writer(store: RedisStore, red
     out = ds.__getitems__(list(range(16)))
     assert [o[1] for o in out] == list(range(16))
     assert ds.stats.corrupt == 0 and ds.stats.misses == 0 and source.loads == 0
+
+
+def test_an_entry_over_the_aead_limit_is_written_hmac(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(digests, "GMAC_MAX_BYTES", 1000)  # stands for cryptography's 2 GiB
+    small, large = torch.ones(10), torch.ones(1000)
+    assert encode(small, KEY, secret=SECRET)[4] == codec.DIGEST_GMAC
+    entry = bytes(encode(large, KEY, secret=SECRET))
+    assert entry[4] == codec.DIGEST_HMAC
+    assert torch.equal(decode(entry, KEY, secret=SECRET), large)
