@@ -14,6 +14,7 @@ import torch
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from torch.utils.data import DataLoader
 
 from bagua_lightning.client import CachedDataset, RedisStore
 from bagua_lightning.client.cache import codec, digests
@@ -250,6 +251,19 @@ def test_hmac_entries_in_redis_are_hits_for_a_gmac_writer(store: RedisStore, red
     out = ds.__getitems__(list(range(16)))
     assert [o[1] for o in out] == list(range(16))
     assert ds.stats.corrupt == 0 and ds.stats.misses == 0 and source.loads == 0
+
+
+def test_forked_dataloader_workers_write_and_verify_keyed_entries(store: RedisStore,
+                                                                 redis_cluster3: ClusterInfo) -> None:
+    ds = _keyed(redis_cluster3, 48)
+    ds.__getitems__([0, 1])  # the parent's cipher is set up before the workers fork
+    loader = DataLoader(ds, batch_size=8, num_workers=2)
+    for _ in range(2):
+        labels = [int(i) for _, batch_labels, _ in loader for i in batch_labels]
+        assert labels == list(range(48))
+    stats = ds.stats  # summed over the workers
+    assert stats.corrupt == 0 and stats.hits >= 48
+    assert {(store.get(ds.cache_loader.redis_key(i)) or b"")[4] for i in range(48)} == {codec.DIGEST_GMAC}
 
 
 def test_an_entry_over_the_aead_limit_is_written_hmac(monkeypatch: pytest.MonkeyPatch) -> None:
