@@ -295,7 +295,7 @@ def _decode_uniform(values: list[Any], keys: list[bytes], secret: bytes | None) 
     if secret is not None:  # every entry has the first's digest kind: it is among the bytes compared above
         starts = range(at, at + n * stride, stride)
         if kind == DIGEST_GMAC:  # the nonces are the entries' own; only the tags need comparing
-            if digests._aesgcm_class() is None:
+            if not digests.gmac_available():
                 return None
             tags = gmac_tags(secret, flat, starts, covered, keys)
             if not hmac.compare_digest(tags, rows[:, _DIGEST_OFFSET + NONCE_SIZE:_COVERED].tobytes()):

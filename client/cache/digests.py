@@ -70,10 +70,15 @@ def _aesgcm_class() -> Any:
     return AESGCM
 
 
+def gmac_available() -> bool:
+    """Whether this process can write and verify ``gmac-aes256`` digests (``cryptography`` is installed)."""
+    return _aesgcm_class() is not None
+
+
 @functools.cache
 def keyed_digest_kind() -> int:
     """The keyed digest this process writes: ``gmac-aes256``, or ``hmac-sha256`` without ``cryptography``."""
-    if _aesgcm_class() is None:
+    if not gmac_available():
         log.warning("the cryptography package is not installed: cache entries are authenticated with "
                     "HMAC-SHA256, about 4x slower to read than AES-GMAC; to read at full speed, install it with "
                     "`pip install -U cryptography`")
