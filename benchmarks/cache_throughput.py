@@ -7,10 +7,19 @@ Variants, all on the same samples (a 3x32x32 float32 image and an int label, as 
   (d) raw ceiling: RedisCluster.mget_nonatomic of the same entries, no decoding (redis-py alone)
   (d') transport floor: hand-written per-node GET pipelines of the same entries through redis-py, no decoding
   (h) hiredis ceiling: the same pipelines on raw sockets, replies parsed by hiredis in bulk, no decoding
-  (k) ours with a cache key: (c) with entries authenticated by HMAC-SHA256 (as `bagua-lightning up` configures)
-Prints samples/s and the ratios c/b, c/d, c/d', c/h, c/a, k/c, and which parser redis-py uses.
+  (k) ours with a cache key: (c) with entries authenticated with it (as `bagua-lightning up` configures)
+Prints samples/s and the ratios c/b, c/d, c/d', c/h, c/a, k/c, and which parser redis-py uses. With (c) and (k)
+both run, k/c is also measured batch by batch (../shared/MEASURING.md): every round reads each batch with both,
+in a shuffled order, and k/c = median batch time of (c) / that of (k), with a 95 % bootstrap interval; the same
+again with the reading thread's CPU time instead of the clock ("client CPU"): what the reader itself spends,
+which a loaded machine does not blur with waits for the redis-servers to be scheduled, and the bound on k/c
+where the reader is the bottleneck (redis-servers on other cores).
 
     python benchmarks/cache_throughput.py [--samples 4096] [--batch-size 64] [--transform-ms 2] [--variants c,k]
+
+The cost of the cache key in one line (what docs/benchmarks.md reports):
+
+    python benchmarks/cache_throughput.py --variants c,k --repeats 15
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ from bagua_lightning.client import CachedDataset, RedisStore
 from bagua_lightning.client.cache import codec, digests
 from bagua_lightning.client.cache.backends import pack_gets
 from bagua_lightning.services.redis_cluster import running_cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleaved import bootstrap_ratio  # a sibling module of the benchmarks
 
 hiredis: Any
 try:
@@ -215,16 +227,27 @@ def main() -> None:
                 best[name] = max(best[name], round_rate[name])
             if "c" in round_rate and "k" in round_rate:
                 k_over_c.append(round_rate["k"] / round_rate["c"])
+        batch_times: dict[str, list[float]] = {"c": [], "k": []}
+        batch_cpu: dict[str, list[float]] = {"c": [], "k": []}
+        if "c" in run and "k" in run:  # k/c batch by batch, both variants of a batch seconds apart
+            pick = random.Random(0)
+            for _ in range(args.repeats):
+                for batch in batches:
+                    for name, reader in pick.sample([("c", ds), ("k", keyed)], 2):
+                        t, cpu = time.perf_counter(), time.thread_time()
+                        reader.__getitems__(batch)
+                        batch_times[name].append(time.perf_counter() - t)
+                        batch_cpu[name].append(time.thread_time() - cpu)
         r_b, r_c, r_k, r_d, r_dp, r_h = best["b"], best["c"], best["k"], best["d"], best["dp"], best["h"]
         stats = ds.stats
-        assert stats.misses == 0 and stats.hits == n * args.repeats * ("c" in run), stats
+        assert stats.misses == 0 and stats.hits == n * args.repeats * ("c" in run) * (1 + ("k" in run)), stats
         assert keyed.stats.corrupt == 0, keyed.stats
         for sock, _ in socks.values():
             sock.close()
         rc.close()
         RedisStore(hosts=info.hosts).shutdown()
 
-    threads = digests.helper_threads()
+    keyed_kind = codec.DIGEST_NAMES[digests.keyed_digest_kind()]
 
     def line(label: str, r: float) -> None:
         print(f"{label:31s}: {r:10.0f} samples/s" if r else f"{label:31s}: (not run)")
@@ -238,8 +261,8 @@ def main() -> None:
     line("(h) raw sockets + hiredis" if hiredis is not None else "(h) hiredis not installed", r_h)
     parser = "hiredis" if hiredis is not None else "pure Python (install hiredis)"
     digest = codec.DIGEST_NAMES[codec.default_digest_kind()]
-    print(f"redis-py parser: {parser}; unkeyed digest: {digest}; keyed: hmac-sha256 on {threads} helper "
-          f"thread(s) + the caller; python {sys.version.split()[0]}; {os.cpu_count()} cores")
+    print(f"redis-py parser: {parser}; unkeyed digest: {digest}; keyed digest: {keyed_kind}; "
+          f"python {sys.version.split()[0]}; {os.cpu_count()} cores")
 
     def ratio(a: float, b: float, digits: int = 2, unit: str = "") -> str:
         return f"{a / b:.{digits}f}{unit}" if a and b else "-"
@@ -251,6 +274,16 @@ def main() -> None:
         print(f"k/c = {ratio(r_k, r_c, 2)} (best of each; goal >= 0.85)   per round: median "
               f"{k_over_c[len(k_over_c) // 2]:.2f}, range {k_over_c[0]:.2f}-{k_over_c[-1]:.2f} "
               f"({len(k_over_c)} rounds)")
+    if batch_times["k"]:
+        mid, low, high = bootstrap_ratio(batch_times["c"], batch_times["k"])
+        print(f"k/c per batch = {mid:.3f} [{low:.3f}, {high:.3f}] (95 % interval; median batch time (c) "
+              f"{1e6 * sorted(batch_times['c'])[len(batch_times['c']) // 2]:.0f} us, (k) "
+              f"{1e6 * sorted(batch_times['k'])[len(batch_times['k']) // 2]:.0f} us; "
+              f"{len(batch_times['k'])} batches each; goal >= 0.85)")
+        mid, low, high = bootstrap_ratio(batch_cpu["c"], batch_cpu["k"])
+        print(f"k/c per batch, client CPU = {mid:.3f} [{low:.3f}, {high:.3f}] (median CPU per sample (c) "
+              f"{1e6 * sorted(batch_cpu['c'])[len(batch_cpu['c']) // 2] / bs:.2f} us, (k) "
+              f"{1e6 * sorted(batch_cpu['k'])[len(batch_cpu['k']) // 2] / bs:.2f} us)")
 
 
 if __name__ == "__main__":

@@ -287,19 +287,7 @@ class NodesBackend(Backend):
         down = {self.ring.node_of(keys[j]) for j, e in errored if node_down_reply(e)}
         failed += [(self.names[n], redis.exceptions.ResponseError(f"{self.names[n]} cannot serve")) for n in down]
         self._learn(out)
-        return Replies(out, run), self._account([c[3] for c in conns], failed) or backing_off(self.skipped)
-
-    def _account(self, tried: list[str], failed: list[tuple[str, BaseException]]) -> BaseException | None:
-        """Tell the breakers which nodes failed and which answered; the first error."""
-        breakers = self.breakers
-        for name, exc in failed:
-            breakers.failure(name, exc)
-        if breakers.down:
-            bad = {name for name, _ in failed}
-            for name in tried:
-                if name not in bad:
-                    breakers.success(name)
-        return failed[0][1] if failed else None
+        return Replies(out, run), self.breakers.account([c[3] for c in conns], failed) or backing_off(self.skipped)
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool) -> tuple[list[bool], BaseException | None]:
         done = [False] * len(items)
@@ -316,7 +304,7 @@ class NodesBackend(Backend):
                     done[j] = ok is True  # None: existed (NX); an error object: not written
             except STORE_ERRORS as exc:
                 failed.append((name, exc))
-        return done, self._account(tried, failed) or backing_off(self.skipped)
+        return done, self.breakers.account(tried, failed) or backing_off(self.skipped)
 
     def writable(self) -> bool:
         return any(map(self.breakers.available, self.names))

@@ -183,17 +183,10 @@ class ClusterBackend(Backend):
                  keys: Sequence[Any]) -> BaseException | None:
         """Tell the breakers which masters failed and which answered; reload the map after a failure; the
         first error."""
-        breakers = self.breakers
-        for name, exc in failed:
-            breakers.failure(name, exc)
-        if breakers.down:
-            bad = {name for name, _ in failed}
-            for name in tried:
-                if name not in bad:
-                    breakers.success(name)
+        error = self.breakers.account(tried, failed)
         if failed:
             self._refresh(failed[0][0])
-            return failed[0][1]
+            return error
         if uncovered:
             return redis.exceptions.SlotNotCoveredError(f"no cluster node serves the slot of {keys[uncovered[0]]!r}")
         return None

@@ -18,11 +18,12 @@ checked by value. A flipped bit, a truncated value or a valid entry copied under
 :func:`decode` with :class:`CorruptEntryError`; the loader counts that as a miss and rewrites the entry.
 Digest kinds:
 
-* ``hmac-sha256`` (first 24 bytes): when a cache key (a secret shared by the job, see
-  :func:`bagua_lightning.core.services_file.resolve_cache_key`) is configured. Only holders of the key can write an
-  entry that reads back, so an entry forged by someone who can write to Redis is a miss. With a key, entries
-  without this digest are refused. A batch's digests are computed at once on several threads
-  (:mod:`.digests`).
+* ``gmac-aes256`` (a random 12-byte nonce, then 12 bytes of AES-256-GCM tag): written when a cache key (a
+  secret shared by the job, see :func:`bagua_lightning.core.services_file.resolve_cache_key`) is configured.
+  Only holders of the key can write an entry that reads back, so an entry forged by someone who can write to
+  Redis is a miss. ``hmac-sha256`` (first 24 bytes), what earlier releases wrote, is verified too. With a key,
+  entries without a keyed digest are refused; the keyed digest also detects corruption, so it replaces the
+  checksum (:mod:`.digests`).
 * ``xxh3-64`` (when the ``xxhash`` package is installed, ~30 GB/s) or ``crc32`` (zlib) otherwise: without
   a key. These detect corruption, not forgery: anyone who can write to Redis can write a valid entry.
 
@@ -48,18 +49,22 @@ from typing import Any
 from . import digests
 from .digests import (
     DIGEST_CRC32,
+    DIGEST_GMAC,
     DIGEST_HMAC,
     DIGEST_NAMES,
     DIGEST_SIZE,
     DIGEST_XXH3,
+    KEYED_KINDS,
+    NONCE_SIZE,
     default_digest_kind,
-    hmac_many,
+    gmac_tags,
+    hmac_digest,
 )
 from .digests import digest as _digest
 from .plans import PLANS, Rows, plan_for
 from .values import ALIGN, PICKLE_HINT, CorruptEntryError, Encoder, pad, reply_pad
 
-__all__ = ["DIGEST_CRC32", "DIGEST_HMAC", "DIGEST_NAMES", "DIGEST_XXH3", "PICKLE_HINT", "Bad", "CorruptEntryError",
+__all__ = ["DIGEST_CRC32", "DIGEST_GMAC", "DIGEST_HMAC", "DIGEST_NAMES", "DIGEST_XXH3", "PICKLE_HINT", "Bad", "CorruptEntryError",
            "decode", "decode_many", "default_digest_kind", "encode", "is_pickled"]
 
 MAGIC = b"BLC"
@@ -83,7 +88,8 @@ def encode(obj: Any, key: bytes = b"", *, allow_pickle: bool = False, secret: by
         obj: the sample.
         key: the Redis key it is stored under (bound into the digest).
         allow_pickle: store with pickle (protocol 5) instead of the safe codec.
-        secret: the cache key; when given the entry is authenticated with HMAC-SHA256.
+        secret: the cache key; when given the entry is authenticated with it (AES-GMAC, or HMAC-SHA256 where
+            the ``cryptography`` package is missing).
 
     Returns:
         A view of the entry's bytes, accepted by redis-py as a value without another copy.
@@ -91,7 +97,7 @@ def encode(obj: Any, key: bytes = b"", *, allow_pickle: bool = False, secret: by
     Raises:
         TypeError: a value the safe codec does not store (message names it, where it is and the opt-in).
     """
-    kind = DIGEST_HMAC if secret is not None else default_digest_kind()
+    kind = digests.keyed_digest_kind() if secret is not None else default_digest_kind()
     if allow_pickle:
         data = pickle.dumps(obj, protocol=5)
         return _assemble(key, secret, kind, FLAG_PICKLE, b"", b"", [(0, memoryview(data))], len(data))
@@ -111,6 +117,8 @@ def _assemble(key: bytes, secret: bytes | None, kind: int, flags: int, skeleton:
     out[HEADER_SIZE:HEADER_SIZE + meta_len] = bytes(skeleton) + tail
     for off, view in arrays:
         out[data_start + off:data_start + off + view.nbytes] = view
+    if kind == DIGEST_GMAC and len(out) - _COVERED > digests.GMAC_MAX_BYTES:
+        kind = DIGEST_HMAC
     _HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, kind, b"", flags, len(skeleton), len(tail), data_len)
     mv = memoryview(out)
     out[_DIGEST_OFFSET:_COVERED] = _digest(kind, key, secret, mv[_COVERED:])
@@ -155,16 +163,16 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle
         data_start = (tail_start + tail_len + ALIGN - 1) & -ALIGN
         if data_start + data_len != size:
             raise CorruptEntryError(f"entry length {size} does not match its header ({data_start + data_len})")
-        if secret is not None and kind != DIGEST_HMAC:
+        if secret is not None and kind not in KEYED_KINDS:
             raise CorruptEntryError(f"entry carries a {DIGEST_NAMES.get(kind, kind)} digest; a cache key is "
                                     "configured, so only entries authenticated with it are accepted")
         xxhash = digests.xxhash
         if kind == DIGEST_XXH3 and xxhash is not None:  # the common case, without a call to _digest
             expected = _U64.pack(xxhash.xxh3_64_intdigest(mv[_COVERED:], xxhash.xxh3_64_intdigest(key))) + _PAD16
         else:
-            expected = _digest(kind, key, secret, mv[_COVERED:])
+            expected = _digest(kind, key, secret, mv[_COVERED:], digest)
         if not hmac.compare_digest(expected, digest):
-            raise CorruptEntryError(_MISMATCH_KEYED if kind == DIGEST_HMAC else _MISMATCH)
+            raise CorruptEntryError(_MISMATCH_KEYED if kind in KEYED_KINDS else _MISMATCH)
         if flags:
             if flags != FLAG_PICKLE:
                 raise CorruptEntryError(f"unknown flags {flags:#x}")
@@ -188,7 +196,7 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle
 
 
 _XXH_PREFIX = MAGIC + bytes((FORMAT_VERSION, DIGEST_XXH3, 0, 0, 0))
-_HMAC_PREFIX = MAGIC + bytes((FORMAT_VERSION, DIGEST_HMAC, 0, 0, 0))
+_KEYED_PREFIXES = tuple(MAGIC + bytes((FORMAT_VERSION, kind, 0, 0, 0)) for kind in (DIGEST_GMAC, DIGEST_HMAC))
 
 
 def _whole_entry_reader(skeleton: bytes, tail: struct.Struct) -> tuple[Any, int, bytes, int]:
@@ -223,8 +231,8 @@ def _decode_uniform(values: list[Any], keys: list[bytes], secret: bytes | None) 
     """Entries of one skeleton and one length (a batch of a dataset of fixed-size samples), decoded with numpy
     doing the per-entry work: the batch is one ``(n, length)`` array, where the entries lie if the fetch says
     they lie evenly in one receive buffer (:class:`~.backends.Replies`), else a copy of them side by side; every
-    byte the entries must share compared at once, one digest per entry (xxh3, or with ``secret`` HMAC-SHA256 on
-    several threads, :func:`~.digests.hmac_many`) and all of them compared at once, tail numbers read as
+    byte the entries must share compared at once, one digest per entry (xxh3, or with ``secret`` the keyed
+    digest the entries carry) and all of them compared at once, tail numbers read as
     columns, each tensor leaf split into per-sample views by one call. None when the batch is not such (a miss,
     another length, another kind of entry, shapes that differ, a damaged entry): :func:`decode_many` then goes
     entry by entry, and finds any culprit.
@@ -251,7 +259,7 @@ def _decode_uniform(values: list[Any], keys: list[bytes], secret: bytes | None) 
     magic, version, kind, _, rest, flags, skel_len, tail_len, data_len = _HEADER_XXH.unpack_from(head, 0)
     if flags or magic != MAGIC or version != FORMAT_VERSION:
         return None
-    if kind != (DIGEST_XXH3 if secret is None else DIGEST_HMAC) or (secret is None and rest != _PAD16):
+    if (kind != DIGEST_XXH3 or rest != _PAD16) if secret is None else kind not in KEYED_KINDS:
         return None
     tail_start = HEADER_SIZE + skel_len
     skeleton = bytes(head[HEADER_SIZE:tail_start])
@@ -284,11 +292,18 @@ def _decode_uniform(values: list[Any], keys: list[bytes], secret: bytes | None) 
         return None
     flat, covered = memoryview(buf), length - _COVERED
     at = first + _COVERED
-    if secret is not None:
-        regions = [flat[a:a + covered] for a in range(at, at + n * stride, stride)]
-        macs = hmac_many(secret, keys, regions, n * covered)
-        if not hmac.compare_digest(b"".join(macs), rows[:, _DIGEST_OFFSET:_COVERED].tobytes()):
-            return None
+    if secret is not None:  # every entry has the first's digest kind: it is among the bytes compared above
+        starts = range(at, at + n * stride, stride)
+        if kind == DIGEST_GMAC:  # the nonces are the entries' own; only the tags need comparing
+            if not digests.gmac_available():
+                return None
+            tags = gmac_tags(secret, flat, starts, covered, keys)
+            if not hmac.compare_digest(tags, rows[:, _DIGEST_OFFSET + NONCE_SIZE:_COVERED].tobytes()):
+                return None
+        else:
+            macs = [hmac_digest(secret, k, flat[a:a + covered]) for a, k in zip(starts, keys, strict=True)]
+            if not hmac.compare_digest(b"".join(macs), rows[:, _DIGEST_OFFSET:_COVERED].tobytes()):
+                return None
     else:
         xxh3 = digests.xxhash.xxh3_64_intdigest
         sums = [xxh3(flat[a:a + covered], xxh3(k)) for a, k in zip(range(at, at + n * stride, stride), keys, strict=True)]
@@ -316,21 +331,20 @@ _MISMATCH_KEYED = "digest mismatch (corrupted, truncated, stored under another k
 
 
 def _batch_macs(values: list[Any], keys: list[bytes], secret: bytes) -> list[Any]:
-    """The expected digests of the keyed entries among ``values`` (None for the others), all computed at once."""
+    """The expected digests of the keyed entries among ``values`` (None for the others, and for those this
+    process cannot verify)."""
     out: list[Any] = [None] * len(values)
-    idx, regions, nbytes = [], [], 0
     for j, value in enumerate(values):
         if value is None:
             continue
         mv = value if type(value) is memoryview else memoryview(value)
         if mv.itemsize != 1 or mv.ndim != 1:
             mv = mv.cast("B")
-        if len(mv) >= HEADER_SIZE and mv[3] == FORMAT_VERSION and mv[4] == DIGEST_HMAC:
-            idx.append(j)
-            regions.append(mv[_COVERED:])
-            nbytes += len(mv)
-    for j, mac in zip(idx, hmac_many(secret, [keys[j] for j in idx], regions, nbytes), strict=True):
-        out[j] = mac
+        if len(mv) >= HEADER_SIZE and mv[3] == FORMAT_VERSION and mv[4] in KEYED_KINDS:
+            try:
+                out[j] = _digest(mv[4], keys[j], secret, mv[_COVERED:], mv[_DIGEST_OFFSET:_COVERED])
+            except CorruptEntryError:  # a kind this process cannot verify: decode() says why
+                pass
     return out
 
 
@@ -362,14 +376,14 @@ def decode_many(values: list[Any], keys: list[bytes], allow_pickle: bool = False
     n = len(values)
     xxhash = digests.xxhash
     # The common cases are checked inline: unkeyed xxh3 entries, and keyed entries with their MACs computed
-    # for the whole batch at once (on several threads). Any other entry goes through decode() on its own.
+    # for the whole batch first. Any other entry goes through decode() on its own.
     fast = secret is not None or xxhash is not None
     if fast and n >= UNIFORM_MIN:
         done = _decode_uniform(values, keys, secret)
         if done is not None:
             return done
     macs = _batch_macs(values, keys, secret) if secret is not None else None
-    prefix, want = (_XXH_PREFIX, DIGEST_XXH3) if macs is None else (_HMAC_PREFIX, DIGEST_HMAC)
+    prefixes, wanted = ((_XXH_PREFIX,), (DIGEST_XXH3,)) if macs is None else (_KEYED_PREFIXES, KEYED_KINDS)
     out: list[Any] = [None] * n
     groups: dict[int, tuple[Any, list[int], list[tuple[Any, ...]], list[Any]]] = {}
     unpack, plans, same = _HEADER_XXH.unpack_from, PLANS, hmac.compare_digest
@@ -393,7 +407,8 @@ def decode_many(values: list[Any], keys: list[bytes], allow_pickle: bool = False
             size = len(mv)
             if l_unpack is not None and size >= l_size:
                 t = l_unpack(mv, 0)
-                if t[0] == prefix and t[3] == l_fixed and t[5] == l_skeleton and (macs or t[2] == _PAD16):
+                if t[0] in prefixes and t[3] == l_fixed and t[5] == l_skeleton and (
+                        t[2] == _PAD16 if macs is None else macs[j] is not None):
                     if l_start + t[4] != size:
                         raise CorruptEntryError(f"entry length {size} does not match its header ({l_start + t[4]})")
                     if (xxh3(mv[_COVERED:], xxh3(keys[j])) != t[1] if macs is None
@@ -405,7 +420,8 @@ def decode_many(values: list[Any], keys: list[bytes], allow_pickle: bool = False
                     continue
             if fast and size >= HEADER_SIZE:
                 magic, version, kind, digest, rest, flags, skel_len, tail_len, data_len = unpack(mv, 0)
-                if kind == want and not flags and magic == MAGIC and version == FORMAT_VERSION:
+                if (kind in wanted and not flags and magic == MAGIC and version == FORMAT_VERSION
+                        and (macs is None or macs[j] is not None)):
                     tail_start = HEADER_SIZE + skel_len
                     data_start = (tail_start + tail_len + ALIGN - 1) & -ALIGN
                     if data_start + data_len != size:

@@ -104,6 +104,19 @@ class NodeBreakers:
         if self.down.pop(name, None) is not None:
             self._ended(name)
 
+    def account(self, tried: list[str], failed: list[tuple[str, BaseException]]) -> BaseException | None:
+        """After a call to the nodes ``tried``: the ``failed`` ones (name, error) fail, the others answered (only
+        looked at while some node is down: the read path pays nothing for it otherwise). Returns the first
+        error, or None."""
+        for name, exc in failed:
+            self.failure(name, exc)
+        if self.down:
+            bad = {name for name, _ in failed}
+            for name in tried:
+                if name not in bad:
+                    self.success(name)
+        return failed[0][1] if failed else None
+
     def keep(self, names: set[str]) -> None:
         """Forget nodes that no longer serve anything (a failed master replaced by its promoted replica)."""
         for name in [n for n in self.down if n not in names and n != CONNECT]:

@@ -46,7 +46,7 @@ class CacheLoader:
         serializer: ``"safe"`` (default) or ``"pickle"``, which stores any picklable value but runs code
             from the cache when reading it: only for a Redis that nobody untrusted can write to.
         store: an existing :class:`Store` to use instead of creating a ``RedisStore``.
-        cache_key: the secret that authenticates entries (HMAC-SHA256); None: the deployment's
+        cache_key: the secret that authenticates entries (AES-GMAC, docs/cache.md); None: the deployment's
             (:func:`bagua_lightning.core.services_file.resolve_cache_key`), ``b""``: none (unkeyed digest). Every
             job sharing a cache must use the same key: an entry written without it, or with another, is a
             miss.
