@@ -320,7 +320,8 @@ class BaguaStrategy(DDPStrategy):
         self._autotune = AutotuneController(
             self._autotune_settings, wrapper, wrapper.module, model_prefix=type(wrapper.module).__name__,
             nproc_per_node=self._comm.local_size, group=self._comm.group,
-            device=self.root_device if self._comm.is_nccl else torch.device("cpu"), resume=resume)
+            device=self.root_device if self._comm.is_nccl else torch.device("cpu"), resume=resume,
+            selection=self.selection)
         self._log_autotune(self._autotune.setup())
 
     def _stop_autotune(self) -> None:

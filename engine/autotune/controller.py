@@ -61,6 +61,7 @@ from .jobstate import (
 )
 from .measurement import AutotuneSummary, BoundaryReport, IntervalMeter, Measurement, reduce_over_ranks
 from .plansync import BoundaryMessage, broadcast_from_main, broadcast_message, check_agreement
+from .selection import Selection
 from .worker import AutotuneWorker, Job, Pending
 
 log = logging.getLogger(__name__)
@@ -204,12 +205,14 @@ class AutotuneController:
         resume: the state a checkpoint saved (:meth:`state`); the job starts on its plan and,
             unless the launcher names the job otherwise, continues its job id. Ignored (with a
             warning) when it belongs to another model.
+        selection: what ``algorithm="auto"`` measured and kept; rank 0 reports it to the service with the
+            registration (``autotune show``, the service's metrics).
     """
 
     def __init__(self, settings: AutotuneSettings, target: PlanTarget, module: nn.Module, *, model_prefix: str,
                  nproc_per_node: int, device: torch.device | None = None, group: dist.ProcessGroup | None = None,
                  client_factory: Callable[[AutotuneSettings], Any] | None = None,
-                 resume: AutotuneState | None = None) -> None:
+                 resume: AutotuneState | None = None, selection: Selection | None = None) -> None:
         self.settings = settings
         self.target = target
         self.group = group
@@ -223,6 +226,7 @@ class AutotuneController:
         self.model_fingerprint = tensor_list_fingerprint(self.tensors)
         self.model_name = settings.model_name or model_name_for(model_prefix, self.tensors)
         self._client_factory = client_factory or default_client
+        self.selection = selection
         self.worker: AutotuneWorker | None = None
         # What every rank agrees on (from broadcasts):
         self.registered = False
@@ -279,7 +283,7 @@ class AutotuneController:
             job = Job(address=self.settings.address, model_name=self.model_name, tensors=self.tensors,
                       rank=self.rank, world_size=self.world_size, nproc_per_node=self.nproc_per_node,
                       job_id=self.job_id, resume=self._resume_plan,
-                      resume_completed=bool(resume and resume.completed))
+                      resume_completed=bool(resume and resume.completed), selection=self.selection)
             self.worker = AutotuneWorker(job, lambda: self._client_factory(self.settings))
         if self.is_main:
             assert self.worker is not None
