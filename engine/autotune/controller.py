@@ -239,6 +239,8 @@ class AutotuneController:
         self._measured: float | None = None  # the speed measured at the boundary it belongs to
         self.meter = IntervalMeter()
         self.speeds: list[float] = []
+        #: The job's view of the last interval that measured bucket timings (for the end-of-fit advice).
+        self.last_measured: Measurement | None = None
         self._speed_by_version: dict[int, float] = {}
         #: (step, plan version, plan fingerprint) of every plan applied, for cross-rank comparisons.
         self.applied: list[tuple[int, int, str]] = []
@@ -342,6 +344,8 @@ class AutotuneController:
             if self.settings.aggregate_reports:
                 measured = reduce_over_ranks(measured, num_buckets, group=self.group, device=self.device,
                                              world_size=self.world_size)
+            if measured.timings:
+                self.last_measured = measured
             if measured.speed is not None:
                 self.speeds.append(measured.speed)
                 self._speed_by_version[self.version] = measured.speed
