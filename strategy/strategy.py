@@ -49,7 +49,7 @@ from ..engine.autotune import (
     batch_size_of,
 )
 from ..engine.autotune.advice import algorithm_advice
-from ..engine.autotune.selection import AlgorithmSelector, AutoSettings, Selection
+from ..engine.autotune.selection import DEFAULT_CANDIDATES, AlgorithmSelector, AutoSettings, Selection
 from ..engine.comm import CommContext
 from ..engine.ddp import BaguaDistributedDataParallel
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
@@ -136,7 +136,7 @@ class BaguaStrategy(DDPStrategy):
         self._auto: AutoSettings | None = None
         if algorithm == "auto":
             self._auto = AutoSettings(
-                **({"candidates": tuple(auto_candidates)} if auto_candidates is not None else {}),
+                candidates=DEFAULT_CANDIDATES if auto_candidates is None else tuple(auto_candidates),
                 warmup_steps=auto_warmup_steps, trial_steps=auto_trial_steps)
             for name in self._auto.candidates:  # the algorithm's keyword arguments go to every candidate
                 try:

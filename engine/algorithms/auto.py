@@ -77,11 +77,11 @@ class AutoAlgorithm(Algorithm):
         return self.current.name
 
     # Read by the driver and the wrapper: the answer of the candidate driving the model now.
-    @property  # type: ignore[override]
+    @property
     def uses_gradient_buckets(self) -> bool:  # type: ignore[override]
         return self._current is not None and self._current.uses_gradient_buckets
 
-    @property  # type: ignore[override]
+    @property
     def keeps_replicas_identical(self) -> bool:  # type: ignore[override]
         return self._current is None or self._current.keeps_replicas_identical
 
