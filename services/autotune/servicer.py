@@ -128,7 +128,8 @@ def _summary(info: ModelInfo, facts: _RegistrationFacts) -> Any:
         completed=info.completed, samples=info.sample_count, reports_accepted=info.reports_accepted,
         reports_ignored=info.reports_ignored, best_score=info.best.score if info.best else 0.0,
         has_best=info.best is not None, idle_s=info.idle_s, tuner=info.tuner, layouts_tracked=info.layouts_tracked,
-        job_id=reg.job_id, fingerprint=fingerprint, algorithm=info.selection.chosen if info.selection else "")
+        job_id=reg.job_id, fingerprint=fingerprint,
+        algorithm=info.selection.chosen if info.selection and info.selection.job_id == reg.job_id else "")
 
 
 def _selection(choice: AlgorithmChoice) -> Any:

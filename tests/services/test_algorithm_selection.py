@@ -77,7 +77,9 @@ def test_the_choice_is_shown_exported_and_survives_a_restart(start_service, tmp_
         assert "algorithm: bytegrad (algorithm='auto', chosen at step 52)" in _show(target)
         # Another job of the shape starts from that plan and says whose measurement the choice is.
         client.register_job("net", tensors, job_id="run-2", world_size=2)
-        assert client.describe_model("net", "run-2").selection.job_id == "run-1"  # type: ignore[union-attr]
+        d = client.describe_model("net", "run-2")
+        assert d.selection is not None and d.selection.job_id == "run-1"
+        assert d.summary.algorithm == ""  # run-2 chose nothing itself
 
 
 def _selection(chosen: str = "bytegrad", step: int = 3, reason: str = "r",
