@@ -385,7 +385,8 @@ class BaguaStrategy(DDPStrategy):
         super().on_train_end()
         if self._autotune is not None:
             advice = algorithm_advice(self.algorithm_name, selection=self.selection,
-                                      measured=self._autotune.last_measured, last_step=self.last_step_timings())
+                                      measured=self._autotune.last_measured, last_step=self.last_step_timings(),
+                                      earlier=self._autotune.earlier_selection)
             self.autotune_summary = dataclasses.replace(self._autotune.summary(), advice=advice or "")
             rank_zero_info(self.autotune_summary.line())
             self._stop_autotune()

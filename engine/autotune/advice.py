@@ -6,8 +6,9 @@ the summary of a tuned fit says so:
 * under ``algorithm="auto"`` the candidates were measured on this job: the advice gives the measured ratio
   (``bytegrad was 3.53x as fast as gradient_allreduce here``);
 * with a fixed ``gradient_allreduce`` whose exposed communication is most of its backward pass, it names
-  bytegrad with an *estimate* (its gradients are a quarter of the bytes), labelled as such, and the way to
-  measure it (``algorithm="auto"``).
+  the faster algorithm that an ``algorithm="auto"`` job of the same model and placement measured (the
+  autotune service hands that selection back at registration), and otherwise bytegrad with an *estimate*
+  (its gradients are a quarter of the bytes), labelled as such, with the way to measure it.
 """
 
 from __future__ import annotations
@@ -76,26 +77,48 @@ def measured_advice(selection: Selection | None) -> str | None:
             f"flight: {best:.1f} vs {times[other]:.1f} ms/step)")
 
 
-def estimated_advice(algorithm: str, share: CommunicationShare | None) -> str | None:
-    """A fixed algorithm: advice when communication dominates and a compressing algorithm could help.
+def _measured_elsewhere(algorithm: str, earlier: Selection | None) -> tuple[str, float] | None:
+    """(the faster algorithm, how many times as fast) when ``earlier`` measured ``algorithm`` and a faster one."""
+    if earlier is None or earlier.chosen is None or earlier.chosen == algorithm or algorithm not in earlier.step_ms:
+        return None
+    best = earlier.step_ms[earlier.chosen]
+    if best <= 0 or earlier.step_ms[algorithm] <= best:
+        return None
+    return earlier.chosen, earlier.step_ms[algorithm] / best
 
-    Returns None when nothing was measured, communication hides behind the backward pass, or the algorithm
-    already compresses.
+
+def estimated_advice(algorithm: str, share: CommunicationShare | None, earlier: Selection | None = None) -> str | None:
+    """A fixed algorithm: advice when communication dominates and another algorithm is (or could be) faster.
+
+    ``earlier``: what an ``algorithm="auto"`` job of this model and placement measured; when it measured
+    ``algorithm`` and a faster one, that ratio is given instead of the estimate. Returns None when nothing was
+    measured, communication hides behind the backward pass, or the algorithm already compresses (and nothing
+    faster was measured).
     """
-    if algorithm != "gradient_allreduce" or share is None or share.share < DOMINANT_SHARE:
+    if share is None or share.share < DOMINANT_SHARE:
+        return None
+    head = (f"communication is {100 * share.share:.0f} % of each backward pass ({share.exposed_ms:.1f} of "
+            f"{share.total_ms:.1f} ms exposed, {share.source})")
+    measured = _measured_elsewhere(algorithm, earlier)
+    if measured is not None and earlier is not None:
+        faster, ratio = measured
+        return (f"{head}; {faster} was {ratio:.2f}x as fast as {algorithm} on this model and placement (measured "
+                f"by job {earlier.job_id or '-'} under algorithm='auto': {earlier.step_ms[faster]:.1f} vs "
+                f"{earlier.step_ms[algorithm]:.1f} ms/step): use BaguaStrategy(algorithm={faster!r})")
+    if algorithm != "gradient_allreduce":
         return None
     estimate_ms = share.backward_ms + share.exposed_ms / BYTEGRAD_BYTES_RATIO
     speedup = share.total_ms / estimate_ms if estimate_ms > 0 else BYTEGRAD_BYTES_RATIO
-    return (f"communication is {100 * share.share:.0f} % of each backward pass ({share.exposed_ms:.1f} of "
-            f"{share.total_ms:.1f} ms exposed, {share.source}); bytegrad sends a quarter of the bytes: an "
+    return (f"{head}; bytegrad sends a quarter of the bytes: an "
             f"estimated ~{speedup:.1f}x faster backward if its communication shrinks with them (estimate, not "
             "measured: BaguaStrategy(algorithm='auto') measures gradient_allreduce and bytegrad on this job and "
             "keeps the faster)")
 
 
 def algorithm_advice(algorithm: str, *, selection: Selection | None, measured: Measurement | None = None,
-                     last_step: StepTimings | None = None) -> str | None:
-    """The summary's advice: measured under ``algorithm="auto"`` (``selection``), else an estimate."""
+                     last_step: StepTimings | None = None, earlier: Selection | None = None) -> str | None:
+    """The summary's advice: measured under ``algorithm="auto"`` (``selection``), else measured by an earlier
+    ``auto`` job of this shape (``earlier``), else an estimate."""
     if selection is not None and selection.chosen is not None:
         return measured_advice(selection)
-    return estimated_advice(algorithm, CommunicationShare.of(measured, last_step))
+    return estimated_advice(algorithm, CommunicationShare.of(measured, last_step), earlier)

@@ -364,6 +364,12 @@ class AutotuneController:
             self.meter.count(batch_size, time.monotonic())
         return report
 
+    @property
+    def earlier_selection(self) -> Selection | None:
+        """Rank 0: what ``algorithm="auto"`` measured for this model and placement, as the service knows it
+        (a job of the same shape, or this one); None on other ranks or when none was measured."""
+        return self.worker.earlier_selection if self.worker is not None and self.is_main else None
+
     def state(self) -> AutotuneState:
         """What a checkpoint keeps (the same on every rank)."""
         before = self._resume.plans_applied if self._resume is not None else 0

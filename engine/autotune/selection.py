@@ -105,11 +105,13 @@ class Selection:
         step_ms: each candidate's step time (median over its trial, slowest rank), in milliseconds.
         chosen: the candidate kept (None while measuring).
         decided_at: the training step at which it was switched to for good.
+        job_id: the job that measured it, when it came from the autotune service ("" for this job's own).
     """
 
     step_ms: dict[str, float] = field(default_factory=dict)
     chosen: str | None = None
     decided_at: int | None = None
+    job_id: str = ""
 
     def reason(self) -> str:
         """``bytegrad: 48.1 ms/step (kept); gradient_allreduce: 170.0 ms/step (3.53x slower)``."""

@@ -97,6 +97,8 @@ class AutotuneWorker:
         self._order: list[str] = []
         self._order_sent = False
         self._selection_sent = False
+        #: What algorithm="auto" measured for this model and placement, as the service answered the registration.
+        self.earlier_selection: Selection | None = None
         self._reconnect = False
         self._unexpected: set[str] = set()
         # Only the first registration resumes: after a service restart the shape's best plan is the start.
@@ -199,6 +201,10 @@ class AutotuneWorker:
             return
         plan = answer.plan
         self._resume = None
+        earlier = getattr(answer, "selection", None)
+        if earlier is not None:
+            self.earlier_selection = Selection(step_ms=dict(earlier.step_ms), chosen=earlier.chosen,
+                                               decided_at=earlier.step, job_id=earlier.job_id)
         with self._lock:
             self._pending = Pending(plan, answer.completed)
             self.registered = True

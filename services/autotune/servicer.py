@@ -189,11 +189,10 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                 self._encoded_tensors -= _tensor_count(dropped[0])
         return entry
 
-    def _response(self, job_id: str, model_name: str, plan: BucketPlan, kind: str, completed: bool = False) -> bytes:
-        """The encoded response of ``kind`` carrying ``plan`` (see :mod:`.wire`)."""
+    def _ask_response(self, job_id: str, model_name: str, plan: BucketPlan, completed: bool) -> bytes:
+        """The encoded ``AskHyperparametersResponse`` carrying ``plan`` (see :mod:`.wire`)."""
         encoded = self._entry(job_id, model_name, plan)[1]
-        return (wire.register_response(encoded, completed) if kind == "register"
-                else wire.ask_response(encoded, completed))
+        return wire.ask_response(encoded, completed)
 
     def _plan_ref(self, job_id: str, model_name: str, message: Any) -> PlanRef | None:
         if not message.buckets:
@@ -221,8 +220,10 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
             resume=resume,
             resume_completed=bool(request.resume_completed),
         )
-        plan, completed = session.current_plan, session.completed
-        return self._response(request.job_id, request.model_name, plan, "register", completed)
+        plan, completed, selection = session.current_plan, session.completed, session.selection
+        encoded = self._entry(request.job_id, request.model_name, plan)[1]
+        return wire.register_response(encoded, completed,
+                                      _selection(selection).SerializeToString() if selection is not None else None)
 
     @_translate_errors
     def ReportMetrics(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -242,7 +243,7 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
     def AskHyperparameters(self, request: Any, context: grpc.ServicerContext) -> Any:
         plan, completed = self.service.ask(request.model_name, int(request.rank), int(request.train_iter),
                                            job_id=request.job_id)
-        return self._response(request.job_id, request.model_name, plan, "ask", completed)
+        return self._ask_response(request.job_id, request.model_name, plan, completed)
 
     @_translate_errors
     def ReportTensorExecutionOrder(self, request: Any, context: grpc.ServicerContext) -> Any:

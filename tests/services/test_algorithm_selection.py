@@ -12,6 +12,8 @@ import grpc
 import pytest
 
 from bagua_lightning.client.autotune import AutotuneClient
+from bagua_lightning.engine.autotune.selection import Selection
+from bagua_lightning.engine.autotune.worker import AutotuneWorker, Job
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from tests.procs import free_port
 from tests.services import ranks
@@ -46,7 +48,7 @@ def test_the_choice_is_shown_exported_and_survives_a_restart(start_service, tmp_
     args = (*FAST, "--max-samples", "3", "--state", str(tmp_path / "plans"))
     with start_service(*args, "--metrics-port", str(metrics_port)) as (target, _), \
             AutotuneClient(target=target) as client:
-        client.register_job("net", tensors, job_id="run-1", world_size=2)
+        assert client.register_job("net", tensors, job_id="run-1", world_size=2).selection is None
         _tune_to_completion(client, tensors, "run-1")  # the shape's best plan is stored
         client.report_algorithm_selection("net", "bytegrad", STEP_MS, REASON, 52, job_id="run-1")
         d = client.describe_model("net", "run-1")
@@ -71,12 +73,23 @@ def test_the_choice_is_shown_exported_and_survives_a_restart(start_service, tmp_
         assert 'bagua_autotune_algorithm_chosen{algorithm="gradient_allreduce"' not in text
     # A new service process on the same state: the job registers again and its choice is back.
     with start_service(*args) as (target, _), AutotuneClient(target=target) as client:
-        client.register_job("net", tensors, job_id="run-1", world_size=2)
+        again = client.register_job("net", tensors, job_id="run-1", world_size=2)
+        assert again.selection is not None and again.selection.step_ms == tuple(STEP_MS.items())
         d = client.describe_model("net", "run-1")
         assert d.selection is not None and (d.selection.chosen, d.selection.step) == ("bytegrad", 52)
         assert "algorithm: bytegrad (algorithm='auto', chosen at step 52)" in _show(target)
-        # Another job of the shape starts from that plan and says whose measurement the choice is.
-        client.register_job("net", tensors, job_id="run-2", world_size=2)
+        # Another job of the shape starts from that plan and says whose measurement the choice is; a trainer's
+        # worker (rank 0) keeps it for the end-of-fit advice of a fixed algorithm.
+        worker = AutotuneWorker(Job(address=target, model_name="net", tensors=ranks.sim_job(0).tensors, rank=0,
+                                    world_size=2, nproc_per_node=2, job_id="run-2"),
+                                lambda: AutotuneClient(target=target))
+        try:
+            worker.register_now()
+            assert worker.registered
+            assert worker.earlier_selection == Selection(step_ms=STEP_MS, chosen="bytegrad", decided_at=52,
+                                                         job_id="run-1")
+        finally:
+            worker.close()
         d = client.describe_model("net", "run-2")
         assert d.selection is not None and d.selection.job_id == "run-1"
         assert d.summary.algorithm == ""  # run-2 chose nothing itself

@@ -67,3 +67,28 @@ def test_the_summary_line_carries_the_advice() -> None:
                               speed_before=40.0, speed_after=44.0, advice="communication is 97 % of each step")
     assert summary.line().endswith("(1.10x). communication is 97 % of each step")
     assert dataclasses.replace(summary, advice="").line().endswith("(1.10x)")
+
+
+def test_a_fixed_algorithm_cites_what_an_auto_job_of_its_shape_measured() -> None:
+    earlier = Selection(step_ms={"gradient_allreduce": 170.0, "bytegrad": 50.0}, chosen="bytegrad", decided_at=26,
+                        job_id="run-1")
+    advice = algorithm_advice("gradient_allreduce", selection=None, measured=DOMINATED, earlier=earlier)
+    assert advice == ("communication is 97 % of each backward pass (700.0 of 718.0 ms exposed, mean of the last "
+                      "interval); bytegrad was 3.40x as fast as gradient_allreduce on this model and placement "
+                      "(measured by job run-1 under algorithm='auto': 50.0 vs 170.0 ms/step): use "
+                      "BaguaStrategy(algorithm='bytegrad')")
+    # What the earlier job did not measure, or measured slower, is no evidence: back to the labelled estimate.
+    other = Selection(step_ms={"bytegrad": 50.0, "decentralized": 60.0}, chosen="bytegrad", decided_at=8)
+    assert "estimate, not measured" in (algorithm_advice("gradient_allreduce", selection=None, measured=DOMINATED,
+                                                         earlier=other) or "")
+    slower = Selection(step_ms={"gradient_allreduce": 50.0, "bytegrad": 60.0}, chosen="gradient_allreduce",
+                       decided_at=8)
+    assert algorithm_advice("gradient_allreduce", selection=None, measured=DOMINATED, earlier=slower) is not None
+    assert "was " not in (algorithm_advice("gradient_allreduce", selection=None, measured=DOMINATED,
+                                           earlier=slower) or "")
+    # A fixed bytegrad gets advice only from a measurement: decentralized measured faster on its shape.
+    faster = Selection(step_ms={"bytegrad": 90.0, "decentralized": 30.0}, chosen="decentralized", decided_at=8,
+                       job_id="run-9")
+    assert algorithm_advice("bytegrad", selection=None, measured=DOMINATED) is None
+    assert "decentralized was 3.00x as fast as bytegrad" in (algorithm_advice(
+        "bytegrad", selection=None, measured=DOMINATED, earlier=faster) or "")

@@ -87,12 +87,14 @@ class RegisterTensorsRequest(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., tensor_list: _Optional[_Iterable[_Union[TensorDeclaration, _Mapping]]] = ..., whether_to_bucket: _Optional[bool] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., job_id: _Optional[str] = ..., resume_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., resume_completed: _Optional[bool] = ...) -> None: ...
 
 class RegisterTensorsResponse(_message.Message):
-    __slots__ = ("recommended_hyperparameters", "is_autotune_completed")
+    __slots__ = ("recommended_hyperparameters", "is_autotune_completed", "algorithm_selection")
     RECOMMENDED_HYPERPARAMETERS_FIELD_NUMBER: _ClassVar[int]
     IS_AUTOTUNE_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_SELECTION_FIELD_NUMBER: _ClassVar[int]
     recommended_hyperparameters: Hyperparameters
     is_autotune_completed: bool
-    def __init__(self, recommended_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., is_autotune_completed: _Optional[bool] = ...) -> None: ...
+    algorithm_selection: AlgorithmSelection
+    def __init__(self, recommended_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., is_autotune_completed: _Optional[bool] = ..., algorithm_selection: _Optional[_Union[AlgorithmSelection, _Mapping]] = ...) -> None: ...
 
 class ReportMetricsRequest(_message.Message):
     __slots__ = ("model_name", "rank", "train_iter", "hyperparameters", "speed", "bucket_timings", "backward_ms", "ranks", "speed_min", "speed_max", "speed_stddev", "job_id")
