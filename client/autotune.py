@@ -111,16 +111,38 @@ def parse_target(target: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True, slots=True)
+class AlgorithmSelection:
+    """What ``algorithm="auto"`` measured and kept (``AlgorithmSelection`` in the proto).
+
+    Attributes:
+        chosen: the candidate kept.
+        step_ms: each candidate's step time in milliseconds (median, slowest rank), in measured order.
+        reason: one line saying why.
+        step: the training step every rank switched at.
+        job_id: the job that measured it.
+    """
+
+    chosen: str
+    step_ms: tuple[tuple[str, float], ...]
+    reason: str
+    step: int
+    job_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PlanAnswer:
     """The service's answer to AskHyperparameters.
 
     Attributes:
         plan: the plan to use from the asked iteration on (identical for every rank).
         completed: True once tuning finished; the plan is then final.
+        selection: (registrations) what ``algorithm="auto"`` measured for this model and placement, by this
+            job or the one whose plan it starts from; None when none.
     """
 
     plan: BucketPlan
     completed: bool
+    selection: AlgorithmSelection | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +165,7 @@ class ModelSummary:
     layouts_tracked: int
     job_id: str = ""
     fingerprint: str = ""
+    algorithm: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,12 +200,13 @@ class SampleSummary:
 
 @dataclass(frozen=True, slots=True)
 class ModelDescription:
-    """DescribeModel's answer: the summary, the current and best plans, every measured plan."""
+    """DescribeModel's answer: the summary, the current and best plans, every measured plan, the selection."""
 
     summary: ModelSummary
     current: BucketPlan
     best: BucketPlan | None
     samples: tuple[SampleSummary, ...]
+    selection: AlgorithmSelection | None = None
 
 
 def _summary(m: Any) -> ModelSummary:
@@ -191,7 +215,16 @@ def _summary(m: Any) -> ModelSummary:
                         completed=m.completed, samples=m.samples, reports_accepted=m.reports_accepted,
                         reports_ignored=m.reports_ignored, best_score=m.best_score if m.has_best else None,
                         idle_s=m.idle_s, tuner=m.tuner, layouts_tracked=m.layouts_tracked, job_id=m.job_id,
-                        fingerprint=m.fingerprint)
+                        fingerprint=m.fingerprint, algorithm=m.algorithm)
+
+
+def _selection_of(reply: Any) -> AlgorithmSelection | None:
+    """The reply's ``algorithm_selection`` (None when unset)."""
+    if not reply.HasField("algorithm_selection"):
+        return None
+    a = reply.algorithm_selection
+    return AlgorithmSelection(chosen=a.chosen, step_ms=tuple((c.algorithm, c.step_ms) for c in a.candidates),
+                              reason=a.reason, step=a.step, job_id=a.job_id)
 
 
 def tensor_to_proto(value: TensorDeclaration | Mapping[str, Any]) -> Any:
@@ -361,7 +394,8 @@ class AutotuneClient:
         except (ValueError, TypeError) as exc:
             raise AutotuneError(f"the autotune service at {self.target} answered {method} with a malformed "
                                 f"plan: {exc}", "INTERNAL") from exc
-        return PlanAnswer(plan=plan, completed=bool(reply.is_autotune_completed))
+        return PlanAnswer(plan=plan, completed=bool(reply.is_autotune_completed),
+                          selection=_selection_of(reply) if method == "RegisterTensors" else None)
 
     def report_metrics(self, model_name: str, rank: int, train_iter: int,
                        hyperparameters: BucketPlan | Mapping[str, Any] | None, speed: float,
@@ -418,7 +452,17 @@ class AutotuneClient:
                         for s in reply.samples)
         return ModelDescription(summary=_summary(reply.summary), current=plan_from_proto(reply.current),
                                 best=plan_from_proto(reply.best) if reply.HasField("best") else None,
-                                samples=samples)
+                                samples=samples, selection=_selection_of(reply))
+
+    def report_algorithm_selection(self, model_name: str, chosen: str, step_ms: Mapping[str, float], reason: str,
+                                   step: int, job_id: str = "") -> None:
+        """Record what ``algorithm="auto"`` kept for a registered (job, model): ``step_ms`` holds every
+        candidate's measured step time in milliseconds, in measured order."""
+        selection = pb.AlgorithmSelection(
+            chosen=chosen, reason=reason, step=step,
+            candidates=[pb.AlgorithmCandidate(algorithm=n, step_ms=ms) for n, ms in step_ms.items()])
+        self._call("ReportAlgorithmSelection", pb.ReportAlgorithmSelectionRequest(
+            model_name=model_name, job_id=job_id, selection=selection))
 
     def health_check(self, timeout_s: float = 1.0) -> bool:
         """True when the service answers SERVING within ``timeout_s``; never raises."""

@@ -28,6 +28,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,9 @@ from ..proto.plan import (
     split_into_buckets,
 )
 from .runners import BucketTimer, CudaRunner, ThreadRunner
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .comm import CommContext
 
 TORCH_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "f32",
@@ -84,6 +88,17 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """
     ignore = set(getattr(module, IGNORE_ATTRIBUTE, None) or ()) | set(getattr(module, UNUSED_ATTRIBUTE, None) or ())
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad and is_communicated(n, p, ignore)]
+
+
+def average_module_parameters(module: nn.Module, comm: CommContext) -> None:
+    """Replace every communicated parameter by its average over ``comm``'s group (in place): replicas that
+    an algorithm let drift apart (decentralized, async) start the next algorithm identical."""
+    if comm.world_size == 1:
+        return
+    with torch.no_grad():
+        for _, p in trainable_parameters(module):
+            dist.all_reduce(p.data, op=dist.ReduceOp.SUM, group=comm.group)
+            p.data.div_(comm.world_size)
 
 
 def default_plan(

@@ -37,7 +37,14 @@ from torch.utils._pytree import tree_flatten
 from ..core.errors import ConfigurationError
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
 from .algorithms.base import Algorithm
-from .buckets import IGNORE_ATTRIBUTE, check_plan, default_plan, is_communicated, trainable_parameters
+from .buckets import (
+    IGNORE_ATTRIBUTE,
+    average_module_parameters,
+    check_plan,
+    default_plan,
+    is_communicated,
+    trainable_parameters,
+)
 from .comm import CommContext
 
 
@@ -385,12 +392,3 @@ class BaguaDistributedDataParallel(nn.Module):
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.load_state_dict(*args, **kwargs)
 
-
-def average_module_parameters(module: nn.Module, comm: CommContext) -> None:
-    """Replace every communicated parameter by its average over ``comm``'s group (in place)."""
-    if comm.world_size == 1:
-        return
-    with torch.no_grad():
-        for _, p in trainable_parameters(module):
-            dist.all_reduce(p.data, op=dist.ReduceOp.SUM, group=comm.group)
-            p.data.div_(comm.world_size)

@@ -8,6 +8,7 @@ instead of ``DistributedDataParallel``, which drives the chosen algorithm.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -47,7 +48,8 @@ from ..engine.autotune import (
     BoundaryReport,
     batch_size_of,
 )
-from ..engine.autotune.selection import AlgorithmSelector, AutoSettings, Selection
+from ..engine.autotune.advice import algorithm_advice
+from ..engine.autotune.selection import DEFAULT_CANDIDATES, AlgorithmSelector, AutoSettings, Selection
 from ..engine.comm import CommContext
 from ..engine.ddp import BaguaDistributedDataParallel
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
@@ -134,7 +136,7 @@ class BaguaStrategy(DDPStrategy):
         self._auto: AutoSettings | None = None
         if algorithm == "auto":
             self._auto = AutoSettings(
-                **({"candidates": tuple(auto_candidates)} if auto_candidates is not None else {}),
+                candidates=DEFAULT_CANDIDATES if auto_candidates is None else tuple(auto_candidates),
                 warmup_steps=auto_warmup_steps, trial_steps=auto_trial_steps)
             for name in self._auto.candidates:  # the algorithm's keyword arguments go to every candidate
                 try:
@@ -320,7 +322,8 @@ class BaguaStrategy(DDPStrategy):
         self._autotune = AutotuneController(
             self._autotune_settings, wrapper, wrapper.module, model_prefix=type(wrapper.module).__name__,
             nproc_per_node=self._comm.local_size, group=self._comm.group,
-            device=self.root_device if self._comm.is_nccl else torch.device("cpu"), resume=resume)
+            device=self.root_device if self._comm.is_nccl else torch.device("cpu"), resume=resume,
+            selection=self.selection)
         self._log_autotune(self._autotune.setup())
 
     def _stop_autotune(self) -> None:
@@ -381,12 +384,11 @@ class BaguaStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         if self._autotune is not None:
-            self.autotune_summary = self._autotune.summary()
+            advice = algorithm_advice(self.algorithm_name, selection=self.selection,
+                                      measured=self._autotune.last_measured, last_step=self.last_step_timings(),
+                                      earlier=self._autotune.earlier_selection)
+            self.autotune_summary = dataclasses.replace(self._autotune.summary(), advice=advice or "")
             rank_zero_info(self.autotune_summary.line())
-            if self._auto is None:
-                advice = communication_advice(self.algorithm_name, self.last_step_timings())
-                if advice:
-                    rank_zero_info(advice)
             self._stop_autotune()
         self._selector = None
 
@@ -473,23 +475,6 @@ class BaguaStrategy(DDPStrategy):
                 f"{cls.strategy_name}_{name}", cls,
                 description=f"BaguaStrategy with {name}: {algorithm.spec.description}", algorithm=name,
             )
-
-
-def communication_advice(algorithm: str, timings: StepTimings | None) -> str | None:
-    """A recommendation when a fixed algorithm spends most of its backward waiting for communication.
-
-    ``timings``: the last measured step. Returns None when communication is hidden behind computation or
-    the algorithm already compresses.
-    """
-    if timings is None or not timings.buckets or algorithm != "gradient_allreduce":
-        return None
-    wait = max(b.wait_ms for b in timings.buckets)
-    step = timings.backward_ms + wait
-    if step <= 0 or wait / step < 0.5:
-        return None
-    return (f"communication is {100 * wait / step:.0f} % of each backward ({wait:.1f} of {step:.1f} ms "
-            f"exposed); bytegrad sends a quarter of the bytes: try BaguaStrategy(algorithm='auto'), which "
-            "measures gradient_allreduce and bytegrad on this job and keeps the faster")
 
 
 BaguaStrategy.ensure_registered()

@@ -185,6 +185,9 @@ class AlgorithmSpec:
     #: Methods Bagua's classes offer that take the wrapped module (``abort``/``resume``): each calls
     #: the engine method of the same name.
     module_methods: tuple[str, ...] = ()
+    #: Engine attributes Bagua's classes read through, e.g. ``auto``'s ``selection``: on ``<bagua_name>Impl``
+    #: its engine instance's; on the ``<bagua_name>`` factory, those of the model it was last reified for.
+    exposed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or not self.bagua_name.isidentifier():
@@ -205,6 +208,7 @@ def register_algorithm(
     bucket_state: Mapping[str, str] | None = None,
     optimizer_arg: str | None = None,
     module_methods: tuple[str, ...] = (),
+    exposed: tuple[str, ...] = (),
 ) -> Callable[[type[_A]], type[_A]]:
     """Class decorator: the one registration of an engine algorithm (see :class:`AlgorithmSpec`).
 
@@ -213,7 +217,7 @@ def register_algorithm(
     """
     spec = AlgorithmSpec(name=name, description=description, bagua_name=bagua_name,
                          bucket_state=dict(bucket_state or {}), optimizer_arg=optimizer_arg,
-                         module_methods=module_methods)
+                         module_methods=module_methods, exposed=exposed)
 
     def register(cls: type[_A]) -> type[_A]:
         taken = ALGORITHMS.get(name)
@@ -222,6 +226,9 @@ def register_algorithm(
         for method in module_methods:
             if not callable(getattr(cls, method, None)):
                 raise ValueError(f"algorithm {name!r} offers {method!r} to Bagua's API but has no such method")
+        for attribute in exposed:
+            if not hasattr(cls, attribute):
+                raise ValueError(f"algorithm {name!r} exposes {attribute!r} to Bagua's API but has no such attribute")
         cls.name = name
         cls.spec = spec
         ALGORITHMS[name] = cls

@@ -61,6 +61,7 @@ from .jobstate import (
 )
 from .measurement import AutotuneSummary, BoundaryReport, IntervalMeter, Measurement, reduce_over_ranks
 from .plansync import BoundaryMessage, broadcast_from_main, broadcast_message, check_agreement
+from .selection import Selection
 from .worker import AutotuneWorker, Job, Pending
 
 log = logging.getLogger(__name__)
@@ -204,12 +205,14 @@ class AutotuneController:
         resume: the state a checkpoint saved (:meth:`state`); the job starts on its plan and,
             unless the launcher names the job otherwise, continues its job id. Ignored (with a
             warning) when it belongs to another model.
+        selection: what ``algorithm="auto"`` measured and kept; rank 0 reports it to the service with the
+            registration (``autotune show``, the service's metrics).
     """
 
     def __init__(self, settings: AutotuneSettings, target: PlanTarget, module: nn.Module, *, model_prefix: str,
                  nproc_per_node: int, device: torch.device | None = None, group: dist.ProcessGroup | None = None,
                  client_factory: Callable[[AutotuneSettings], Any] | None = None,
-                 resume: AutotuneState | None = None) -> None:
+                 resume: AutotuneState | None = None, selection: Selection | None = None) -> None:
         self.settings = settings
         self.target = target
         self.group = group
@@ -223,6 +226,7 @@ class AutotuneController:
         self.model_fingerprint = tensor_list_fingerprint(self.tensors)
         self.model_name = settings.model_name or model_name_for(model_prefix, self.tensors)
         self._client_factory = client_factory or default_client
+        self.selection = selection
         self.worker: AutotuneWorker | None = None
         # What every rank agrees on (from broadcasts):
         self.registered = False
@@ -235,6 +239,8 @@ class AutotuneController:
         self._measured: float | None = None  # the speed measured at the boundary it belongs to
         self.meter = IntervalMeter()
         self.speeds: list[float] = []
+        #: The job's view of the last interval that measured bucket timings (for the end-of-fit advice).
+        self.last_measured: Measurement | None = None
         self._speed_by_version: dict[int, float] = {}
         #: (step, plan version, plan fingerprint) of every plan applied, for cross-rank comparisons.
         self.applied: list[tuple[int, int, str]] = []
@@ -279,7 +285,7 @@ class AutotuneController:
             job = Job(address=self.settings.address, model_name=self.model_name, tensors=self.tensors,
                       rank=self.rank, world_size=self.world_size, nproc_per_node=self.nproc_per_node,
                       job_id=self.job_id, resume=self._resume_plan,
-                      resume_completed=bool(resume and resume.completed))
+                      resume_completed=bool(resume and resume.completed), selection=self.selection)
             self.worker = AutotuneWorker(job, lambda: self._client_factory(self.settings))
         if self.is_main:
             assert self.worker is not None
@@ -338,6 +344,8 @@ class AutotuneController:
             if self.settings.aggregate_reports:
                 measured = reduce_over_ranks(measured, num_buckets, group=self.group, device=self.device,
                                              world_size=self.world_size)
+            if measured.timings:
+                self.last_measured = measured
             if measured.speed is not None:
                 self.speeds.append(measured.speed)
                 self._speed_by_version[self.version] = measured.speed
@@ -355,6 +363,12 @@ class AutotuneController:
         if global_step >= 1:
             self.meter.count(batch_size, time.monotonic())
         return report
+
+    @property
+    def earlier_selection(self) -> Selection | None:
+        """Rank 0: what ``algorithm="auto"`` measured for this model and placement, as the service knows it
+        (a job of the same shape, or this one); None on other ranks or when none was measured."""
+        return self.worker.earlier_selection if self.worker is not None and self.is_main else None
 
     def state(self) -> AutotuneState:
         """What a checkpoint keeps (the same on every rank)."""

@@ -195,6 +195,8 @@ class AutotuneSummary:
     speed_before: float | None
     speed_after: float | None
     job_id: str = ""
+    #: Which algorithm would be (or was measured) faster, when one would (:mod:`.advice`); "" otherwise.
+    advice: str = ""
 
     @property
     def ratio(self) -> float | None:
@@ -219,4 +221,4 @@ class AutotuneSummary:
         return (f"{head}service plan v{self.plan_version}, {self.num_buckets} buckets, bucket_size "
                 f"{self.bucket_size} B, {'hierarchical' if self.hierarchical else 'flat'}, "
                 f"{'completed' if self.completed else 'not completed'}, {self.plans_applied} plans applied; "
-                f"{compare}")
+                f"{compare}{f'. {self.advice}' if self.advice else ''}")

@@ -51,33 +51,37 @@ class AutoSettings:
             job); default :data:`DEFAULT_CANDIDATES`.
         warmup_steps: untimed steps after each switch, >= 1.
         trial_steps: timed steps per candidate, >= 3 (the median of them is its step time).
+        prefix: how the front door spells these arguments, for error messages (``BaguaStrategy``'s
+            ``auto_candidates``; ``""`` for ``AutoAlgorithm(candidates=...)``).
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     warmup_steps: int = 3
     trial_steps: int = 10
+    prefix: str = "auto_"
 
     def __post_init__(self) -> None:
+        p = self.prefix
         if isinstance(self.candidates, str) or not isinstance(self.candidates, Sequence):
-            raise ConfigurationError(f"auto_candidates={self.candidates!r}; give a list of algorithm names, "
+            raise ConfigurationError(f"{p}candidates={self.candidates!r}; give a list of algorithm names, "
                                      f"e.g. {list(DEFAULT_CANDIDATES)}.")
         self.candidates = tuple(self.candidates)
         unknown = [c for c in self.candidates if c not in SELECTABLE]
         if unknown:
             raise ConfigurationError(
-                f"auto_candidates has {unknown}, which algorithm='auto' cannot measure; choose from "
+                f"{p}candidates has {unknown}, which algorithm='auto' cannot measure; choose from "
                 f"{list(SELECTABLE)} (qadam needs its own optimizer: use algorithm='qadam').")
         if not self.candidates or len(set(self.candidates)) != len(self.candidates):
-            raise ConfigurationError(f"auto_candidates={list(self.candidates)}; name each algorithm once, at "
+            raise ConfigurationError(f"{p}candidates={list(self.candidates)}; name each algorithm once, at "
                                      "least one.")
         for name in ("warmup_steps", "trial_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigurationError(f"auto_{name}={value!r} is not a number of steps.")
+                raise ConfigurationError(f"{p}{name}={value!r} is not a number of steps; give a whole number.")
         if self.warmup_steps < 1:
-            raise ConfigurationError(f"auto_warmup_steps={self.warmup_steps}; give at least 1.")
+            raise ConfigurationError(f"{p}warmup_steps={self.warmup_steps}; give at least 1.")
         if self.trial_steps < 3:
-            raise ConfigurationError(f"auto_trial_steps={self.trial_steps}; give at least 3 (a median of fewer "
+            raise ConfigurationError(f"{p}trial_steps={self.trial_steps}; give at least 3 (a median of fewer "
                                      "steps is noise).")
 
     @property
@@ -101,11 +105,13 @@ class Selection:
         step_ms: each candidate's step time (median over its trial, slowest rank), in milliseconds.
         chosen: the candidate kept (None while measuring).
         decided_at: the training step at which it was switched to for good.
+        job_id: the job that measured it, when it came from the autotune service ("" for this job's own).
     """
 
     step_ms: dict[str, float] = field(default_factory=dict)
     chosen: str | None = None
     decided_at: int | None = None
+    job_id: str = ""
 
     def reason(self) -> str:
         """``bytegrad: 48.1 ms/step (kept); gradient_allreduce: 170.0 ms/step (3.53x slower)``."""

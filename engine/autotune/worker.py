@@ -22,6 +22,7 @@ from typing import Any
 from ...core.errors import AutotuneError, ModelNotRegisteredError, ServiceUnavailableError
 from ...proto.plan import BucketPlan, TensorDeclaration
 from .measurement import Measurement
+from .selection import Selection
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Job:
 
     ``resume``/``resume_completed``: the plan a resumed job runs (from its checkpoint), sent
     with the registration so that a session the service creates starts from it.
+    ``selection``: what ``algorithm="auto"`` kept, reported after every registration (`autotune show`).
     """
 
     address: str
@@ -71,6 +73,7 @@ class Job:
     job_id: str = ""
     resume: BucketPlan | None = None
     resume_completed: bool = False
+    selection: Selection | None = None
 
 
 class AutotuneWorker:
@@ -93,6 +96,9 @@ class AutotuneWorker:
         self.registered = False
         self._order: list[str] = []
         self._order_sent = False
+        self._selection_sent = False
+        #: What algorithm="auto" measured for this model and placement, as the service answered the registration.
+        self.earlier_selection: Selection | None = None
         self._reconnect = False
         self._unexpected: set[str] = set()
         # Only the first registration resumes: after a service restart the shape's best plan is the start.
@@ -146,6 +152,8 @@ class AutotuneWorker:
                 if not self.registered:
                     self._register(client)
                     return
+                if not self._selection_sent:
+                    self._send_selection(client)
                 if self._order and not self._order_sent:
                     spans = [{"trace_id": 1, "action": "tensor_ready", "tensor_name": name, "start_time": i,
                               "end_time": i} for i, name in enumerate(self._order)]
@@ -159,6 +167,7 @@ class AutotuneWorker:
             # The service restarted without the model, or evicted it: register again at the next boundary.
             self.registered = False
             self._order_sent = False
+            self._selection_sent = False
             self.outage.failed(f"autotune call to {job.address}", exc)
         except ServiceUnavailableError as exc:
             self._reconnect = True
@@ -192,6 +201,10 @@ class AutotuneWorker:
             return
         plan = answer.plan
         self._resume = None
+        earlier = getattr(answer, "selection", None)
+        if earlier is not None:
+            self.earlier_selection = Selection(step_ms=dict(earlier.step_ms), chosen=earlier.chosen,
+                                               decided_at=earlier.step, job_id=earlier.job_id)
         with self._lock:
             self._pending = Pending(plan, answer.completed)
             self.registered = True
@@ -199,6 +212,19 @@ class AutotuneWorker:
         log.info("autotune: registered %s (job %s, %d tensors) with %s; initial plan v%d, %d buckets%s",
                  job.model_name, job.job_id, len(job.tensors), job.address, plan.version, len(plan.buckets),
                  " (final)" if answer.completed else "")
+        self._selection_sent = False
+        try:
+            self._send_selection(client)
+        except (AutotuneError, ServiceUnavailableError) as exc:  # sent again at the next boundary
+            self.outage.failed(f"reporting the algorithm selection to {job.address}", exc)
+
+    def _send_selection(self, client: Any) -> None:
+        """Rank 0: tell the service what ``algorithm="auto"`` kept (nothing for a fixed algorithm)."""
+        selection, job = self.job.selection, self.job
+        if selection is not None and selection.chosen is not None and selection.decided_at is not None:
+            client.report_algorithm_selection(job.model_name, selection.chosen, selection.step_ms,
+                                              selection.reason(), selection.decided_at, job_id=job.job_id)
+        self._selection_sent = True
 
     def close(self) -> None:
         """Stop (an RPC in flight is cancelled by closing the channel); idempotent."""

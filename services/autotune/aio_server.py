@@ -36,7 +36,7 @@ WORKER_THREADS = 4  # big requests at once; more queue (the loop and small reque
 _HEAVY = frozenset({"RegisterTensors", "DescribeModel", "ListModels", "ReportTensorExecutionOrder"})
 
 _METHODS = ("RegisterTensors", "ReportMetrics", "AskHyperparameters", "ReportTensorExecutionOrder", "ListModels",
-            "DescribeModel")
+            "DescribeModel", "ReportAlgorithmSelection")
 
 
 class _Aborted(Exception):

@@ -106,6 +106,15 @@ def _show(args: argparse.Namespace) -> int:
             mib = [b / MIB for b in plan.bucket_bytes]
             print(f"{label} plan v{plan.version}: {len(plan.buckets)} buckets ({min(mib):.1f}..{max(mib):.1f} MiB), "
                   f"bucket_size {plan.bucket_size} B, {'hierarchical' if plan.is_hierarchical_reduce else 'flat'}")
+    if d.selection is not None:
+        a = d.selection
+        source = "" if a.job_id == m.job_id else f", measured by job {a.job_id or '-'}"
+        print(f"algorithm: {a.chosen} (algorithm='auto', chosen at step {a.step}{source})")
+        best = dict(a.step_ms)[a.chosen]
+        for name, ms in sorted(a.step_ms, key=lambda kv: kv[1]):
+            print(f"  {name:28s} {ms:10.2f} ms/step  {ms / best:5.2f}x{'  (kept)' if name == a.chosen else ''}")
+        if a.reason:
+            print(f"  reason: {a.reason}")
     if d.samples:
         print(f"{'#':>3s} {'PLAN':>5s} {'BUCKETS':>7s} {'SIZE_MiB':>8s} {'HIER':>4s} {'SAMPLES/S':>10s} "
               f"{'SCORE':>10s} {'EXPOSED_MS':>10s} {'REPORTS':>7s}")

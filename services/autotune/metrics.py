@@ -74,6 +74,17 @@ class ServiceCollector(Collector):
                                   value=service.io.dropped)
         yield GaugeMetricFamily("bagua_autotune_healthy", "1 while store and sample log work",
                                 value=0.0 if service.io.problem() else 1.0)
+        step_ms = GaugeMetricFamily("bagua_autotune_algorithm_step_ms",
+                                    "algorithm='auto': each candidate's measured step time (median, slowest rank), "
+                                    "in milliseconds", labels=("model", "job", "algorithm"))
+        chosen = GaugeMetricFamily("bagua_autotune_algorithm_chosen",
+                                   "algorithm='auto': 1 for the candidate kept", labels=("model", "job", "algorithm"))
+        for model, job, choice in service.selections():
+            for name, ms in choice.step_ms:
+                step_ms.add_metric((model, job, name), ms)
+            chosen.add_metric((model, job, choice.chosen), 1.0)
+        yield step_ms
+        yield chosen
 
 
 def make_registry(service: AutotuneService) -> tuple[CollectorRegistry, RpcMetrics]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...proto.plan import BucketPlan
+from .choice import AlgorithmChoice
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class StoredPlan:
         model_name: the model it was tuned for (informational).
         saved_at: Unix time it was stored, in seconds.
         job_id: the job whose session measured it (informational; empty: none).
+        selection: what ``algorithm="auto"`` measured and kept for a job of this shape (None: none
+            reported); sessions that start from this plan show it.
     """
 
     plan: BucketPlan
@@ -61,6 +64,7 @@ class StoredPlan:
     model_name: str
     saved_at: float = 0.0
     job_id: str = ""
+    selection: AlgorithmChoice | None = None
 
     def better_than(self, other: StoredPlan | None) -> bool:
         """Whether this plan should replace ``other`` as the best of its key: a higher score, or the
@@ -72,7 +76,8 @@ class StoredPlan:
     def to_json(self) -> str:
         return json.dumps({"plan": self.plan.to_dict(), "score": self.score, "completed": self.completed,
                            "model_name": self.model_name, "saved_at": self.saved_at or time.time(),
-                           "job_id": self.job_id})
+                           "job_id": self.job_id,
+                           **({"selection": self.selection.to_dict()} if self.selection is not None else {})})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StoredPlan:
@@ -86,9 +91,11 @@ class StoredPlan:
         completed = data["completed"]
         if not isinstance(completed, bool):
             raise TypeError(f"stored completed must be a bool, got {completed!r}")
+        selection = data.get("selection")
         return cls(plan=BucketPlan.from_dict(data["plan"]), score=score, completed=completed,
                    model_name=str(data.get("model_name", ""))[:1024], saved_at=float(data.get("saved_at", 0.0)),
-                   job_id=str(data.get("job_id", ""))[:1024])
+                   job_id=str(data.get("job_id", ""))[:1024],
+                   selection=AlgorithmChoice.from_dict(selection) if selection is not None else None)
 
 
 MAX_STORED_BYTES = 64 * 1024**2  # a stored plan of 100k tensors with long names stays well below

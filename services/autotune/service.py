@@ -6,6 +6,7 @@ errors leave as :mod:`.errors` exceptions that it maps to status codes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -18,6 +19,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from ...proto.plan import DTYPE_SIZES, BucketPlan, BucketTimingRecord, TensorDeclaration
+from .choice import AlgorithmChoice
 from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
@@ -68,6 +70,7 @@ class ModelInfo:
     idle_s: float
     tuner: str
     layouts_tracked: int
+    selection: AlgorithmChoice | None = None
 
 
 class AutotuneService:
@@ -389,6 +392,35 @@ class AutotuneService:
                 f"({sorted(s.registration.model_name for s in matches)[:5]}); set model_name")
         return matches[0]
 
+    def report_selection(self, model_name: str, job_id: str, chosen: str, step_ms: Sequence[tuple[str, float]],
+                         reason: str, step: int) -> AlgorithmChoice:
+        """Record what ``algorithm="auto"`` kept for a registered (job, model), replacing an earlier report.
+
+        It is stored with the shape's best plan (re-saved now when one is known, else with the session's
+        first best), so a session that a restarted service builds from that plan shows it again.
+        """
+        session = self.session(model_name, job_id)
+        choice = AlgorithmChoice.of(chosen, step_ms, reason, step, job_id=job_id)
+        session.selection = choice
+        session.last_used = self._clock()
+        key = session.registration.store_key
+        with self._shared_lock:
+            known = self._shared.get(key)
+            stored = dataclasses.replace(known, selection=choice) if known is not None else None
+            if stored is not None:
+                self._shared[key] = stored
+        if stored is not None:
+            self.io.save(key, stored)
+        logger.info("event=algorithm_selected model=%s job=%s chosen=%s step=%d step_ms=%s", model_name, job_id,
+                    chosen, step, ",".join(f"{n}:{ms:.3f}" for n, ms in choice.step_ms))
+        return choice
+
+    def selections(self) -> list[tuple[str, str, AlgorithmChoice]]:
+        """``(model_name, job_id, choice)`` of every session held that has a selection."""
+        with self._lock:
+            sessions = list(self._sessions.items())
+        return [(name, job, s.selection) for (job, name), s in sessions if s.selection is not None]
+
     # -- inspection ----------------------------------------------------------------------------------
     def _info(self, session: ModelSession, with_samples: bool) -> ModelInfo:
         samples = session.samples
@@ -397,7 +429,7 @@ class AutotuneService:
                          samples=tuple(samples) if with_samples else (), sample_count=len(samples),
                          reports_accepted=session.reports_accepted, reports_ignored=session.reports_ignored,
                          idle_s=max(0.0, self._clock() - session.last_used), tuner=session.tuner_kind,
-                         layouts_tracked=session.layouts_tracked)
+                         layouts_tracked=session.layouts_tracked, selection=session.selection)
 
     def list_models(self) -> list[ModelInfo]:
         """Every session held now, sorted by model name, then job id."""

@@ -22,6 +22,7 @@ from ...proto.autotune.v1 import autotune_pb2 as pb
 from ...proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from ...proto.plan import BucketPlan, BucketTimingRecord, plan_from_proto, plan_to_proto
 from . import wire
+from .choice import AlgorithmChoice
 from .errors import (
     AutotuneRequestError,
     FailedPreconditionError,
@@ -127,7 +128,14 @@ def _summary(info: ModelInfo, facts: _RegistrationFacts) -> Any:
         completed=info.completed, samples=info.sample_count, reports_accepted=info.reports_accepted,
         reports_ignored=info.reports_ignored, best_score=info.best.score if info.best else 0.0,
         has_best=info.best is not None, idle_s=info.idle_s, tuner=info.tuner, layouts_tracked=info.layouts_tracked,
-        job_id=reg.job_id, fingerprint=fingerprint)
+        job_id=reg.job_id, fingerprint=fingerprint,
+        algorithm=info.selection.chosen if info.selection and info.selection.job_id == reg.job_id else "")
+
+
+def _selection(choice: AlgorithmChoice) -> Any:
+    return pb.AlgorithmSelection(
+        chosen=choice.chosen, reason=choice.reason, step=choice.step, job_id=choice.job_id,
+        candidates=[pb.AlgorithmCandidate(algorithm=n, step_ms=ms) for n, ms in choice.step_ms])
 
 
 def _shared(key: str, stored: StoredPlan) -> Any:
@@ -181,11 +189,10 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                 self._encoded_tensors -= _tensor_count(dropped[0])
         return entry
 
-    def _response(self, job_id: str, model_name: str, plan: BucketPlan, kind: str, completed: bool = False) -> bytes:
-        """The encoded response of ``kind`` carrying ``plan`` (see :mod:`.wire`)."""
+    def _ask_response(self, job_id: str, model_name: str, plan: BucketPlan, completed: bool) -> bytes:
+        """The encoded ``AskHyperparametersResponse`` carrying ``plan`` (see :mod:`.wire`)."""
         encoded = self._entry(job_id, model_name, plan)[1]
-        return (wire.register_response(encoded, completed) if kind == "register"
-                else wire.ask_response(encoded, completed))
+        return wire.ask_response(encoded, completed)
 
     def _plan_ref(self, job_id: str, model_name: str, message: Any) -> PlanRef | None:
         if not message.buckets:
@@ -213,8 +220,10 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
             resume=resume,
             resume_completed=bool(request.resume_completed),
         )
-        plan, completed = session.current_plan, session.completed
-        return self._response(request.job_id, request.model_name, plan, "register", completed)
+        plan, completed, selection = session.current_plan, session.completed, session.selection
+        encoded = self._entry(request.job_id, request.model_name, plan)[1]
+        return wire.register_response(encoded, completed,
+                                      _selection(selection).SerializeToString() if selection is not None else None)
 
     @_translate_errors
     def ReportMetrics(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -234,7 +243,7 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
     def AskHyperparameters(self, request: Any, context: grpc.ServicerContext) -> Any:
         plan, completed = self.service.ask(request.model_name, int(request.rank), int(request.train_iter),
                                            job_id=request.job_id)
-        return self._response(request.job_id, request.model_name, plan, "ask", completed)
+        return self._ask_response(request.job_id, request.model_name, plan, completed)
 
     @_translate_errors
     def ReportTensorExecutionOrder(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -252,6 +261,8 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
     def DescribeModel(self, request: Any, context: grpc.ServicerContext) -> Any:
         info = self.service.describe(request.model_name, request.job_id)
         reply = pb.DescribeModelResponse(summary=_summary(info, self._facts))
+        if info.selection is not None:
+            reply.algorithm_selection.CopyFrom(_selection(info.selection))
         reply.samples.extend(
             pb.SampleRecord(index=i + 1, plan_version=s.plan.version, bucket_size=s.plan.bucket_size,
                             is_hierarchical_reduce=s.plan.is_hierarchical_reduce, bucket_bytes=s.plan.bucket_bytes,
@@ -261,3 +272,10 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
         job = info.registration.job_id
         best = self._entry(job, request.model_name, info.best.plan)[1] if info.best is not None else None
         return wire.describe_response(reply, self._entry(job, request.model_name, info.current)[1], best)
+
+    @_translate_errors
+    def ReportAlgorithmSelection(self, request: Any, context: grpc.ServicerContext) -> Any:
+        s = request.selection
+        self.service.report_selection(request.model_name, request.job_id, s.chosen,
+                                      [(c.algorithm, c.step_ms) for c in s.candidates], s.reason, int(s.step))
+        return pb.ReportAlgorithmSelectionResponse()

@@ -38,6 +38,7 @@ from ...proto.plan import (
     split_into_buckets,
 )
 from .bayes import BayesianTuner
+from .choice import AlgorithmChoice
 from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import FailedPreconditionError, InvalidArgumentError
@@ -112,6 +113,8 @@ class ModelSession:
         self.reports_accepted = 0
         self.reports_ignored = 0
         self.plans_issued = 0
+        #: What algorithm="auto" kept (this job's report, else the one stored with the plan it started from).
+        self.selection: AlgorithmChoice | None = remembered.selection if remembered is not None else None
 
         initial = BucketPlan(buckets=split_into_buckets(self._order, config.default_bucket_size,
                                                         whether_to_bucket=registration.whether_to_bucket),
@@ -144,7 +147,8 @@ class ModelSession:
             return
         self._persist_fn(self.registration.store_key, StoredPlan(
             plan=sample.plan, score=sample.score, completed=completed,
-            model_name=self.registration.model_name, saved_at=time.time(), job_id=self.registration.job_id))
+            model_name=self.registration.model_name, saved_at=time.time(), job_id=self.registration.job_id,
+            selection=self.selection))
 
     # -- public API (each takes the lock) ----------------------------------------------------------
     @property

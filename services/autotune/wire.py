@@ -25,6 +25,7 @@ SERVICE = "bagua_lightning.autotune.v1.AutotuneService"
 # Field numbers in autotune.proto (never reused, so fixed here).
 _REGISTER_PLAN = 1  # RegisterTensorsResponse.recommended_hyperparameters
 _REGISTER_COMPLETED = 2  # RegisterTensorsResponse.is_autotune_completed
+_REGISTER_SELECTION = 3  # RegisterTensorsResponse.algorithm_selection
 _ASK_PLAN = 1  # AskHyperparametersResponse.recommended_hyperparameters
 _ASK_COMPLETED = 2  # AskHyperparametersResponse.is_autotune_completed
 _DESCRIBE_CURRENT = 2  # DescribeModelResponse.current
@@ -48,9 +49,12 @@ def message_field(number: int, encoded: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(encoded)) + encoded
 
 
-def register_response(plan: bytes, completed: bool = False) -> bytes:
-    """An encoded ``RegisterTensorsResponse`` carrying the encoded plan ``plan``."""
-    return message_field(_REGISTER_PLAN, plan) + (_varint(_REGISTER_COMPLETED << 3) + b"\x01" if completed else b"")
+def register_response(plan: bytes, completed: bool = False, selection: bytes | None = None) -> bytes:
+    """An encoded ``RegisterTensorsResponse`` carrying the encoded plan ``plan`` (and an encoded
+    ``AlgorithmSelection``)."""
+    return b"".join((message_field(_REGISTER_PLAN, plan),
+                     _varint(_REGISTER_COMPLETED << 3) + b"\x01" if completed else b"",
+                     message_field(_REGISTER_SELECTION, selection) if selection is not None else b""))
 
 
 def ask_response(plan: bytes, completed: bool) -> bytes:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.engine.autotune.selection import (
     DEFAULT_CANDIDATES,
@@ -19,8 +20,10 @@ from bagua_lightning.engine.autotune.selection import (
 )
 from tests.procs import free_port
 from tests.ranks import run_commands
+from tests.services.conftest import FAST, autotune_service
 
 WORKER = str(Path(__file__).with_name("auto_workers.py"))
+AUTOTUNE_WORKER = str(Path(__file__).with_name("auto_autotune_worker.py"))
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -138,3 +141,29 @@ def test_auto_under_lightning_and_switching_on_two_gloo_ranks(tmp_path: Path) ->
         assert r["steps"] == [3, 4] and r["algorithm"] == "GradientAllReduceAlgorithm"
     assert sw[0]["grads"] == pytest.approx(sw[1]["grads"], abs=1e-7)  # allreduced from the first step on
     assert sw[0]["after_step"] == pytest.approx(sw[1]["after_step"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_auto_with_autotune_reports_its_choice_to_the_service(tmp_path: Path) -> None:
+    with autotune_service(*FAST, "--world-size", "2", log_path=tmp_path / "service.log") as (target, _):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), AUTOTUNE_WORKER, str(tmp_path), "--mode", "torchrun"]
+        run_commands([cmd], log_dir=tmp_path, env={"AUTO_TEST_SERVICE": target})
+        ranks = _results(tmp_path, 2)
+        fit = ranks[0]
+        assert ranks[1]["chosen"] == fit["chosen"] and ranks[1]["step_ms"] == fit["step_ms"]
+        with AutotuneClient(target=target) as client:
+            described = client.describe_model("auto-net", fit["job_id"])
+    # The service holds rank 0's selection: the kept candidate, each candidate's step time, the step.
+    selection = described.selection
+    assert selection is not None and described.summary.algorithm == fit["chosen"]
+    assert (selection.chosen, selection.step, selection.job_id) == (fit["chosen"], fit["decided_at"], fit["job_id"])
+    assert dict(selection.step_ms) == pytest.approx(fit["step_ms"])
+    assert f"{fit['chosen']}: " in selection.reason and "(kept)" in selection.reason
+    # The end-of-fit summary gives the measured ratio (not an estimate).
+    other = "bytegrad" if fit["chosen"] == "gradient_allreduce" else "gradient_allreduce"
+    ratio = fit["step_ms"][other] / fit["step_ms"][fit["chosen"]]
+    assert fit["advice"] == (f"algorithm='auto' kept {fit['chosen']}: {fit['chosen']} was {ratio:.2f}x as fast as "
+                             f"{other} here (measured in flight: {fit['step_ms'][fit['chosen']]:.1f} vs "
+                             f"{fit['step_ms'][other]:.1f} ms/step)")
+    assert fit["summary"].endswith(fit["advice"])

@@ -51,7 +51,7 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[Algorithm]]:
 def test_builtins_are_registered_once_each() -> None:
     classes = algorithm_classes()
     assert set(classes) == {"gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
-                            "qadam", "async"}
+                            "qadam", "async", "auto"}
     assert all(cls.spec.name == name == cls.name for name, cls in classes.items())
     assert len({c.spec.bagua_name for c in classes.values()}) == len(classes)
     for cls in classes.values():  # Bagua's class of each, by Bagua's name, from the package

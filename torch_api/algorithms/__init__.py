@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import async_model_average, bytegrad, decentralized, gradient_allreduce, q_adam
+from . import async_model_average, auto, bytegrad, decentralized, gradient_allreduce, q_adam
 from .base import Algorithm, AlgorithmImpl, bagua_algorithms
 
 __all__ = [
     "Algorithm",
     "AlgorithmImpl",
     "async_model_average",
+    "auto",
     "bytegrad",
     "decentralized",
     "gradient_allreduce",

@@ -266,9 +266,11 @@ class EngineAlgorithm(Algorithm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._arguments = _bind(self.arguments, args, kwargs)
         self.engine_class(**_adopt(self, self.engine_class, self._arguments))  # validate now, not at wrap time
+        self._latest: RegisteredAlgorithmImpl | None = None
 
     def reify(self, process_group: BaguaProcessGroup) -> RegisteredAlgorithmImpl:
-        return self.impl_class(process_group, **self._arguments)
+        self._latest = self.impl_class(process_group, **self._arguments)
+        return self._latest
 
 
 class RegisteredAlgorithmImpl(EngineAlgorithmImpl):
@@ -315,6 +317,21 @@ def _module_method(engine: type[_EngineAlgorithm], name: str, on_impl: bool) -> 
     return method
 
 
+def _exposed(engine: type[_EngineAlgorithm], name: str, on_impl: bool) -> property:
+    """An engine attribute read through: the impl's engine's, or (factory) that of the latest model wrapped."""
+
+    def on_implementation(self: RegisteredAlgorithmImpl) -> Any:
+        return getattr(self.engine, name)
+
+    def on_factory(self: EngineAlgorithm) -> Any:
+        latest = self._latest
+        return getattr(latest.engine, name) if latest is not None else None
+
+    doc = getattr(getattr(engine, name), "__doc__", None) or ""
+    return property(on_implementation if on_impl else on_factory,
+                    doc=doc if on_impl else f"{doc} Of the model this object last wrapped (None before).")
+
+
 @functools.cache
 def bagua_algorithm(name: str) -> tuple[type[EngineAlgorithm], type[RegisteredAlgorithmImpl]]:
     """Bagua's ``Algorithm`` class and its ``AlgorithmImpl`` for the engine algorithm registered as ``name``.
@@ -343,12 +360,14 @@ def bagua_algorithm(name: str) -> tuple[type[EngineAlgorithm], type[RegisteredAl
     impl_init.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [self_param, inspect.Parameter("process_group", positional), *params])
     shared: dict[str, Any] = {"__module__": module, "engine_class": engine, "arguments": inspect.Signature(params)}
-    methods = {m: _module_method(engine, m, on_impl=True) for m in spec.module_methods}
+    methods: dict[str, Any] = {m: _module_method(engine, m, on_impl=True) for m in spec.module_methods}
+    methods.update({a: _exposed(engine, a, on_impl=True) for a in spec.exposed})
     impl_cls = type(f"{spec.bagua_name}Impl", (RegisteredAlgorithmImpl,), {
         **shared, **methods, "__init__": impl_init, "bucket_state": dict(spec.bucket_state),
         "__doc__": f"One model's ``{spec.name}``: the process group, then :class:`{spec.bagua_name}`'s arguments.",
     })
     methods = {m: _module_method(engine, m, on_impl=False) for m in spec.module_methods}
+    methods.update({a: _exposed(engine, a, on_impl=False) for a in spec.exposed})
     factory_cls = type(spec.bagua_name, (EngineAlgorithm,), {
         **shared, **methods, "__init__": factory_init, "impl_class": impl_cls,
         "__doc__": f"Create Bagua's ``{spec.name}`` algorithm.\n\n{engine.__doc__ or ''}",

@@ -87,12 +87,14 @@ class RegisterTensorsRequest(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., tensor_list: _Optional[_Iterable[_Union[TensorDeclaration, _Mapping]]] = ..., whether_to_bucket: _Optional[bool] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., job_id: _Optional[str] = ..., resume_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., resume_completed: _Optional[bool] = ...) -> None: ...
 
 class RegisterTensorsResponse(_message.Message):
-    __slots__ = ("recommended_hyperparameters", "is_autotune_completed")
+    __slots__ = ("recommended_hyperparameters", "is_autotune_completed", "algorithm_selection")
     RECOMMENDED_HYPERPARAMETERS_FIELD_NUMBER: _ClassVar[int]
     IS_AUTOTUNE_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_SELECTION_FIELD_NUMBER: _ClassVar[int]
     recommended_hyperparameters: Hyperparameters
     is_autotune_completed: bool
-    def __init__(self, recommended_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., is_autotune_completed: _Optional[bool] = ...) -> None: ...
+    algorithm_selection: AlgorithmSelection
+    def __init__(self, recommended_hyperparameters: _Optional[_Union[Hyperparameters, _Mapping]] = ..., is_autotune_completed: _Optional[bool] = ..., algorithm_selection: _Optional[_Union[AlgorithmSelection, _Mapping]] = ...) -> None: ...
 
 class ReportMetricsRequest(_message.Message):
     __slots__ = ("model_name", "rank", "train_iter", "hyperparameters", "speed", "bucket_timings", "backward_ms", "ranks", "speed_min", "speed_max", "speed_stddev", "job_id")
@@ -167,7 +169,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelSummary(_message.Message):
-    __slots__ = ("model_name", "tensors", "total_bytes", "world_size", "nproc_per_node", "plan_version", "completed", "samples", "reports_accepted", "reports_ignored", "best_score", "has_best", "idle_s", "tuner", "layouts_tracked", "job_id", "fingerprint")
+    __slots__ = ("model_name", "tensors", "total_bytes", "world_size", "nproc_per_node", "plan_version", "completed", "samples", "reports_accepted", "reports_ignored", "best_score", "has_best", "idle_s", "tuner", "layouts_tracked", "job_id", "fingerprint", "algorithm")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +187,7 @@ class ModelSummary(_message.Message):
     LAYOUTS_TRACKED_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     tensors: int
     total_bytes: int
@@ -202,7 +205,8 @@ class ModelSummary(_message.Message):
     layouts_tracked: int
     job_id: str
     fingerprint: str
-    def __init__(self, model_name: _Optional[str] = ..., tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., plan_version: _Optional[int] = ..., completed: _Optional[bool] = ..., samples: _Optional[int] = ..., reports_accepted: _Optional[int] = ..., reports_ignored: _Optional[int] = ..., best_score: _Optional[float] = ..., has_best: _Optional[bool] = ..., idle_s: _Optional[float] = ..., tuner: _Optional[str] = ..., layouts_tracked: _Optional[int] = ..., job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    algorithm: str
+    def __init__(self, model_name: _Optional[str] = ..., tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., plan_version: _Optional[int] = ..., completed: _Optional[bool] = ..., samples: _Optional[int] = ..., reports_accepted: _Optional[int] = ..., reports_ignored: _Optional[int] = ..., best_score: _Optional[float] = ..., has_best: _Optional[bool] = ..., idle_s: _Optional[float] = ..., tuner: _Optional[str] = ..., layouts_tracked: _Optional[int] = ..., job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., algorithm: _Optional[str] = ...) -> None: ...
 
 class SharedPlanSummary(_message.Message):
     __slots__ = ("key", "model_name", "job_id", "world_size", "nproc_per_node", "score", "completed", "buckets")
@@ -265,13 +269,51 @@ class SampleRecord(_message.Message):
     def __init__(self, index: _Optional[int] = ..., plan_version: _Optional[int] = ..., bucket_size: _Optional[int] = ..., is_hierarchical_reduce: _Optional[bool] = ..., bucket_bytes: _Optional[_Iterable[int]] = ..., speed: _Optional[float] = ..., score: _Optional[float] = ..., exposed_ms: _Optional[float] = ..., reports: _Optional[int] = ..., train_iter: _Optional[int] = ...) -> None: ...
 
 class DescribeModelResponse(_message.Message):
-    __slots__ = ("summary", "current", "best", "samples")
+    __slots__ = ("summary", "current", "best", "samples", "algorithm_selection")
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     BEST_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_SELECTION_FIELD_NUMBER: _ClassVar[int]
     summary: ModelSummary
     current: Hyperparameters
     best: Hyperparameters
     samples: _containers.RepeatedCompositeFieldContainer[SampleRecord]
-    def __init__(self, summary: _Optional[_Union[ModelSummary, _Mapping]] = ..., current: _Optional[_Union[Hyperparameters, _Mapping]] = ..., best: _Optional[_Union[Hyperparameters, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[SampleRecord, _Mapping]]] = ...) -> None: ...
+    algorithm_selection: AlgorithmSelection
+    def __init__(self, summary: _Optional[_Union[ModelSummary, _Mapping]] = ..., current: _Optional[_Union[Hyperparameters, _Mapping]] = ..., best: _Optional[_Union[Hyperparameters, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[SampleRecord, _Mapping]]] = ..., algorithm_selection: _Optional[_Union[AlgorithmSelection, _Mapping]] = ...) -> None: ...
+
+class AlgorithmCandidate(_message.Message):
+    __slots__ = ("algorithm", "step_ms")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    algorithm: str
+    step_ms: float
+    def __init__(self, algorithm: _Optional[str] = ..., step_ms: _Optional[float] = ...) -> None: ...
+
+class AlgorithmSelection(_message.Message):
+    __slots__ = ("chosen", "candidates", "reason", "step", "job_id")
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    chosen: str
+    candidates: _containers.RepeatedCompositeFieldContainer[AlgorithmCandidate]
+    reason: str
+    step: int
+    job_id: str
+    def __init__(self, chosen: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[AlgorithmCandidate, _Mapping]]] = ..., reason: _Optional[str] = ..., step: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class ReportAlgorithmSelectionRequest(_message.Message):
+    __slots__ = ("model_name", "job_id", "selection")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    job_id: str
+    selection: AlgorithmSelection
+    def __init__(self, model_name: _Optional[str] = ..., job_id: _Optional[str] = ..., selection: _Optional[_Union[AlgorithmSelection, _Mapping]] = ...) -> None: ...
+
+class ReportAlgorithmSelectionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

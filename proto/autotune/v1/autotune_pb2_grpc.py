@@ -64,6 +64,11 @@ class AutotuneServiceStub:
                 request_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelRequest.SerializeToString,
                 response_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelResponse.FromString,
                 _registered_method=True)
+        self.ReportAlgorithmSelection = channel.unary_unary(
+                '/bagua_lightning.autotune.v1.AutotuneService/ReportAlgorithmSelection',
+                request_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionRequest.SerializeToString,
+                response_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionResponse.FromString,
+                _registered_method=True)
 
 
 class AutotuneServiceServicer:
@@ -139,6 +144,23 @@ class AutotuneServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportAlgorithmSelection(self, request, context):
+        """Records what algorithm="auto" measured and kept for a registered
+        (job, model): shown by DescribeModel (`autotune show`) and the metrics,
+        and kept with the shape's best plan in the store (--state), so a
+        restarted service shows it once the job registers again. A later
+        report replaces it.
+        INVALID_ARGUMENT: chosen not among candidates, an algorithm name that
+        is not lower-case letters, digits and "_" (control characters
+        included), duplicate names, step_ms not finite, <= 0 or over 1e7,
+        negative step, reason not printable or over 1024 bytes, no or more
+        than 16 candidates.
+        NOT_FOUND: unknown model (or job_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AutotuneServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +193,11 @@ def add_AutotuneServiceServicer_to_server(servicer, server):
                     servicer.DescribeModel,
                     request_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelRequest.FromString,
                     response_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelResponse.SerializeToString,
+            ),
+            'ReportAlgorithmSelection': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportAlgorithmSelection,
+                    request_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionRequest.FromString,
+                    response_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -335,6 +362,33 @@ class AutotuneService:
             '/bagua_lightning.autotune.v1.AutotuneService/DescribeModel',
             bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelRequest.SerializeToString,
             bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.DescribeModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportAlgorithmSelection(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagua_lightning.autotune.v1.AutotuneService/ReportAlgorithmSelection',
+            bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionRequest.SerializeToString,
+            bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,73 @@
+"""Rank program for the ``AutoAlgorithm`` tests: ``python auto_workers.py OUT_DIR CANDIDATES``, one per rank.
+
+Wraps a small model with ``with_bagua`` and an ``AutoAlgorithm`` over the comma-separated candidates, trains
+past the choice and writes ``OUT_DIR/auto-rankN.json``: the choice, the measured step times, the log line
+and the parameters after training on the chosen algorithm.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import bagua_lightning.torch_api as bagua
+from bagua_lightning.torch_api.algorithms import AutoAlgorithm
+
+WARMUP, TRIALS = 1, 3
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def main(out: Path, candidates: list[str]) -> None:
+    bagua.init_process_group()
+    rank = bagua.get_rank()
+    lines = _Lines()
+    selection_log = logging.getLogger("bagua_lightning.engine.autotune.selection")
+    selection_log.addHandler(lines)
+    selection_log.setLevel(logging.INFO)
+    torch.manual_seed(rank)  # different initial weights: with_bagua broadcasts rank 0's
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    algorithm = AutoAlgorithm(candidates=candidates, warmup_steps=WARMUP, trial_steps=TRIALS)
+    model = model.with_bagua([opt], algorithm)
+    decide_at = len(candidates) * (WARMUP + TRIALS)  # forwards before the one that decides
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    used: list[str] = []
+    for _ in range(decide_at + 6):
+        data, target = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+        opt.zero_grad()
+        loss = F.mse_loss(model(data), target)
+        used.append(model.bagua_algorithm.engine.current_name)  # a forward may have switched it
+        loss.backward()
+        opt.step()
+    selection = algorithm.selection
+    assert selection is model.bagua_algorithm.selection  # the factory reads its model's
+    result = {
+        "chosen": selection.chosen, "step_ms": selection.step_ms, "decided_at": selection.decided_at,
+        "reason": selection.reason(), "used": used, "log": lines.lines,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+    }
+    (out / f"auto-rank{rank}.json").write_text(json.dumps(result))
+    model._bagua_teardown()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2].split(","))
