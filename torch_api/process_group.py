@@ -386,11 +386,16 @@ def _leave_together(store: dist.Store, rank: int, world_size: int) -> None:
     finish their last collective, or while its store still serves them, aborts the process. The waits
     are bounded, so a peer that died early delays the exit by at most ``_EXIT_WAIT_S`` seconds.
     """
-    if not dist.is_initialized() or operations_left_behind():
+    if not dist.is_initialized():
         return
     try:
         deadline = time.monotonic() + _EXIT_WAIT_S
         store.add(_EXIT_KEY.format("arrived"), 1)
+        if operations_left_behind():
+            # An operation abort() left in the backend only fails once the peers are gone: say this rank is
+            # leaving (so they do not wait for it) and leave the group to the backend's own teardown.
+            store.add(_EXIT_KEY.format("left"), 1)
+            return
         _wait_count(store, _EXIT_KEY.format("arrived"), world_size, deadline)
         if rank == 0:
             _wait_count(store, _EXIT_KEY.format("left"), world_size - 1, deadline)
