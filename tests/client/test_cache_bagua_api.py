@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,10 +40,17 @@ def bagua_check(store: Store) -> None:
     assert store.status()
 
 
+def _server_folders_under(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The detached servers' folders (Bagua's API leaves them, as its servers outlive the call) go to tmp_path."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # spawned children
+    monkeypatch.setattr(tempfile, "tempdir", None)  # this process: recomputed from TMPDIR
+
+
 @pytest.fixture
-def three_servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
+def three_servers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[dict[str, Any]]]:
     """Three servers started as Bagua's test starts them (a child process each), always shut down."""
     monkeypatch.delenv("BAGUA_LIGHTNING_REDIS_PASSWORD", raising=False)
+    _server_folders_under(tmp_path, monkeypatch)
     ports: list[int] = []
     try:
         for _ in range(3):
@@ -72,8 +81,10 @@ def test_bagua_store_test_on_servers_started_like_bagua(three_servers: list[dict
         store.shutdown()
 
 
-def test_started_server_is_loopback_only_and_takes_the_deployment_password(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_started_server_is_loopback_only_and_takes_the_deployment_password(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
     monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", "from-the-deployment")
+    _server_folders_under(tmp_path, monkeypatch)
     port = find_free_port()
     start_redis_server_cli(port, 10_000_000)
     try:
