@@ -53,6 +53,10 @@ SIZES = {  # vocab, width, layers, heads
     "wide": (32000, 256, 2, 4),  # 10M parameters, mostly the tied embedding: communication-bound on CPU
 }
 VISION = ("resnet50", "vgg16")  # torchvision models on synthetic 224x224 images, 1000 classes
+#: width, layers: ``layers`` x Linear(width, width) with ReLU between, the last one the classifier over
+#: ``width`` classes. 'mlp' has 25.2M parameters (101 MB fp32) and little compute per step (batch 4 on CPU):
+#: at 1 Gbit/s its step is gradient communication, as a GPU's step is at 10 Gbit/s.
+MLPS = {"mlp": (2048, 6)}
 
 
 class Transformer(nn.Module):
@@ -77,7 +81,29 @@ def make_model(args: argparse.Namespace) -> nn.Module:
         import torchvision
 
         return getattr(torchvision.models, args.model)(weights=None)
+    if args.model in MLPS:
+        width, layers = MLPS[args.model]
+        blocks: list[nn.Module] = []
+        for i in range(layers):
+            blocks += [nn.Linear(width, width)] + ([nn.ReLU()] if i < layers - 1 else [])
+        return nn.Sequential(*blocks)
     return Transformer(*SIZES[args.model], args.seq_len)
+
+
+def make_batches(args: argparse.Namespace, device: torch.device, g: torch.Generator
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four synthetic (input, target) batches of ``args.model``, from generator ``g``."""
+    if args.model in VISION:
+        return [(torch.randn(args.batch_size, 3, 224, 224, generator=g).to(device),
+                 torch.randint(1000, (args.batch_size,), generator=g).to(device)) for _ in range(4)]
+    if args.model in MLPS:
+        width = MLPS[args.model][0]
+        return [(torch.randn(args.batch_size, width, generator=g).to(device),
+                 torch.randint(width, (args.batch_size,), generator=g).to(device)) for _ in range(4)]
+    vocab = SIZES[args.model][0]
+    return [(torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device),
+             torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device))
+            for _ in range(4)]
 
 
 def build(variant: str, args: argparse.Namespace, device: torch.device, comm: CommContext) -> tuple[nn.Module, Any]:
@@ -176,7 +202,7 @@ def sync(device: torch.device) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(SIZES) + list(VISION), default="100m")
+    p.add_argument("--model", choices=sorted(SIZES) + list(MLPS) + list(VISION), default="100m")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 16 GPU, 4 CPU)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512 GPU, 32 CPU)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first")
@@ -215,15 +241,7 @@ def main() -> None:
         except ConfigurationError:
             if comm.rank == 0:
                 print(f"skipping {v!r}: not available")
-    g = torch.Generator().manual_seed(1 + comm.rank)
-    if args.model in VISION:
-        batches = [(torch.randn(args.batch_size, 3, 224, 224, generator=g).to(device),
-                    torch.randint(1000, (args.batch_size,), generator=g).to(device)) for _ in range(4)]
-    else:
-        vocab = SIZES[args.model][0]
-        batches = [(torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device),
-                    torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device))
-                   for _ in range(4)]
+    batches = make_batches(args, device, torch.Generator().manual_seed(1 + comm.rank))
     runners = [Runner(v, args, device, comm, batches) for v in variants]
     times = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device),
                        seed=args.seed)
@@ -235,7 +253,7 @@ def main() -> None:
         n_params = sum(p.numel() for p in make_model(args).parameters())
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         print(f"model {args.model} ({n_params / 1e6:.1f}M params), {comm.world_size} x {name}, "
-              f"batch {args.batch_size}{'' if args.model in VISION else f'x{args.seq_len}'} per rank, {args.rounds} interleaved steps per variant; "
+              f"batch {args.batch_size}{'' if args.model in VISION + tuple(MLPS) else f'x{args.seq_len}'} per rank, {args.rounds} interleaved steps per variant; "
               "speed vs DDP = median(DDP) / median(variant) [95 % bootstrap interval]")
         baseline = "ddp" if "ddp" in times else variants[0]
         result = {}
