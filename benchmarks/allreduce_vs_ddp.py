@@ -9,7 +9,10 @@ Launch with torchrun (NCCL on GPUs, Gloo on CPU)::
 Each GPU as its own "node" over a shaped link: ``benchmarks/device_suite.sh OUT twonode``; on CPU, two
 ranks in two network namespaces joined by a veth pair shaped to ``--rate`` (root, iproute2)::
 
-    python benchmarks/allreduce_vs_ddp.py --netns --rate 1gbit --model wide --variants gradient_allreduce,bytegrad,auto
+    python benchmarks/allreduce_vs_ddp.py --netns --rate 1gbit --model mlp --variants gradient_allreduce,bytegrad,auto
+
+(``--model mlp``: 25.2M parameters and little compute, so at 1 Gbit/s the step is gradient communication;
+``--model wide``: a 10M-parameter transformer whose CPU backward is a sizeable part of the step.)
 
 The variant ``auto`` (or ``auto:bytegrad+decentralized+...`` for other candidates) is
 ``BaguaStrategy(algorithm="auto")``'s selection: during its warm-up it measures its candidates
@@ -17,7 +20,8 @@ in flight and switches to the fastest (reported with the step at which it settle
 steps are then interleaved with the other variants' like any other.
 
 Every variant trains its own copy of the same model (same initial weights, same
-batches, same AdamW); all copies live side by side and warm up for ``--warmup`` steps.
+batches, same AdamW); all copies live side by side and warm up for ``--warmup`` steps
+(then as many more as an ``auto`` variant's selection took, so all start timing at the same step).
 Then each of ``--rounds`` rounds runs ONE step of every variant, in an order shuffled
 per round (the same on every rank), each step timed between two device synchronisations
 (``benchmarks/interleaved.py``). Reported per variant: the median step time and the speed
@@ -62,7 +66,8 @@ MLPS = {"mlp": (2048, 6)}
 class Transformer(nn.Module):
     """A GPT-style stack (pre-norm encoder layers, tied embedding) built in code: no downloads."""
 
-    def __init__(self, vocab: int, width: int, layers: int, heads: int, seq_len: int) -> None:
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, seq_len: int, embed_std: float = 0.02
+                 ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.zeros(seq_len, width))
@@ -70,6 +75,10 @@ class Transformer(nn.Module):
                                            batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
+        # GPT-2's embedding init. nn.Embedding's N(0, 1), tied to the output, makes logits of std ~sqrt(width)
+        # (initial loss ~235 instead of ln(vocab) ~10 at width 256): their softmax then underflows into
+        # subnormal floats after a few dozen steps, which Intel CPUs compute 10x slower (switch_diagnose.py).
+        nn.init.normal_(self.embed.weight, std=embed_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.blocks(self.embed(tokens) + self.pos)
@@ -87,7 +96,7 @@ def make_model(args: argparse.Namespace) -> nn.Module:
         for i in range(layers):
             blocks += [nn.Linear(width, width)] + ([nn.ReLU()] if i < layers - 1 else [])
         return nn.Sequential(*blocks)
-    return Transformer(*SIZES[args.model], args.seq_len)
+    return Transformer(*SIZES[args.model], args.seq_len, embed_std=getattr(args, "embed_std", 0.02))
 
 
 def make_batches(args: argparse.Namespace, device: torch.device, g: torch.Generator
@@ -243,6 +252,12 @@ def main() -> None:
                 print(f"skipping {v!r}: not available")
     batches = make_batches(args, device, torch.Generator().manual_seed(1 + comm.rank))
     runners = [Runner(v, args, device, comm, batches) for v in variants]
+    # The same training progress for all before timing: an `auto` variant spent its selection's steps
+    # training (gradients and optimizer state change with progress, and their values can change a CPU's
+    # speed: subnormal floats), so the others catch up first.
+    most = max(runner.i for runner in runners)
+    for runner in runners:
+        runner.warm_up(most - runner.i)
     times = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device),
                        seed=args.seed)
     timings = {runner.variant: runner.timings() for runner in runners}

@@ -21,6 +21,9 @@ Two Gloo ranks on loopback (one intra-op thread each, as ``--netns`` runs), no R
     PYTHONPATH=$(.ci/linktree) python benchmarks/switch_diagnose.py              # the 'wide' transformer
     PYTHONPATH=$(.ci/linktree) python benchmarks/switch_diagnose.py --netns      # two namespaces at 1 Gbit/s (root)
 
+``--embed-std 1`` rebuilds the transformer with nn.Embedding's default init (what the benchmark used
+before 2026-11-26): its tied logits have a std of ~16, their softmax underflows into subnormal floats
+after ~20 training steps, and ``auto`` (26 steps further into training than ``fresh``) carries them.
 Exits 0 after printing rank 0's table (rank 1's facts are printed too where they differ).
 """
 
@@ -90,7 +93,7 @@ def static_facts(runner: Any) -> dict[str, Any]:
         "param_views": sum(p._base is not None for p in params),
         "param_unaligned": sum(p.data_ptr() % 64 != 0 for p in params),
         "state_unaligned": sum(v.data_ptr() % 64 != 0 for v in state),
-        "algorithm": type(runner.model.algorithm).__name__,
+        "algorithm": type(runner.model.algorithm).__name__.removesuffix("Algorithm"),
     }
 
 
@@ -172,7 +175,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     comm = CommContext.build(local_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     bench = argparse.Namespace(model=args.model, seq_len=32, batch_size=args.batch_size,
-                               bucket_size=10 * 1024**2, warmup=5)
+                               bucket_size=10 * 1024**2, warmup=5, embed_std=args.embed_std)
     batches = make_batches(bench, torch.device("cpu"), torch.Generator().manual_seed(1 + comm.rank))
     runners = {"fresh": Runner("bytegrad", bench, torch.device("cpu"), comm, batches),
                "auto": Runner("auto", bench, torch.device("cpu"), comm, batches),
@@ -191,7 +194,7 @@ def worker(args: argparse.Namespace) -> None:
         facts[n].update({f"ftz_{k}": v for k, v in t.items()})
     torch.set_flush_denormal(False)
     for n, r in runners.items():
-        facts[n]["after_steps"] = static_facts(r)["grad_hooks"]
+        facts[n]["grad_hooks_end"] = static_facts(r)["grad_hooks"]
         r.close()
     print(TAG + json.dumps({"rank": comm.rank, "facts": facts}), flush=True)
     comm.destroy_groups()
@@ -203,7 +206,7 @@ def table(facts: dict[str, dict[str, Any]], other: dict[str, dict[str, Any]] | N
     keys = list(facts[names[0]])
     lines = [f"{'fact':<18}" + "".join(f"{n:>14}" for n in names)]
     for k in keys:
-        row = f"{k:<18}" + "".join(f"{str(facts[n].get(k)):>14}" for n in names)
+        row = f"{k:<18}" + "".join(f"{facts[n].get(k)!s:>14}" for n in names)
         if other and any(other[n].get(k) != facts[n].get(k) for n in names) and not k.endswith("_ms") \
                 and k not in ("gc_objects",):
             row += "   rank 1: " + ", ".join(str(other[n].get(k)) for n in names)
@@ -216,6 +219,8 @@ def main() -> None:
     p.add_argument("--model", default="wide", help="an allreduce_vs_ddp.py --model (default wide)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--rounds", type=int, default=8, help="interleaved timed steps per model, each pass")
+    p.add_argument("--embed-std", type=float, default=0.02,
+                   help="transformer embedding init std (1.0: nn.Embedding's default, the init before 2026-11-26)")
     p.add_argument("--netns", action="store_true", help="two network namespaces joined at --rate (root)")
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -224,7 +229,7 @@ def main() -> None:
         worker(args)
         return
     argv = [str(Path(__file__).resolve()), "--worker", "--model", args.model, "--batch-size", str(args.batch_size),
-            "--rounds", str(args.rounds)]
+            "--rounds", str(args.rounds), "--embed-std", str(args.embed_std)]
     if args.netns:
         from slow_network import run_on_two_hosts
 
@@ -258,7 +263,16 @@ def main() -> None:
     print(f"model {args.model}, 2 Gloo ranks ({'namespaces at ' + args.rate if args.netns else 'loopback'}), "
           f"{os.cpu_count()} x {cpu}; fresh = bytegrad from the start, auto = gradient_allreduce then "
           "bytegrad (allreduce_vs_ddp's auto), fresh_long = fresh trained as many steps as auto")
-    print(table(results[0]["facts"], results[1]["facts"] if len(results) > 1 else None))
+    facts = results[0]["facts"]
+    print(table(facts, results[1]["facts"] if len(results) > 1 else None))
+    for name, f in facts.items():
+        found = [k for k in ("sub_param", "sub_grad", "sub_optstate", "sub_act", "sub_act_grad") if f[k]]
+        if found:
+            print(f"{name}: subnormal floats in {', '.join(found)}; where a CPU is slow on them (Intel without "
+                  f"flush-to-zero) its steps slow down: compare ftz_*_ms (torch.set_flush_denormal(True)) with *_ms")
+    hooks = {f["grad_hooks"] for f in facts.values()} | {f["grad_hooks_end"] for f in facts.values()}
+    if len(hooks) > 1:
+        print(f"hook counts differ between models or over steps: {sorted(hooks)}")
 
 
 if __name__ == "__main__":
