@@ -204,9 +204,9 @@ def worker(args: argparse.Namespace) -> None:
 def table(facts: dict[str, dict[str, Any]], other: dict[str, dict[str, Any]] | None) -> str:
     names = list(facts)
     keys = list(facts[names[0]])
-    lines = [f"{'fact':<18}" + "".join(f"{n:>14}" for n in names)]
+    lines = [f"{'fact':<18}" + "".join(f"{n:>18}" for n in names)]
     for k in keys:
-        row = f"{k:<18}" + "".join(f"{facts[n].get(k)!s:>14}" for n in names)
+        row = f"{k:<18}" + "".join(f"{facts[n].get(k)!s:>18}" for n in names)
         if other and any(other[n].get(k) != facts[n].get(k) for n in names) and not k.endswith("_ms") \
                 and k not in ("gc_objects",):
             row += "   rank 1: " + ", ".join(str(other[n].get(k)) for n in names)
