@@ -9,7 +9,10 @@ Launch with torchrun (NCCL on GPUs, Gloo on CPU)::
 Each GPU as its own "node" over a shaped link: ``benchmarks/device_suite.sh OUT twonode``; on CPU, two
 ranks in two network namespaces joined by a veth pair shaped to ``--rate`` (root, iproute2)::
 
-    python benchmarks/allreduce_vs_ddp.py --netns --rate 1gbit --model wide --variants gradient_allreduce,bytegrad,auto
+    python benchmarks/allreduce_vs_ddp.py --netns --rate 1gbit --model mlp --variants gradient_allreduce,bytegrad,auto
+
+(``--model mlp``: 25.2M parameters and little compute, so at 1 Gbit/s the step is gradient communication;
+``--model wide``: a 10M-parameter transformer whose CPU backward is a sizeable part of the step.)
 
 The variant ``auto`` (or ``auto:bytegrad+decentralized+...`` for other candidates) is
 ``BaguaStrategy(algorithm="auto")``'s selection: during its warm-up it measures its candidates
@@ -17,7 +20,8 @@ in flight and switches to the fastest (reported with the step at which it settle
 steps are then interleaved with the other variants' like any other.
 
 Every variant trains its own copy of the same model (same initial weights, same
-batches, same AdamW); all copies live side by side and warm up for ``--warmup`` steps.
+batches, same AdamW, fused where torch has it); all copies live side by side and warm up for ``--warmup`` steps
+(then as many more as an ``auto`` variant's selection took, so all start timing at the same step).
 Then each of ``--rounds`` rounds runs ONE step of every variant, in an order shuffled
 per round (the same on every rank), each step timed between two device synchronisations
 (``benchmarks/interleaved.py``). Reported per variant: the median step time and the speed
@@ -53,12 +57,17 @@ SIZES = {  # vocab, width, layers, heads
     "wide": (32000, 256, 2, 4),  # 10M parameters, mostly the tied embedding: communication-bound on CPU
 }
 VISION = ("resnet50", "vgg16")  # torchvision models on synthetic 224x224 images, 1000 classes
+#: width, layers: ``layers`` x Linear(width, width) with ReLU between, the last one the classifier over
+#: ``width`` classes. 'mlp' has 25.2M parameters (101 MB fp32) and little compute per step (batch 4 on CPU):
+#: at 1 Gbit/s its step is gradient communication, as a GPU's step is at 10 Gbit/s.
+MLPS = {"mlp": (2048, 6)}
 
 
 class Transformer(nn.Module):
     """A GPT-style stack (pre-norm encoder layers, tied embedding) built in code: no downloads."""
 
-    def __init__(self, vocab: int, width: int, layers: int, heads: int, seq_len: int) -> None:
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, seq_len: int, embed_std: float = 0.02
+                 ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.zeros(seq_len, width))
@@ -66,6 +75,10 @@ class Transformer(nn.Module):
                                            batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
+        # GPT-2's embedding init. nn.Embedding's N(0, 1), tied to the output, makes logits of std ~sqrt(width)
+        # (initial loss ~235 instead of ln(vocab) ~10 at width 256): their softmax then underflows into
+        # subnormal floats after a few dozen steps, which Intel CPUs compute 10x slower (switch_diagnose.py).
+        nn.init.normal_(self.embed.weight, std=embed_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.blocks(self.embed(tokens) + self.pos)
@@ -77,13 +90,35 @@ def make_model(args: argparse.Namespace) -> nn.Module:
         import torchvision
 
         return getattr(torchvision.models, args.model)(weights=None)
-    return Transformer(*SIZES[args.model], args.seq_len)
+    if args.model in MLPS:
+        width, layers = MLPS[args.model]
+        blocks: list[nn.Module] = []
+        for i in range(layers):
+            blocks += [nn.Linear(width, width)] + ([nn.ReLU()] if i < layers - 1 else [])
+        return nn.Sequential(*blocks)
+    return Transformer(*SIZES[args.model], args.seq_len, embed_std=getattr(args, "embed_std", 0.02))
+
+
+def make_batches(args: argparse.Namespace, device: torch.device, g: torch.Generator
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four synthetic (input, target) batches of ``args.model``, from generator ``g``."""
+    if args.model in VISION:
+        return [(torch.randn(args.batch_size, 3, 224, 224, generator=g).to(device),
+                 torch.randint(1000, (args.batch_size,), generator=g).to(device)) for _ in range(4)]
+    if args.model in MLPS:
+        width = MLPS[args.model][0]
+        return [(torch.randn(args.batch_size, width, generator=g).to(device),
+                 torch.randint(width, (args.batch_size,), generator=g).to(device)) for _ in range(4)]
+    vocab = SIZES[args.model][0]
+    return [(torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device),
+             torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device))
+            for _ in range(4)]
 
 
 def build(variant: str, args: argparse.Namespace, device: torch.device, comm: CommContext) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     model = make_model(args).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw(device))
     if variant == "ddp":
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -96,6 +131,15 @@ def build(variant: str, args: argparse.Namespace, device: torch.device, comm: Co
         algo = get_algorithm_class(name).from_kwargs()
         wrapped = BaguaDistributedDataParallel(model, algo, comm, bucket_size=bucket_size, optimizers=[opt])
     return wrapped, opt
+
+
+def fused_adamw(device: torch.device) -> bool:
+    """Whether torch has a fused AdamW for ``device`` (CUDA; CPU since torch 2.4, ~10x faster than foreach there)."""
+    try:
+        torch.optim.AdamW([torch.zeros(1, device=device, requires_grad=True)], fused=True)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def auto_settings(variant: str) -> AutoSettings:
@@ -176,7 +220,7 @@ def sync(device: torch.device) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(SIZES) + list(VISION), default="100m")
+    p.add_argument("--model", choices=sorted(SIZES) + list(MLPS) + list(VISION), default="100m")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 16 GPU, 4 CPU)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512 GPU, 32 CPU)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first")
@@ -215,16 +259,14 @@ def main() -> None:
         except ConfigurationError:
             if comm.rank == 0:
                 print(f"skipping {v!r}: not available")
-    g = torch.Generator().manual_seed(1 + comm.rank)
-    if args.model in VISION:
-        batches = [(torch.randn(args.batch_size, 3, 224, 224, generator=g).to(device),
-                    torch.randint(1000, (args.batch_size,), generator=g).to(device)) for _ in range(4)]
-    else:
-        vocab = SIZES[args.model][0]
-        batches = [(torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device),
-                    torch.randint(vocab, (args.batch_size, args.seq_len), generator=g).to(device))
-                   for _ in range(4)]
+    batches = make_batches(args, device, torch.Generator().manual_seed(1 + comm.rank))
     runners = [Runner(v, args, device, comm, batches) for v in variants]
+    # The same training progress for all before timing: an `auto` variant spent its selection's steps
+    # training (gradients and optimizer state change with progress, and their values can change a CPU's
+    # speed: subnormal floats), so the others catch up first.
+    most = max(runner.i for runner in runners)
+    for runner in runners:
+        runner.warm_up(most - runner.i)
     times = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device),
                        seed=args.seed)
     timings = {runner.variant: runner.timings() for runner in runners}
@@ -235,7 +277,7 @@ def main() -> None:
         n_params = sum(p.numel() for p in make_model(args).parameters())
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         print(f"model {args.model} ({n_params / 1e6:.1f}M params), {comm.world_size} x {name}, "
-              f"batch {args.batch_size}{'' if args.model in VISION else f'x{args.seq_len}'} per rank, {args.rounds} interleaved steps per variant; "
+              f"batch {args.batch_size}{'' if args.model in VISION + tuple(MLPS) else f'x{args.seq_len}'} per rank, {args.rounds} interleaved steps per variant; "
               "speed vs DDP = median(DDP) / median(variant) [95 % bootstrap interval]")
         baseline = "ddp" if "ddp" in times else variants[0]
         result = {}

@@ -58,3 +58,15 @@ def test_bf16_input_decompresses_to_the_requested_dtype() -> None:
     y = decompress_chunks(compress_chunks(x, 4), dtype=torch.bfloat16)
     assert y.dtype == torch.bfloat16
     assert (y.float() - x.float()).abs().max().item() <= max_quantisation_error(x.float(), 4) + 0.02
+
+
+def test_decoding_yields_no_subnormal_floats() -> None:
+    # Subnormal gradients cost Intel CPUs a microcode assist per operand: the decoded values are whole
+    # levels of at least (max - min + 1e-7) / 255, so values far below the normal range decode to 0 or to
+    # normal floats, never to subnormals (the slow CPU steps of a benchmark came from its model instead).
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.cat([torch.full((64,), tiny / 8), torch.linspace(-3 * tiny, 3 * tiny, 64), torch.zeros(64)])
+    for values in (x, x + torch.linspace(-1e-3, 1e-3, 192)):
+        y = decompress_chunks(compress_chunks(values, 2))
+        a = y.abs()
+        assert not bool(((a > 0) & (a < tiny)).any()), y
