@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The NCCL test suite and the GPU benchmarks, as run on the lent GPU machine (see docs/benchmarks.md).
 #
-#   benchmarks/device_suite.sh OUT_DIR [tests] [bench] [autotune] [twonode]
+#   benchmarks/device_suite.sh OUT_DIR [tests] [bench] [autotune] [twonode] [cache] [cpuauto]
 #
 # Environment: NGPU (ranks; default every GPU, e.g. NGPU=2 with CUDA_VISIBLE_DEVICES=0,1),
 # AUTOTUNE_ARGS (extra arguments for autotune_training.py), PYTEST_K (a -k filter for tests),
@@ -15,6 +15,10 @@
 # The GPU machine has torch, lightning and grpcio but not the project, grpcio-health-checking,
 # grpcio-reflection or redis-py: wheels for those are carried in .whl/ (git-ignored) and the package is
 # put on PYTHONPATH through .ci/linktree. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+#
+# cache and cpuauto use the host's CPUs only (a quiet 16-core machine): keyed vs unkeyed cache reads
+# (redis-server carried in .bin/), and algorithm="auto" on two CPU ranks in network namespaces at 1 Gbit/s
+# (ip and tc carried in .bin/; CPU_MODELS picks the models, default mlp).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: device_suite.sh OUT_DIR [tests] [bench] [autotune]}; shift
@@ -58,6 +62,16 @@ for what in "$@"; do
       for p in "${pids[@]}"; do wait "$p" || rc=1; done
       "$tc" qdisc del dev lo root || true
       cat "$out/twonode_rank0.log" ;;
+    cache)
+      PATH="$PWD/.bin:$PATH" python3 benchmarks/cache_throughput.py --variants c,k --repeats 15 2>&1 \
+        | tee "$out/cache_keyed.log" || rc=1 ;;
+    cpuauto)
+      PATH="$PWD/.bin:$PATH" python3 benchmarks/switch_diagnose.py --netns --embed-std 1 2>&1 \
+        | tee "$out/switch_diagnose_old_init.log" || rc=1
+      for model in ${CPU_MODELS:-mlp}; do
+        PATH="$PWD/.bin:$PATH" python3 benchmarks/allreduce_vs_ddp.py --netns --rate 1gbit --model "$model" \
+          --rounds 30 --variants gradient_allreduce,bytegrad,auto 2>&1 | tee "$out/cpuauto_${model}.log" || rc=1
+      done ;;
     *) echo "unknown part $what"; rc=2 ;;
   esac
 done
