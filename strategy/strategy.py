@@ -9,6 +9,7 @@ instead of ``DistributedDataParallel``, which drives the chosen algorithm.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -61,6 +62,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "bagua_algorithm_state"
 #: Key under which a checkpoint stores the autotuner's state (job id, plan in use, tuning progress).
 AUTOTUNE_CHECKPOINT_KEY = "bagua_autotune_state"
+_LOAD_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(DDPStrategy.load_checkpoint).parameters
 
 
 class BaguaStrategy(DDPStrategy):
@@ -425,7 +427,9 @@ class BaguaStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Lightning < 2.5 has no weights_only here (and loads with torch's default); pass it only where taken.
+        checkpoint = (super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+                      if _LOAD_TAKES_WEIGHTS_ONLY else super().load_checkpoint(checkpoint_path))
         saved = checkpoint.get(AUTOTUNE_CHECKPOINT_KEY)
         self._resume_autotune = None
         if saved is not None and self._autotune_settings is not None:
