@@ -339,6 +339,15 @@ def case_process_group() -> None:
             v = torch.tensor([float(r + 1)])
             C.allreduce(v, v, comm=comm_)
             assert v.item() == sum(m + 1 for m in members), v
+    # No group of no members: torch's new_group reads [] as "every rank", and Bagua built a group nobody is in
+    # that failed at its first communicator (Bagua's test_decentralized asks for one on 2 ranks).
+    for bad in ([], [0, 4]):
+        try:
+            C.new_group(bad)
+        except ValueError as e:
+            assert f"invalid ranks {bad}" in str(e), e
+        else:
+            raise AssertionError(f"new_group({bad}) was accepted")
     C.barrier()
     print("process group ok", r, flush=True)
 
