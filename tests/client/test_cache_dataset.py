@@ -77,7 +77,8 @@ def test_dataloader_with_two_workers_fetches_batches(cluster_store: RedisStore,
         assert seen == set(range(96))
         stats = ds.stats  # summed over the workers
         assert stats.misses == 96 and stats.hits == 96 * epoch, (epoch, stats)
-    assert cluster_store.num_keys() == 96
+    # This dataset's keys only: a store of an earlier test on the same cluster may still flush its write buffer.
+    assert sum(1 for c in cluster_store.backend.primaries() for _ in c.scan_iter(match="dl:*")) == 96
     assert stats.bytes_read > 0 and stats.bytes_written >= stats.bytes_read
 
 

@@ -85,12 +85,19 @@ def _check_job_measurements(job: JobResult) -> None:
 def test_quick_demo_end_to_end(tmp_path: Path) -> None:
     state, out = tmp_path / "state", tmp_path / "out"
     env = _private_env(state)
-    autotune_port, redis_port = free_port(), free_port_block(3)
-    cmd = [sys.executable, "-m", "bagua_lightning.cli", "demo", "--quick", "--out", str(out),
-           "--autotune-port", str(autotune_port), "--redis-port", str(redis_port)]
+    redis_port = free_port_block(6)
     try:
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
-        output = result.stdout + result.stderr
+        for attempt in range(3):
+            # 3 masters + 3 replicas: client ports base..base+5, bus ports +10000 (TLS ports are checked by `up`).
+            autotune_port, redis_port = free_port(), (redis_port if attempt == 0 else free_port_block(6))
+            cmd = [sys.executable, "-m", "bagua_lightning.cli", "demo", "--quick", "--out", str(out),
+                   "--autotune-port", str(autotune_port), "--redis-port", str(redis_port)]
+            result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
+            output = result.stdout + result.stderr
+            # Another process (a parallel test worker's client) may take a port between the check and the start:
+            # `up` refuses it before starting anything, so pick other ports.
+            if not (result.returncode == 2 and "is not free" in output):
+                break
         assert result.returncode == 0, output[-6000:]
 
         # It started the services itself, on the ports it was given, and left them running.

@@ -108,6 +108,9 @@ def test_64_ranks_over_4_models_lose_no_report(start_service, tmp_path: Path) ->
             outs = [f.result(timeout=180) for f in futures]
         with AutotuneClient(target=target) as client:
             finals = {m: client.ask_hyperparameters(m, 0, 10_000) for m in models}
+        # The sample log is written behind the answers, by the service's writer thread: wait for it while the
+        # service runs (a loaded machine may not let it finish within the stop's grace period).
+        wait_until(lambda: all((logs / log_file_name(m)).exists() for m in models), 60, "every model's sample log")
     errors = [e for o in outs for e in o["errors"]]
     assert errors == []
     accepted = [a for o in outs for a in o["accepted"]]
