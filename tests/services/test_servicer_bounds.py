@@ -21,6 +21,8 @@ from bagua_lightning.proto.plan import plan_from_proto
 from bagua_lightning.services.autotune import wire
 from bagua_lightning.services.autotune.config import ServiceConfig
 from bagua_lightning.services.autotune.memory import registration_bytes, session_bytes
+from bagua_lightning.services.autotune.readiness import SERVICE_NAME
+from bagua_lightning.services.autotune.server import create_server
 from bagua_lightning.services.autotune.service import AutotuneService
 from bagua_lightning.services.autotune.servicer import AutotuneServicer
 
@@ -107,3 +109,33 @@ class _BlockingService(AutotuneService):
         if not self.release.wait(DEADLINE_S):
             raise TimeoutError("the test never released the describes")
         return super().describe(model_name, job_id)
+
+
+def test_threaded_server_answers_health_while_every_worker_holds_a_big_request() -> None:
+    workers = 2
+    service = _BlockingService(ServiceConfig(**FAST))
+    server, port = create_server("127.0.0.1:0", service, max_workers=workers)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.AutotuneServiceStub(channel)
+            stub.RegisterTensors(pb.RegisterTensorsRequest(model_name="big", tensor_list=_tensors("big")),
+                                 timeout=DEADLINE_S)
+            pending = [stub.DescribeModel.future(pb.DescribeModelRequest(model_name="big"), timeout=DEADLINE_S)
+                       for _ in range(workers + 1)]  # one more than there are workers: it queues
+            for _ in range(workers):
+                assert service.entered.acquire(timeout=DEADLINE_S), "a describe never reached the service"
+            # Every worker now waits for `release`, set only after health answered: were health checks
+            # served by those workers, this call would hit its deadline.
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", SERVICE_NAME):
+                reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=DEADLINE_S / 2)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert not any(f.done() for f in pending)
+            service.release.set()
+            for f in pending:
+                assert f.result(timeout=DEADLINE_S).summary.tensors == TENSORS
+    finally:
+        service.release.set()
+        server.stop(grace=None).wait()
+        service.close()
