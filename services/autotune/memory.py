@@ -110,6 +110,7 @@ class MemoryAccount:
         self.budget = budget
         self._bytes: dict[Hashable, int] = {}
         self._name_bytes: dict[Hashable, int] = {}
+        self._cached: dict[Hashable, int] = {}  # bytes of the session's plans cached encoded by the servicer
         self.total = 0
         self.evicted_for_bytes = 0
 
@@ -118,19 +119,34 @@ class MemoryAccount:
         True when the total is now over budget."""
         if name_bytes is not None:
             self._name_bytes[name] = name_bytes
-        nbytes = session_bytes(session, self._name_bytes.get(name, 0))
+        nbytes = session_bytes(session, self._name_bytes.get(name, 0)) + self._cached.get(name, 0)
         self.total += nbytes - self._bytes.get(name, 0)
         self._bytes[name] = nbytes
+        return bool(self.budget) and self.total > self.budget
+
+    def set_cached(self, name: Hashable, nbytes: int) -> bool:
+        """Count ``nbytes`` of encoded plans cached for the held session ``name`` (replacing the earlier
+        count); True when the total is now over budget."""
+        delta = nbytes - self._cached.get(name, 0)
+        self._cached[name] = nbytes
+        self._bytes[name] = self._bytes.get(name, 0) + delta
+        self.total += delta
         return bool(self.budget) and self.total > self.budget
 
     def forget(self, name: Hashable) -> None:
         self.total -= self._bytes.pop(name, 0)
         self._name_bytes.pop(name, None)
+        self._cached.pop(name, None)
 
     def over_budget(self, sessions: dict[Any, ModelSession], keep: Hashable) -> list[Any]:
         """Names of ``sessions`` to evict (least recently used first) to get back under the budget."""
         return choose_evictions((Held(n, s.last_used, self._bytes.get(n, 0)) for n, s in sessions.items()),
                                 self.budget, keep)
+
+    @property
+    def cached_total(self) -> int:
+        """Bytes of encoded plans counted (:meth:`set_cached`) for every held session."""
+        return sum(self._cached.values())
 
     def bytes_of(self, name: Hashable) -> int:
         return self._bytes.get(name, 0)

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = 29600
 SHUTDOWN_GRACE_S = 5.0  # seconds in-flight calls get to finish after SIGTERM
 SERVER_KINDS = ("aio", "threads")
+HEALTH_THREADS = 2  # the threaded server's health checks run on their own threads (see _HealthOnOwnThreads)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -88,6 +89,28 @@ def read_token_file(path: str | Path) -> str:
     return token
 
 
+class _HealthOnOwnThreads:
+    """A health servicer whose unary checks run on their own small thread pool in a threaded server.
+
+    grpc runs a handler on the pool named by its ``experimental_thread_pool`` attribute (grpc's own
+    health servicer uses it for Watch), else on the server's pool: there, a burst of big requests
+    (registrations, describes of 100,000-tensor models) holding every worker would queue health checks
+    behind them, and a probe would time out on a busy but healthy server. Watch streams stay on the
+    server's pool (each holds a thread for its lifetime; they must not take the checks' threads).
+    """
+
+    def __init__(self, servicer: health.HealthServicer, pool: futures.ThreadPoolExecutor) -> None:
+        def check(request: Any, context: grpc.ServicerContext) -> Any:
+            return servicer.Check(request, context)
+
+        def list_(request: Any, context: grpc.ServicerContext) -> Any:
+            return servicer.List(request, context)
+
+        for method in (check, list_):
+            method.experimental_thread_pool = pool  # type: ignore[attr-defined]
+        self.Check, self.List, self.Watch = check, list_, servicer.Watch
+
+
 def _readiness_publisher(servicer: health.HealthServicer) -> Callable[[bool], None]:
     def publish(ready: bool) -> None:
         servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ready
@@ -116,6 +139,7 @@ def create_server(address: str, service: AutotuneService, *, max_workers: int = 
     (:data:`SERVICE_NAME`) is NOT_SERVING until a :class:`ReadinessMonitor` check publishes it, or SERVING
     at once when ``ready`` (a server without a monitor, e.g. in tests).
     ``token``: require ``authorization: Bearer <token>`` on every call but health checks.
+    Health checks run on their own threads: requests occupying all ``max_workers`` do not delay them.
     """
     limit = service.config.max_request_bytes
     interceptors = [TokenInterceptor(token, metrics)] if token else []
@@ -127,7 +151,8 @@ def create_server(address: str, service: AutotuneService, *, max_workers: int = 
     )
     wire.add_to_server(AutotuneServicer(service, metrics), server)
     health_servicer = health_servicer or health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pool = futures.ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="autotune-health")
+    health_pb2_grpc.add_HealthServicer_to_server(_HealthOnOwnThreads(health_servicer, health_pool), server)
     health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ready
                         else health_pb2.HealthCheckResponse.NOT_SERVING)

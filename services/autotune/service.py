@@ -106,6 +106,7 @@ class AutotuneService:
         self.evicted = 0
         self.memory = MemoryAccount(config.max_memory)  # bytes held per session, guarded by self._lock
         self._retired_plans = 0  # plans issued by sessions since evicted (for the running total)
+        self._evict_listeners: list[Callable[[SessionKey], None]] = []
         self._tuning_pool: ProcessPoolExecutor | None = None
         if config.tuning_processes:
             # Spawned, not forked: the server process runs gRPC threads, which fork does not copy safely.
@@ -325,9 +326,26 @@ class AutotuneService:
             key = min(self._sessions, key=lambda k: self._sessions[k].last_used)
             self._evict(key, "max-models")
 
+    def on_evict(self, listener: Callable[[SessionKey], None]) -> None:
+        """Call ``listener(key)`` for each session evicted, with the table lock held (it must not call back)."""
+        self._evict_listeners.append(listener)
+
+    def account_cached(self, job_id: str, model_name: str, nbytes: int) -> bool:
+        """Count ``nbytes`` of the (job, model)'s plans cached encoded (by the servicer) in its session's
+        footprint, evicting others when over budget; False when that session is not held (drop them)."""
+        key = (job_id, model_name)
+        with self._lock:
+            if key not in self._sessions:
+                return False
+            if self.memory.set_cached(key, nbytes):
+                self._evict_for_bytes(keep=key)
+            return True
+
     def _evict(self, key: SessionKey, reason: str) -> None:
         """Lock held: drop one session (its best plan is in the store already: sessions persist each new best)."""
         old = self._sessions.pop(key)
+        for listener in self._evict_listeners:
+            listener(key)
         freed = self.memory.bytes_of(key)
         self.memory.forget(key)
         self._retired_plans += old.plans_issued

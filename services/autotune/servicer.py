@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 _MAX_ENCODED = 1024  # encoded plans kept
 _MAX_ENCODED_TENSORS = 2_000_000  # tensors in all encoded plans kept (one tensor: ~50-1000 bytes)
+_MAX_ENCODED_PER_MODEL = 4  # the current, the best and the plans reports still name
+_ENTRY_BYTES = 256  # an entry's tuple, key, digest and bytes object headers
 
 _STATUS: tuple[tuple[type[AutotuneRequestError], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -88,6 +90,11 @@ def _translate_errors(method: F) -> F:
 
 def _tensor_count(plan: BucketPlan) -> int:
     return sum(len(b) for b in plan.buckets)
+
+
+def _entry_bytes(entry: tuple[BucketPlan, bytes, bytes]) -> int:
+    """Bytes one cached encoding holds (the plan itself is the session's, counted there)."""
+    return _ENTRY_BYTES + len(entry[1])
 
 
 def _digest(message: Any) -> bytes:
@@ -167,27 +174,80 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
         self._encoded: OrderedDict[tuple[str, str, int], tuple[BucketPlan, bytes, bytes]] = OrderedDict()
         self._encoded_lock = threading.Lock()
         self._encoded_tensors = 0
+        self._model_bytes: dict[tuple[str, str], int] = {}  # cached bytes per (job, model)
+        self._dropped: list[tuple[str, str]] = []  # evicted models whose encodings are still cached
+        service.on_evict(self._evicted)
         self._facts = _RegistrationFacts()
 
     def _entry(self, job_id: str, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, bytes, bytes]:
-        """(plan, its encoded Hyperparameters, their digest), cached."""
+        """(plan, its encoded Hyperparameters, their digest), cached.
+
+        Each model's cached bytes count in its session's footprint (the service's --max-memory budget,
+        :meth:`AutotuneService.account_cached`): caching may evict other models, and an evicted model's
+        encodings are dropped here (the service tells :meth:`_evicted`).
+        """
         key = (job_id, model_name, plan.version)
         cached = self._encoded.get(key)
         if cached is not None and cached[0] is plan:
             return cached
         encoded = plan_to_proto(plan).SerializeToString(deterministic=True)
         entry = (plan, encoded, _digest_of(encoded))
+        model = (job_id, model_name)
         with self._encoded_lock:
-            old = self._encoded.pop(key, None)
-            if old is not None:
-                self._encoded_tensors -= _tensor_count(old[0])
+            self._drop(key)
             self._encoded[key] = entry
             self._encoded_tensors += _tensor_count(plan)
+            self._model_bytes[model] = self._model_bytes.get(model, 0) + _entry_bytes(entry)
+            changed = {model}
+            mine = [k for k in self._encoded if k[:2] == model]
+            for k in mine[:max(0, len(mine) - _MAX_ENCODED_PER_MODEL)]:  # its least recently used
+                self._drop(k)
             while len(self._encoded) > 1 and (len(self._encoded) > _MAX_ENCODED
                                               or self._encoded_tensors > _MAX_ENCODED_TENSORS):
-                _, dropped = self._encoded.popitem(last=False)
-                self._encoded_tensors -= _tensor_count(dropped[0])
+                changed.add(next(iter(self._encoded))[:2])
+                self._drop(next(iter(self._encoded)))
+            # Under this lock, so counts reach the service in the order they were made (the service's
+            # eviction callback never waits for this lock: no deadlock the other way round).
+            for job, name in changed:
+                if not self.service.account_cached(job, name, self._model_bytes.get((job, name), 0)):
+                    self._dropped.append((job, name))  # not held (evicted meanwhile): keep nothing of it
+            self._drop_evicted()
         return entry
+
+    def _drop_evicted(self) -> None:
+        """Lock held: drop the encodings of the models the service evicted."""
+        while self._dropped:
+            evicted = self._dropped.pop()
+            for k in [k for k in self._encoded if k[:2] == evicted]:
+                self._drop(k)
+
+    def _drop(self, key: tuple[str, str, int]) -> None:
+        """Lock held: forget one cached encoding."""
+        old = self._encoded.pop(key, None)
+        if old is None:
+            return
+        self._encoded_tensors -= _tensor_count(old[0])
+        model = key[:2]
+        left = self._model_bytes.get(model, 0) - _entry_bytes(old)
+        if left > 0:
+            self._model_bytes[model] = left
+        else:
+            self._model_bytes.pop(model, None)
+
+    def _evicted(self, model: tuple[str, str]) -> None:
+        """The service evicted ``model`` (its table lock held): drop its encodings now, or, while another
+        thread (or this one, in :meth:`_entry`) holds the cache's lock, when that one is done with it."""
+        self._dropped.append(model)
+        if self._encoded_lock.acquire(blocking=False):  # never wait: the service's lock is held
+            try:
+                self._drop_evicted()
+            finally:
+                self._encoded_lock.release()
+
+    def cached_bytes(self) -> int:
+        """Bytes of every encoded plan cached now (as counted in the memory budget)."""
+        with self._encoded_lock:
+            return sum(self._model_bytes.values())
 
     def _ask_response(self, job_id: str, model_name: str, plan: BucketPlan, completed: bool) -> bytes:
         """The encoded ``AskHyperparametersResponse`` carrying ``plan`` (see :mod:`.wire`)."""
