@@ -216,14 +216,24 @@ def test_scripts_form_a_cluster_with_replicas_and_a_password(tmp_path: Path) -> 
     password_file = tmp_path / "password"
     password_file.write_text(base64.b64decode(password).decode())
     secret = password_file.read_text()
-    ports = _cluster_ports(6)
-    with contextlib.ExitStack() as stack:
+    for attempt in range(3):
+        ports = _cluster_ports(6)
+        stack = contextlib.ExitStack()
         procs = [stack.enter_context(running(["sh", str(start)], env=_node_env(tmp_path, port, password_file),
                                              log_path=str(tmp_path / f"{port}.log")))
                  for port in ports]
-        for port in ports:
-            wait_until(lambda port=port: redis.Redis(port=port, password=secret, socket_timeout=1).ping(), 30,
-                       f"redis node {port}")
+        try:
+            for port in ports:
+                wait_until(lambda port=port: redis.Redis(port=port, password=secret, socket_timeout=1).ping(), 30,
+                           f"redis node {port}")
+            break
+        except TimeoutError:
+            stack.close()
+            # Another process (a parallel test worker's client) may take a port between the check and the start.
+            taken = any("Address already in use" in (tmp_path / f"{p}.log").read_text(errors="replace") for p in ports)
+            if not taken or attempt == 2:
+                raise
+    with stack:
         # The password reached each node on stdin: not on its command line, and required.
         for proc in procs:
             assert secret not in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
