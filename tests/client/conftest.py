@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bagua_lightning.client.cache import RedisStore
 from bagua_lightning.services.redis_cluster import ClusterInfo, ClusterSpec, running_cluster
 from tests.procs import free_port
 
@@ -59,6 +60,16 @@ def redis_servers3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster
 def redis_cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterInfo]:
     """A real Redis Cluster of 3 masters."""
     yield from deployment(tmp_path_factory.mktemp("redis-cluster3"), nodes=3)
+
+
+@pytest.fixture
+def store(redis_cluster3: ClusterInfo) -> Iterator[RedisStore]:
+    """A store on the 3-master cluster, emptied before and after the test."""
+    s = RedisStore(hosts=redis_cluster3.hosts)
+    s.clear()
+    yield s
+    s.clear()
+    s.shutdown()
 
 
 @pytest.fixture(params=["standalone", "servers3", "cluster3"])

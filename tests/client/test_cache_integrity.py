@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,15 +16,6 @@ from bagua_lightning.services.redis_cluster import ClusterInfo
 from tests.client.cache_datasets import Source
 
 SECRET = b"the job's cache key"
-
-
-@pytest.fixture
-def store(redis_cluster3: ClusterInfo) -> Iterator[RedisStore]:
-    s = RedisStore(hosts=redis_cluster3.hosts)
-    s.clear()
-    yield s
-    s.clear()
-    s.shutdown()
 
 
 def test_forged_entry_with_a_valid_checksum_is_a_miss_under_a_cache_key(store: RedisStore,

@@ -195,15 +195,6 @@ def test_hmac_entries_of_earlier_releases_are_read_among_gmac_ones(n: int) -> No
 
 # In a real Redis: what a job with the cache key reads.
 
-@pytest.fixture
-def store(redis_cluster3: ClusterInfo) -> Iterator[RedisStore]:
-    s = RedisStore(hosts=redis_cluster3.hosts)
-    s.clear()
-    yield s
-    s.clear()
-    s.shutdown()
-
-
 def _keyed(redis_cluster3: ClusterInfo, n: int, secret: bytes = SECRET) -> CachedDataset:
     return CachedDataset(Source(n), dataset_name="keyed", hosts=redis_cluster3.hosts, cache_key=secret,
                          writer_buffer_size=1)
