@@ -12,6 +12,10 @@ if TYPE_CHECKING:
     from .cache.dataset import CachedDataset as CachedDataset
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), "CachedDataset"})
+
+
 def __getattr__(name: str) -> Any:
     # CachedDataset imports torch.utils.data; keep `import bagua_lightning.client` torch-free for the CLI.
     if name == "CachedDataset":

@@ -14,6 +14,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["BaguaDistributedDataParallel", "BaguaStrategy", "BucketPlan", "QAdamOptimizer"]
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name: str) -> Any:
     # Lightning is imported only when the strategy itself is asked for.
     if name == "BaguaStrategy":
@@ -21,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return BaguaStrategy
     if name == "BaguaDistributedDataParallel":
-        from .ddp import BaguaDistributedDataParallel
+        from ..engine.ddp import BaguaDistributedDataParallel
 
         return BaguaDistributedDataParallel
     raise AttributeError(f"module 'bagua_lightning.strategy' has no attribute {name!r}")

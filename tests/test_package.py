@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import email.parser
+import importlib
 import importlib.metadata
 import subprocess
 import sys
@@ -207,3 +208,43 @@ def test_wheel_metadata_tells_the_truth(tmp_path: Path) -> None:
     assert headers["License-Expression"] == "Apache-2.0"
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "typing-extensions>=4.5" in headers.get_all("Requires-Dist")
+
+
+LAZY_MODULES = ["bagua_lightning", "bagua_lightning.hooks", "bagua_lightning.strategy", "bagua_lightning.client",
+                "bagua_lightning.client.cache", "bagua_lightning.torch_api.algorithms"]
+
+
+@pytest.mark.parametrize("name", LAZY_MODULES)
+def test_lazy_modules_list_every_name_they_serve(name: str) -> None:
+    module = importlib.import_module(name)
+    listed = dir(module)
+    assert listed == sorted(listed)
+    for attr in listed:
+        getattr(module, attr)  # each listed name resolves
+    if hasattr(module, "__all__"):
+        assert set(module.__all__) <= set(listed)
+
+
+def test_lazy_names_show_in_dir() -> None:
+    import bagua_lightning
+    import bagua_lightning.client
+    import bagua_lightning.hooks
+    import bagua_lightning.torch_api.algorithms as algorithms
+
+    assert {"bytegrad_hook", "ByteGradState"} <= set(dir(bagua_lightning.hooks))
+    assert {"BaguaStrategy", "QAdamOptimizer"} <= set(dir(bagua_lightning))
+    assert "CachedDataset" in dir(bagua_lightning.client)
+    assert {"GradientAllReduceAlgorithm", "ByteGradAlgorithm"} <= set(dir(algorithms))
+
+
+def test_every_module_with_a_lazy_getattr_defines_dir() -> None:
+    root = Path(__file__).resolve().parents[1]
+    missing = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("tests", "benchmarks", "build", ".venv", "examples"):
+            continue
+        text = path.read_text()
+        if "\ndef __getattr__(" in text and "\ndef __dir__(" not in text:
+            missing.append(str(rel))
+    assert not missing, f"modules with a module-level __getattr__ but no __dir__: {missing}"

@@ -57,6 +57,10 @@ def fingerprint(*parts: Any) -> str:
     return h.hexdigest()
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), "CachedDataset"})
+
+
 def __getattr__(name: str) -> Any:
     if name == "CachedDataset":  # imports torch.utils.data
         from .dataset import CachedDataset

@@ -88,9 +88,16 @@ def _install_registration() -> None:
 _install_registration()
 
 
+_LAZY = ("BaguaStrategy", "QAdamOptimizer")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 def __getattr__(name: str) -> Any:
     # Lazy re-exports keep `import bagua_lightning.services...` free of torch and Lightning.
-    if name in ("BaguaStrategy", "QAdamOptimizer"):
+    if name in _LAZY:
         from . import strategy
 
         return getattr(strategy, name)

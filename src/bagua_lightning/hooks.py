@@ -16,6 +16,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ByteGradState", "bytegrad_hook"]
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name: str) -> Any:
     # torch.distributed and the exchange load when a hook is first asked for.
     if name in __all__:

@@ -24,6 +24,10 @@ __all__ = [
 ]
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *bagua_algorithms()})
+
+
 def __getattr__(name: str) -> Any:
     classes = bagua_algorithms()
     if name in classes:
