@@ -14,15 +14,26 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning
 import torch
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from ...engine.contrib.load_balancing import LoadBalancingDistributedBatchSampler
 from ...engine.contrib.sync_batchnorm import SyncBatchNorm
 
-__all__ = ["BaguaSyncBatchNorm", "adapt_trainer"]
+__all__ = ["BaguaSyncBatchNorm", "adapt_trainer", "missing_internals"]
+
+_LOADERS_LOST = "loaders on a LoadBalancingDistributedBatchSampler get Lightning's DistributedSampler instead"
+# Lightning's private attributes this module uses: (whose, name, what a user loses without it). Lightning may
+# rename them in any release; setup checks each and warns instead of silently doing nothing.
+_INTERNALS = (
+    ("strategy", "_layer_sync", "Trainer(sync_batchnorm=True) keeps torch's SyncBatchNorm, which refuses CPU tensors"),
+    ("trainer", "_data_connector", _LOADERS_LOST),
+    ("trainer._data_connector", "_requires_distributed_sampler", _LOADERS_LOST),
+)
 
 
 class _BatchNormXd(_BatchNorm):
@@ -75,8 +86,29 @@ def _keep_load_balancing_loaders(trainer: Any) -> None:
     connector._requires_distributed_sampler = requires_distributed_sampler  # type: ignore[union-attr]
 
 
+def missing_internals(strategy: Any, trainer: Any) -> list[str]:
+    """The Lightning private attributes this module needs that ``strategy``/``trainer`` lack, each as
+    ``"whose.name: what is lost"`` (empty on the Lightning versions this package supports)."""
+    owners = {"strategy": strategy}
+    if trainer is not None:
+        owners["trainer"] = trainer
+        connector = getattr(trainer, "_data_connector", None)
+        if connector is not None:
+            owners["trainer._data_connector"] = connector
+    return [f"{whose}.{name}: {lost}" for whose, name, lost in _INTERNALS
+            if whose in owners and not hasattr(owners[whose], name)]
+
+
 def adapt_trainer(strategy: Any, trainer: Any) -> None:
-    """Swap in our batch-norm sync and keep load-balancing loaders (called once the trainer is known)."""
+    """Swap in our batch-norm sync and keep load-balancing loaders (called once the trainer is known).
+
+    Warns, naming the Lightning version, for each private attribute that this Lightning does not have.
+    """
+    for item in missing_internals(strategy, trainer):
+        attribute, lost = item.split(": ", 1)
+        rank_zero_warn(f"BaguaStrategy uses Lightning's private attribute {attribute}, which Lightning "
+                       f"{lightning.__version__} does not have, so {lost}. Please report this with your "
+                       "Lightning version.")
     if isinstance(getattr(strategy, "_layer_sync", None), TorchSyncBatchNorm):
         strategy._layer_sync = BaguaSyncBatchNorm()
     if trainer is not None:
