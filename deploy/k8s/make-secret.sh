@@ -85,8 +85,13 @@ secrets_manifest() {
 
 # -- certificates -------------------------------------------------------------------------------------------
 
+ssl() {  # ssl ARGS...: openssl ARGS..., one line naming the failure if it fails
+  openssl "$@" 2>"$work/openssl.log" ||
+    fail "openssl $1 failed ($(head -n 1 "$work/openssl.log")); OpenSSL 3 or later is needed"
+}
+
 new_key() {  # new_key FILE: an ECDSA P-256 private key, written by openssl to FILE (0600 by the umask)
-  openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1" 2>/dev/null
+  ssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1"
 }
 
 subject_names() {  # subject_names NAME...: the subjectAltName value for NAME... and the extra names
@@ -106,18 +111,18 @@ sign() {  # sign NAME USAGE NAME...: NAME.key and NAME.crt (CN NAME, extendedKey
   new_key "$work/$name.key"
   local extra=()
   (($# == 0)) || extra=(-addext "subjectAltName=$(subject_names "$@")")
-  openssl req -new -x509 -key "$work/$name.key" -CA "$work/ca.crt" -CAkey "$work/ca.key" -sha256 \
+  ssl req -new -x509 -key "$work/$name.key" -CA "$work/ca.crt" -CAkey "$work/ca.key" -sha256 \
     -days "$days" -subj "/CN=$name" -addext "basicConstraints=critical,CA:FALSE" \
     -addext "keyUsage=critical,digitalSignature" -addext "extendedKeyUsage=$usage" "${extra[@]}" \
-    -out "$work/$name.crt" 2>/dev/null
+    -out "$work/$name.crt"
 }
 
 tls_manifests() {
   new_key "$work/ca.key"
-  openssl req -x509 -new -key "$work/ca.key" -sha256 -days "$days" \
+  ssl req -x509 -new -key "$work/ca.key" -sha256 -days "$days" \
     -subj "/CN=bagua-lightning $namespace CA $(date -u +%Y%m%dT%H%M%SZ)" \
     -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
-    -out "$work/ca.crt" 2>/dev/null
+    -out "$work/ca.crt"
   local service=bagua-redis.$namespace.svc i pod node_files=(ca.crt="$work/ca.crt")
   for ((i = 0; i < nodes; i++)); do
     pod=bagua-redis-$i
@@ -149,10 +154,15 @@ apply() {  # apply FUNCTION: the manifests FUNCTION prints, to kubectl on stdin 
   printf '%s\n' "$manifests" | kubectl apply -f -
 }
 
+all_manifests() {
+  secrets_manifest
+  tls_manifests
+}
+
 case ${1:-} in
   --print)
-    secrets_manifest
-    tls_manifests
+    manifests=$(all_manifests)  # all made before any is printed
+    printf '%s\n' "$manifests"
     ;;
   "")
     command -v kubectl >/dev/null || fail "kubectl is not on PATH; install it, or use --print"
