@@ -68,10 +68,10 @@ def squatter(port: int) -> Iterator[Path]:
     if python is None:
         pytest.skip("no system python3 that the user nobody can run")
     folder = Path(tempfile.mkdtemp(prefix="squatter-"))
-    os.chmod(folder, 0o777)  # noqa: S103 - nobody writes its record here
+    os.chmod(folder, 0o777)
     record = folder / "received"
     record.touch()
-    os.chmod(record, 0o666)  # noqa: S103
+    os.chmod(record, 0o666)
     proc = subprocess.Popen([python, "-c", LISTENER, str(record), str(port)], user="nobody",
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, cwd=folder)
     try:
