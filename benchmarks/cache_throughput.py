@@ -8,23 +8,30 @@ Variants, all on the same samples (a 3x32x32 float32 image and an int label, as 
   (d') transport floor: hand-written per-node GET pipelines of the same entries through redis-py, no decoding
   (h) hiredis ceiling: the same pipelines on raw sockets, replies parsed by hiredis in bulk, no decoding
   (k) ours with a cache key: (c) with entries authenticated with it (as `bagua-lightning up` configures)
+  (t) ours over TLS: (c) against a second 3-master cluster that serves clients over TLS only, with a client
+      certificate and a password, the server verified against its CA (as `bagua-lightning up` deploys it)
 Prints samples/s and the ratios c/b, c/d, c/d', c/h, c/a, k/c, and which parser redis-py uses. With (c) and (k)
 both run, k/c is also measured batch by batch (../shared/MEASURING.md): every round reads each batch with both,
 in a shuffled order, and k/c = median batch time of (c) / that of (k), with a 95 % bootstrap interval; the same
 again with the reading thread's CPU time instead of the clock ("client CPU"): what the reader itself spends,
 which a loaded machine does not blur with waits for the redis-servers to be scheduled, and the bound on k/c
-where the reader is the bottleneck (redis-servers on other cores).
+where the reader is the bottleneck (redis-servers on other cores). The same for t/c with (t) run.
 
     python benchmarks/cache_throughput.py [--samples 4096] [--batch-size 64] [--transform-ms 2] [--variants c,k]
 
 The cost of the cache key in one line (what docs/benchmarks.md reports):
 
     python benchmarks/cache_throughput.py --variants c,k --repeats 15
+
+The cost of TLS on the client ports (goal >= 0.9x):
+
+    python benchmarks/cache_throughput.py --variants c,t --repeats 15
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pickle
 import random
@@ -44,7 +51,8 @@ from torch.utils.data import Dataset
 from bagua_lightning.client import CachedDataset, RedisStore
 from bagua_lightning.client.cache import codec, digests
 from bagua_lightning.client.cache.backends import pack_gets
-from bagua_lightning.services.redis_cluster import running_cluster
+from bagua_lightning.services.redis_cluster import ClusterSpec, running_cluster
+from bagua_lightning.services.redis_tls import client_tls
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleaved import bootstrap_ratio  # a sibling module of the benchmarks
@@ -102,20 +110,28 @@ def main() -> None:
     ap.add_argument("--transform-ms", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--variants", default="a,b,c,k,d,dp,h",
-                    help="comma-separated subset of a,b,c,k,d,dp,h to run (c,k: the cost of the cache key)")
+                    help="comma-separated subset of a,b,c,k,t,d,dp,h to run (c,k: the cost of the cache key; "
+                         "c,t: the cost of TLS)")
     args = ap.parse_args()
     run = set(args.variants.split(","))
-    unknown = run - {"a", "b", "c", "k", "d", "dp", "h"}
+    unknown = run - {"a", "b", "c", "k", "t", "d", "dp", "h"}
     if unknown:
-        ap.error(f"--variants: unknown {sorted(unknown)}; choose among a,b,c,k,d,dp,h")
+        ap.error(f"--variants: unknown {sorted(unknown)}; choose among a,b,c,k,t,d,dp,h")
     n, bs = args.samples, args.batch_size
     order = list(range(n))
     random.Random(0).shuffle(order)
     batches = [order[i:i + bs] for i in range(0, n, bs)]
 
     with tempfile.TemporaryDirectory() as tmp, \
-            running_cluster(nodes=3, port=free_block(3), state_root=Path(tmp)) as info:
+            running_cluster(nodes=3, port=free_block(3), state_root=Path(tmp)) as info, \
+            contextlib.ExitStack() as more:
         print(f"3-master Redis Cluster on {info.hosts_string}; {n} samples, batch {bs}")
+        tls_info = None
+        if "t" in run:  # a second cluster, as `up` deploys it: TLS only on the client ports, certificate, password
+            tls_info = more.enter_context(running_cluster(ClusterSpec(
+                nodes=3, port=free_block(3), state_root=Path(tmp) / "tls", bus_tls=True, client_tls=True,
+                password="benchmark password")))
+            print(f"3-master Redis Cluster over TLS on {tls_info.hosts_string}")
         source = Source(n, args.transform_ms)
         rc = RedisCluster(host=info.nodes[0].host, port=info.nodes[0].port)
 
@@ -155,6 +171,23 @@ def main() -> None:
         def ours_keyed() -> int:
             for batch in batches:
                 keyed.__getitems__(batch)
+            return n
+
+        # (t) ours over TLS: the deployment's CA pinned, a client certificate, the password sent after the proof
+        tls_ds: Any = None
+        if tls_info is not None:
+            tls = client_tls(Path(str(tls_info.tls_dir)))
+            assert tls is not None
+            tls_ds = CachedDataset(source, dataset_name="bench-tls", hosts=tls_info.hosts, writer_buffer_size=bs,
+                                   password="benchmark password", tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key)
+            for batch in batches:
+                tls_ds.__getitems__(batch)
+            tls_ds.flush()
+            tls_ds.cache_loader.reset_stats()
+
+        def ours_tls() -> int:
+            for batch in batches:
+                tls_ds.__getitems__(batch)
             return n
 
         # (d) redis-py alone: pipelined multi-gets of the same entries
@@ -213,13 +246,13 @@ def main() -> None:
             return n
 
         # Interleaved rounds, best of each: other load on the machine hits every variant alike.
-        best = {"b": 0.0, "c": 0.0, "k": 0.0, "d": 0.0, "dp": 0.0, "h": 0.0}
+        best = {"b": 0.0, "c": 0.0, "k": 0.0, "t": 0.0, "d": 0.0, "dp": 0.0, "h": 0.0}
         variants: list[tuple[str, Callable[[], int]]] = [("b", bagua), ("c", ours), ("k", ours_keyed),
-                                                         ("d", raw_mget), ("dp", raw_pipelines)]
+                                                         ("t", ours_tls), ("d", raw_mget), ("dp", raw_pipelines)]
         if hiredis is not None:
             variants.append(("h", raw_hiredis))
         variants = [(name, fn) for name, fn in variants if name in run]
-        k_over_c = []  # per round: rounds are seconds apart, so each ratio sees one state of the machine
+        k_over_c, t_over_c = [], []  # per round: rounds are seconds apart, so each sees one state of the machine
         for _ in range(args.repeats):
             round_rate = {}
             for name, fn in random.sample(variants, len(variants)):
@@ -227,21 +260,28 @@ def main() -> None:
                 best[name] = max(best[name], round_rate[name])
             if "c" in round_rate and "k" in round_rate:
                 k_over_c.append(round_rate["k"] / round_rate["c"])
-        batch_times: dict[str, list[float]] = {"c": [], "k": []}
-        batch_cpu: dict[str, list[float]] = {"c": [], "k": []}
-        if "c" in run and "k" in run:  # k/c batch by batch, both variants of a batch seconds apart
+            if "c" in round_rate and "t" in round_rate:
+                t_over_c.append(round_rate["t"] / round_rate["c"])
+        batch_times: dict[str, list[float]] = {"c": [], "k": [], "t": []}
+        batch_cpu: dict[str, list[float]] = {"c": [], "k": [], "t": []}
+        readers = [(name, reader) for name, reader in (("c", ds), ("k", keyed), ("t", tls_ds)) if name in run]
+        if "c" in run and len(readers) > 1:  # k/c and t/c batch by batch, the variants of a batch moments apart
             pick = random.Random(0)
             for _ in range(args.repeats):
                 for batch in batches:
-                    for name, reader in pick.sample([("c", ds), ("k", keyed)], 2):
+                    for name, reader in pick.sample(readers, len(readers)):
                         t, cpu = time.perf_counter(), time.thread_time()
                         reader.__getitems__(batch)
                         batch_times[name].append(time.perf_counter() - t)
                         batch_cpu[name].append(time.thread_time() - cpu)
         r_b, r_c, r_k, r_d, r_dp, r_h = best["b"], best["c"], best["k"], best["d"], best["dp"], best["h"]
         stats = ds.stats
-        assert stats.misses == 0 and stats.hits == n * args.repeats * ("c" in run) * (1 + ("k" in run)), stats
+        paired = 1 + ("k" in run or "t" in run)
+        assert stats.misses == 0 and stats.hits == n * args.repeats * ("c" in run) * paired, stats
         assert keyed.stats.corrupt == 0, keyed.stats
+        if tls_ds is not None:
+            assert tls_ds.stats.misses == 0 and tls_ds.stats.hits == n * args.repeats * paired, tls_ds.stats
+            tls_ds.cache_loader.cleanup()
         for sock, _ in socks.values():
             sock.close()
         rc.close()
@@ -256,6 +296,7 @@ def main() -> None:
     line("(b) Bagua-style GET+unpickle", r_b)
     line("(c) CachedDataset batches", r_c)
     line("(k) CachedDataset, cache key", r_k)
+    line("(t) CachedDataset over TLS", best["t"])
     line("(d) redis-py mget_nonatomic", r_d)
     line("(d') per-node GET pipelines", r_dp)
     line("(h) raw sockets + hiredis" if hiredis is not None else "(h) hiredis not installed", r_h)
@@ -274,6 +315,20 @@ def main() -> None:
         print(f"k/c = {ratio(r_k, r_c, 2)} (best of each; goal >= 0.85)   per round: median "
               f"{k_over_c[len(k_over_c) // 2]:.2f}, range {k_over_c[0]:.2f}-{k_over_c[-1]:.2f} "
               f"({len(k_over_c)} rounds)")
+    if t_over_c:
+        t_over_c.sort()
+        print(f"t/c = {ratio(best['t'], r_c, 2)} (best of each; goal >= 0.9)   per round: median "
+              f"{t_over_c[len(t_over_c) // 2]:.2f}, range {t_over_c[0]:.2f}-{t_over_c[-1]:.2f} ({len(t_over_c)} rounds)")
+    if batch_times["t"]:
+        mid, low, high = bootstrap_ratio(batch_times["c"], batch_times["t"])
+        print(f"t/c per batch = {mid:.3f} [{low:.3f}, {high:.3f}] (95 % interval; median batch time (c) "
+              f"{1e6 * sorted(batch_times['c'])[len(batch_times['c']) // 2]:.0f} us, (t) "
+              f"{1e6 * sorted(batch_times['t'])[len(batch_times['t']) // 2]:.0f} us; "
+              f"{len(batch_times['t'])} batches each; goal >= 0.9)")
+        mid, low, high = bootstrap_ratio(batch_cpu["c"], batch_cpu["t"])
+        print(f"t/c per batch, client CPU = {mid:.3f} [{low:.3f}, {high:.3f}] (median CPU per sample (c) "
+              f"{1e6 * sorted(batch_cpu['c'])[len(batch_cpu['c']) // 2] / bs:.2f} us, (t) "
+              f"{1e6 * sorted(batch_cpu['t'])[len(batch_cpu['t']) // 2] / bs:.2f} us)")
     if batch_times["k"]:
         mid, low, high = bootstrap_ratio(batch_times["c"], batch_times["k"])
         print(f"k/c per batch = {mid:.3f} [{low:.3f}, {high:.3f}] (95 % interval; median batch time (c) "

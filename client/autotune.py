@@ -38,6 +38,7 @@ from ..core.errors import (
     ModelNotRegisteredError,
     ServiceUnavailableError,
 )
+from ..core.tls_trust import handshake_failed, read_pem, untrusted
 from ..proto.autotune.v1 import autotune_pb2 as pb
 from ..proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
 from ..proto.plan import (
@@ -279,35 +280,59 @@ def _error(method: str, target: str, exc: grpc.RpcError) -> AutotuneError:
 class AutotuneClient:
     """Client of the autotune service.
 
+    The address, like every client's: ``target`` (or ``host``/``port``), else
+    ``$BAGUA_LIGHTNING_AUTOTUNE_SERVICE``, else the services file's, else ``127.0.0.1:29600``. The recorded
+    token and CA go only to the address the services file records
+    (:mod:`bagua_lightning.core.services_file`).
+
     Args:
-        host: service host (ignored when ``target`` is given).
-        port: service port, 1..65535 (ignored when ``target`` is given).
-        target: ``"host:port"`` instead of host and port.
+        host: service host (ignored when ``target`` is given); with only ``port``: ``127.0.0.1``.
+        port: service port, 1..65535 (ignored when ``target`` is given); with only ``host``: 29600.
+        target: ``"host:port"`` instead of host and port. None of the three: resolved as above.
         timeout_s: deadline of each attempt, in seconds.
         retry: retry policy for UNAVAILABLE / DEADLINE_EXCEEDED (default: :func:`default_retry`).
         token: bearer token sent with every call (``authorization`` metadata); None: from
             :func:`bagua_lightning.core.services_file.resolve_autotune_token`: ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``, else
             the services file's token when ``target`` is the service that file records, else none.
-        tls: connect over TLS (the system's root certificates unless ``root_certificates``).
+        tls: connect over TLS (the system's root certificates unless a CA is given or resolved).
         root_certificates: PEM of the CA that signed the server's certificate (bytes, or a
             file path); implies ``tls``.
+        tls_ca: PEM file of the deployment's CA (the same as ``root_certificates`` given as a path). None
+            (and no ``root_certificates``): ``$BAGUA_LIGHTNING_TLS_CA``, else the services file's CA when
+            the address is the service it records, else plaintext. With a CA the server must prove itself
+            with a certificate of that CA (host name or IP checked) before the token is sent; one that
+            does not raises :class:`~bagua_lightning.core.errors.UntrustedServerError` at once.
         max_message_bytes: largest message sent or received, in bytes.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, target: str | None = None,
+    def __init__(self, host: str | None = None, port: int | None = None, *, target: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, retry: Retry | None = None, token: str | None = None,
                  tls: bool = False, root_certificates: bytes | str | Path | None = None,
-                 max_message_bytes: int = 64 * 1024**2) -> None:
+                 tls_ca: str | Path | None = None, max_message_bytes: int = 64 * 1024**2) -> None:
+        from ..core.services_file import (
+            resolve_autotune_address,
+            resolve_autotune_tls,
+            resolve_autotune_token,
+        )
+
         if not isinstance(timeout_s, int | float) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         if target is not None:
             parse_target(target)
             self.target = target
+        elif host is not None or port is not None:
+            self.target = f"{check_host(host if host is not None else '127.0.0.1')}:" \
+                          f"{check_port(port if port is not None else DEFAULT_PORT)}"
         else:
-            self.target = f"{check_host(host)}:{check_port(port)}"
+            self.target = resolve_autotune_address()
+            parse_target(self.target)
+        if root_certificates is None:
+            resolved = resolve_autotune_tls(self.target, ca=tls_ca)
+            root_certificates = Path(resolved.ca) if resolved is not None else None
+        elif tls_ca is not None:
+            raise ValueError("give the CA once: root_certificates= or tls_ca=, not both")
+        self.tls_ca = root_certificates
         if token is None:
-            from ..core.services_file import resolve_autotune_token
-
             token = resolve_autotune_token(self.target)
         if token is not None and (not isinstance(token, str) or not token.strip() or "\n" in token):
             raise ValueError("token must be a non-empty single-line string (or None for no token)")
@@ -323,7 +348,7 @@ class AutotuneClient:
         if tls or root_certificates is not None:
             roots = root_certificates
             if isinstance(roots, str | Path):
-                roots = Path(roots).read_bytes()
+                roots = read_pem(roots)
             self._channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(roots), options=options)
         else:
             self._channel = grpc.insecure_channel(self.target, options=options)
@@ -335,7 +360,13 @@ class AutotuneClient:
         rpc = getattr(self._stub, method)
 
         def attempt() -> Any:
-            return rpc(request, timeout=self.timeout_s, metadata=self._metadata)
+            try:
+                return rpc(request, timeout=self.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                # A failed handshake: the server is not the deployment's (it got no token); retrying cannot help.
+                if self.tls_ca is not None and handshake_failed(exc.details() or ""):
+                    raise untrusted(self.target, exc.details()) from exc
+                raise
 
         def log_retry(exc: BaseException, failures: int, wait_s: float) -> None:
             logger.debug("autotune %s to %s failed (%s); retry %d in %.3f s", method, self.target,

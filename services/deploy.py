@@ -20,6 +20,11 @@ runs again. Only the deployment's nodes join its cluster: the bus and replicatio
 with certificates from a CA that ``up`` makes in ``<state_dir>/secrets/redis-tls`` (its key is deleted once
 the node certificates are signed), and the node ids are recorded so ``status`` names any foreign node.
 
+Secrets only to proven servers: the same CA signs a client certificate for trainers and the autotune
+service's server certificate; Redis serves clients over TLS only and the autotune service listens with TLS
+only. The services file pins the CA, so a client sends the password or the token only after the server
+proved with the handshake that it is the deployment's (a process on a dead node's port gets nothing).
+
 Identity: every process carries the deployment's id; ``down`` signals a recorded process only when pid,
 start time and id match, and only when the state folder's marker names this deployment, this folder and
 this services file (a copied state folder or a stale file stops nothing; see :mod:`bagua_lightning.core.procs`).
@@ -47,7 +52,7 @@ from pathlib import Path
 from ..core import procs
 from ..core.errors import ConfigurationError
 from ..core.procs import parse_bytes
-from ..core.redis_server import BUS_PORT_OFFSET, tls_port
+from ..core.redis_server import BUS_PORT_OFFSET
 from ..core.services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,
     ENV_AUTOTUNE_TOKEN,
@@ -63,9 +68,10 @@ from ..core.services_file import (
     state_dir,
     write_services_file,
 )
+from ..core.tls_trust import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, TLS_ENV
 from .addresses import WILDCARDS, machine_address, resolve_host
 from .health import Health, check_autotune, check_redis, wait_healthy
-from .redis_tls import remove_tls_dir
+from .redis_tls import client_tls, remove_tls_dir, service_certificate
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +92,8 @@ __all__ = ["DEFAULT_AUTOTUNE_PORT", "DEFAULT_HOST", "DEFAULT_REDIS_PORT", "UpCon
            "down", "ensure_up", "parse_bytes", "redis_state_url", "running_services", "up"]
 
 
-def autotune_service_args(*, host: str, port: int, state: str, log_dir: str) -> list[str]:
+def autotune_service_args(*, host: str, port: int, state: str, log_dir: str, tls_cert: str | None = None,
+                          tls_key: str | None = None) -> list[str]:
     """The autotune service's arguments after the program name (``bagua-lightning``).
 
     The single source of truth for how the service is run: ``up`` prefixes it with
@@ -98,8 +105,11 @@ def autotune_service_args(*, host: str, port: int, state: str, log_dir: str) -> 
         port: gRPC port.
         state: where persisted plans live: a directory or a ``redis://host:port`` URL.
         log_dir: folder for the per-model JSONL log of every tuning sample.
+        tls_cert: PEM certificate of the service (with ``tls_key``): it listens with TLS only; None: plaintext.
+        tls_key: PEM private key of ``tls_cert``.
     """
-    return ["autotune", "serve", "--host", host, "--port", str(port), "--state", state, "--log-dir", log_dir]
+    tls = ["--tls-cert", tls_cert, "--tls-key", tls_key] if tls_cert and tls_key else []
+    return ["autotune", "serve", "--host", host, "--port", str(port), "--state", state, "--log-dir", log_dir, *tls]
 
 
 def redis_state_url(host: str, port: int) -> str:
@@ -125,12 +135,14 @@ class UpConfig:
             other machines cannot reach).
         autotune_port: gRPC port of the autotune service.
         redis_port: first Redis port; cluster node i listens on ``redis_port + i`` (bus: ``+ 10000``,
-            TLS port for replication: ``+ 20000``, or ``- 20000`` where that passes 65535).
+            with TLS the node's port is its TLS port; without, TLS is off altogether).
         nodes: Redis Cluster masters.
         replicas: replicas per master: 1 fails a dead master over to its replica; 0 means no failover (a
             dead master's keys miss until the next ``up``). None: 1 for a cluster, 0 with ``single``.
-        bus_tls: the cluster bus and replication over mutual TLS (only this deployment's nodes can join);
-            False leaves the bus open to any local process (tests only, no command line flag).
+        bus_tls: TLS with the deployment's own CA: the cluster bus and replication (mutual TLS: only this
+            deployment's nodes can join), Redis' client ports (TLS only, a client certificate required) and
+            the autotune service (TLS only); clients pin the CA through the services file. False: all of it
+            in plaintext, the bus open to any local process (tests only, no command line flag).
         single: one standalone Redis instead of a cluster (``nodes``/``replicas`` must stay default).
         maxmemory: bytes per Redis node, 0 for no limit.
         timeout_s: deadline for both services to become healthy, in seconds.
@@ -212,16 +224,26 @@ class UpConfig:
 
 
 def start_autotune(cfg: UpConfig, state: str, folder: Path, deployment: str,
-                   secrets: dict[str, str]) -> subprocess.Popen[bytes]:
+                   secrets: dict[str, str], tls_dir: Path | None = None) -> subprocess.Popen[bytes]:
     """Start the autotune service detached (own session, stdin closed), logging to ``folder/autotune.log``.
 
     Its token and the Redis password reach it through its environment (readable only by the same user).
+    With the certificates of ``tls_dir`` it listens with TLS only and reaches Redis over TLS (their paths in
+    ``$BAGUA_LIGHTNING_TLS_*``).
     """
     folder.mkdir(parents=True, exist_ok=True)
+    served = service_certificate(tls_dir) if tls_dir is not None else None
     argv = [sys.executable, "-m", "bagua_lightning.cli",
             *autotune_service_args(host=cfg.host, port=cfg.autotune_port, state=state,
-                                   log_dir=str(folder / AUTOTUNE_SAMPLES))]
+                                   log_dir=str(folder / AUTOTUNE_SAMPLES),
+                                   tls_cert=str(served[0]) if served else None,
+                                   tls_key=str(served[1]) if served else None)]
     env = procs.child_env(deployment)
+    for name in TLS_ENV:
+        env.pop(name, None)
+    tls = client_tls(tls_dir) if tls_dir is not None else None
+    if tls is not None:
+        env.update({ENV_TLS_CA: tls.ca, ENV_TLS_CERT: tls.cert or "", ENV_TLS_KEY: tls.key or ""})
     for name in ("redis_password", "autotune_token"):
         env.pop(SECRETS[name][1], None)
         if name in secrets:
@@ -250,12 +272,13 @@ def running_services(info: ServicesInfo | None, password: str | None = None,
     if info.autotune:
         gone = [r.pid for r in info.processes.get("autotune") or [] if not procs.is_running(r)]
         out["autotune"] = (Health(False, f"process {gone[0]} is gone") if gone
-                           else check_autotune(info.autotune, token=token))
+                           else check_autotune(info.autotune, token=token,
+                                               tls_ca=Path(info.tls.ca) if info.tls else None))
     if info.redis_hosts:
         gone = [r.pid for r in info.processes.get("redis") or [] if not procs.is_running(r)]
         out["redis"] = (Health(False, f"processes {gone} are gone") if gone
                         else check_redis(info.redis_hosts, info.redis_cluster, password,
-                                         node_ids=info.redis_node_ids or None))
+                                         node_ids=info.redis_node_ids or None, tls=info.tls))
     return out
 
 
@@ -358,24 +381,28 @@ def _up(cfg: UpConfig) -> ServicesInfo:
         secret_files = _make_secrets(folder) if cfg.auth else {}
         secrets = {name: procs.read_secret(path) for name, path in secret_files.items()}
         deadline = time.monotonic() + cfg.timeout_s
+        tls_dir = folder / SECRETS_DIR / REDIS_TLS_DIR
         spec = redis_cluster.ClusterSpec(
             nodes=1 if cfg.single else cfg.nodes, replicas=cfg.replicas_per_master, port=cfg.redis_port,
             host=cfg.host, announce_ip=cfg.announce_ip, maxmemory=cfg.maxmemory,
             password=secrets.get("redis_password", ""), cluster=not cfg.single, bus_tls=cfg.bus_tls,
-            tls_dir=folder / SECRETS_DIR / REDIS_TLS_DIR, state_root=folder, timeout_s=cfg.timeout_s,
-            deployment=deployment,
+            client_tls=cfg.bus_tls, service_hosts=[cfg.client_host] if cfg.bus_tls else None,
+            tls_dir=tls_dir, state_root=folder, timeout_s=cfg.timeout_s, deployment=deployment,
         )
         cluster = redis_cluster.start_cluster(spec)
         proc: subprocess.Popen[bytes] | None = None
         try:
-            proc = start_autotune(cfg, redis_state_url(cfg.client_host, cfg.redis_port), folder, deployment, secrets)
+            tls = client_tls(tls_dir) if cfg.bus_tls else None
+            proc = start_autotune(cfg, redis_state_url(cfg.client_host, cfg.redis_port), folder, deployment, secrets,
+                                  tls_dir if tls is not None else None)
             autotune = procs.record(proc.pid, deployment)
-            wait_healthy(lambda: check_autotune(cfg.autotune_address, token=secrets.get("autotune_token")),
+            wait_healthy(lambda: check_autotune(cfg.autotune_address, token=secrets.get("autotune_token"),
+                                                tls_ca=Path(tls.ca) if tls else None),
                          deadline, f"the autotune service on {cfg.autotune_address}", proc, folder / AUTOTUNE_LOG)
             info = ServicesInfo(
                 autotune=cfg.autotune_address, redis_hosts=cluster.hosts, redis_cluster=cluster.cluster,
                 redis_node_ids=cluster.node_ids, state_dir=str(folder), deployment=deployment, secrets=secret_files,
-                processes={"autotune": [autotune], "redis": cluster.processes},
+                processes={"autotune": [autotune], "redis": cluster.processes}, tls=tls,
             )
             write_services_file(info)
             return info
@@ -490,9 +517,6 @@ def _require_free_ports(cfg: UpConfig) -> list[int]:
         if not cfg.single:
             wanted.append((f"--redis-port (cluster bus, port + {BUS_PORT_OFFSET})",
                            cfg.redis_port + i + BUS_PORT_OFFSET))
-            if cfg.bus_tls:
-                wanted.append(("--redis-port (TLS port for replication, port +/- 20000)",
-                               tls_port(cfg.redis_port + i)))
     for flag, port in wanted:
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:

@@ -23,9 +23,11 @@ from ..core.services_file import (
     parse_host_list,
     read_services_file,
     resolve_autotune_address,
+    resolve_autotune_tls,
     resolve_autotune_token,
     resolve_redis_hosts,
     resolve_redis_password,
+    resolve_redis_tls,
     services_file_path,
 )
 from . import deploy
@@ -79,6 +81,12 @@ def _local_health() -> Health | None:
     return Health(False, f"{detail}: {found.get('error', 'process gone')}")
 
 
+def _autotune_ca(address: str, given: Path | None) -> Path | None:
+    """``--tls-ca``, else ``$BAGUA_LIGHTNING_TLS_CA``, else the services file's CA for the address it records."""
+    found = resolve_autotune_tls(address, ca=given)
+    return Path(found.ca) if found is not None else None
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     report: dict[str, Health]
     tls_ca = args.tls_ca
@@ -87,10 +95,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if args.autotune:
             parse_address(args.autotune, "--autotune")
             report["autotune"] = check_autotune(args.autotune, args.timeout, token=resolve_autotune_token(args.autotune),
-                                                tls_ca=tls_ca)
+                                                tls_ca=_autotune_ca(args.autotune, tls_ca))
         if args.redis:
             named = parse_host_list(args.redis, "--redis")
-            report["redis"] = check_redis(named, not args.single, resolve_redis_password(named), args.timeout)
+            report["redis"] = check_redis(named, not args.single, resolve_redis_password(named), args.timeout,
+                                          tls=resolve_redis_tls(named, ca=tls_ca))
     else:
         info = read_services_file()
         report = deploy.running_services(info)
@@ -103,8 +112,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"no services recorded at {services_file_path()} (`bagua-lightning up` records them); "
                   "checking the environment's or the default addresses", file=sys.stderr)
             report = {"autotune": check_autotune(autotune, args.timeout, token=resolve_autotune_token(autotune),
-                                                 tls_ca=tls_ca),
-                      "redis": check_redis(hosts, cluster, resolve_redis_password(hosts), args.timeout)}
+                                                 tls_ca=_autotune_ca(autotune, tls_ca)),
+                      "redis": check_redis(hosts, cluster, resolve_redis_password(hosts), args.timeout,
+                                           tls=resolve_redis_tls(hosts, ca=tls_ca))}
         local = _local_health()
         if local is not None:
             report["node-local redis"] = local
@@ -153,7 +163,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--redis", metavar="HOST:PORT[,...]", help="check these Redis nodes instead of the file's")
     p.add_argument("--single", action="store_true", help="with --redis: standalone servers, not a cluster")
     p.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
-                   help="speak TLS to the autotune service, trusting this CA certificate")
+                   help="speak TLS to the services, trusting only this CA certificate (default: "
+                        "$BAGUA_LIGHTNING_TLS_CA, else the services file's CA for the addresses it records)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=positive_float_arg, default=2.0, help="seconds per check (default %(default)s)")
     p.set_defaults(func=_cmd_status)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..core import procs
 from ..core.errors import ServiceUnavailableError
 from ..core.redis_server import CLUSTER_SLOTS, client_for, cluster_info
+from ..core.tls_trust import ClientTLS, explain_untrusted, handshake_failed
 
 if TYPE_CHECKING:
     import redis
@@ -74,16 +75,21 @@ def check_autotune(address: str, timeout_s: float = 2.0, *, token: str | None = 
         return Health(False, f"TLS CA file {tls_ca} cannot be read ({exc.strerror})")
     except grpc.RpcError as exc:
         code = exc.code() if isinstance(exc, grpc.Call) else None
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        if tls_ca is not None and handshake_failed(details or ""):
+            return Health(False, f"{address} is not this deployment's: it did not prove itself with a certificate "
+                                 f"of the CA {tls_ca}; no token was sent")
         return Health(False, f"not answering ({code.name if code else exc})")
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     return Health(status == "SERVING", status)
 
 
 def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | None = None,
-                timeout_s: float = 2.0, node_ids: Collection[str] | None = None) -> Health:
+                timeout_s: float = 2.0, node_ids: Collection[str] | None = None, tls: ClientTLS | None = None) -> Health:
     """Every node answers PING; for a cluster, each reports ``cluster_state:ok`` with all slots served.
 
     Args:
+        tls: speak TLS, verifying each node against this CA before the password is sent (None: plaintext).
         node_ids: the cluster's own node ids (recorded when it was created): a node any of ``hosts`` lists
             in ``CLUSTER NODES`` beyond these is foreign, and the cluster unhealthy (a node that joined
             through the bus can take slots and receive the clients' passwords). None: not checked.
@@ -95,13 +101,16 @@ def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | 
     for node in hosts:
         where = f"{node['host']}:{node['port']}"
         try:
-            with client_for(node["host"], int(node["port"]), password, timeout_s) as client:
+            with client_for(node["host"], int(node["port"]), password, timeout_s, tls=tls) as client:
                 client.ping()
                 if not cluster:
                     continue
                 fields = cluster_info(client)
                 foreign = _foreign_nodes(client, node_ids) if node_ids is not None else []
         except (redis.RedisError, OSError) as exc:
+            untrusted = explain_untrusted(exc, where)
+            if untrusted is not exc:
+                return Health(False, str(untrusted))
             return Health(False, f"{where} not answering ({exc})")
         if foreign:
             return Health(False, f"{where} lists foreign node(s) {', '.join(foreign)} in CLUSTER NODES (not this "

@@ -7,9 +7,12 @@ session, so they outlive the command that started them, and are stopped only whe
 deployment id all match their record.
 
 For ``up`` and ``redis up`` the cluster bus and replication run over mutual TLS with the deployment's own CA
-(:mod:`.redis_tls`), so only the deployment's nodes can join; clients keep the plain, password-protected
-ports (``CLUSTER SLOTS``/``CLUSTER NODES`` give a plain-port client the plain ports). The node ids are
-recorded at creation, so ``status`` can name a node that is not the deployment's.
+(:mod:`.redis_tls`), so only the deployment's nodes can join. With ``client_tls`` (``up``'s default) the
+client ports speak TLS only (the plain port is closed; ``CLUSTER SLOTS`` and ``MOVED`` give a TLS client the
+TLS ports) and clients verify each node against the deployment's CA before sending the password; without
+(``redis up``), clients keep the plain, password-protected ports (``CLUSTER SLOTS``/``CLUSTER NODES`` give a
+plain-port client the plain ports). The node ids are recorded at creation, so ``status`` can name a node
+that is not the deployment's.
 
 The cluster is created with the commands ``redis-cli --cluster create`` uses (CLUSTER MEET, ADDSLOTSRANGE,
 REPLICATE), issued from Python so one master and uneven counts work too; start-up waits, with a deadline,
@@ -57,7 +60,7 @@ from .redis_records import (
     stop_deployment,
     write_deployment,
 )
-from .redis_tls import make_node_certificates, remove_tls_dir
+from .redis_tls import client_tls, make_node_certificates, remove_tls_dir
 
 __all__ = ["DEFAULT_EVICTION_POLICY", "DEFAULT_PORT", "ClusterInfo", "ClusterSpec", "NodeConfig", "NodeInfo",
            "cluster_status", "is_redis_pid", "read_deployments", "running_cluster", "start_cluster",
@@ -87,6 +90,10 @@ class ClusterSpec:
             be free too). False: a plain bus,
             which any local process can join: the default of this library call for throw-away test
             clusters only; ``bagua-lightning up`` and ``redis up`` always ask for TLS.
+        client_tls: the nodes serve clients over TLS only, each node's port being its TLS port (implies
+            TLS on the bus and replication); a client certificate is made for trainers.
+        service_hosts: also make the autotune service's server certificate for these addresses, with the
+            same CA (whose key is deleted after); None: none.
         tls_dir: where the CA certificate and the node keys and certificates go (made 0700); None: the
             deployment folder's ``tls``.
         announce_ip: the address nodes give each other and clients (``cluster-announce-ip``); required
@@ -105,6 +112,8 @@ class ClusterSpec:
     cluster: bool = True
     node_timeout_ms: int = DEFAULT_NODE_TIMEOUT_MS
     bus_tls: bool = False
+    client_tls: bool = False
+    service_hosts: list[str] | None = None
     tls_dir: Path | None = None
     announce_ip: str | None = None
     state_root: Path | None = None
@@ -140,8 +149,8 @@ class ClusterSpec:
 
     @property
     def tls(self) -> bool:
-        """True when the cluster bus speaks TLS (a cluster with ``bus_tls``)."""
-        return self.cluster and self.bus_tls
+        """True when the nodes speak TLS: the cluster bus (a cluster with ``bus_tls``) or the client ports."""
+        return (self.cluster and self.bus_tls) or self.client_tls
 
     @property
     def ports(self) -> list[int]:
@@ -149,7 +158,7 @@ class ClusterSpec:
         out = []
         for port in range(self.port, self.port + self.total_nodes):
             out += [port, *([port + BUS_PORT_OFFSET] if self.cluster else []),
-                    *([tls_port(port)] if self.tls else [])]
+                    *([tls_port(port)] if self.tls and not self.client_tls else [])]
         return out
 
 
@@ -185,7 +194,9 @@ def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo
     ports = list(range(spec.port, spec.port + spec.total_nodes))
     tls_dir = spec.tls_dir or folder / "tls"
     try:
-        certificates = make_node_certificates(tls_dir, ports, [address]) if spec.tls else {}
+        certificates = make_node_certificates(tls_dir, ports, [address], clients=spec.client_tls,
+                                              service_hosts=spec.service_hosts) if spec.tls else {}
+        tls = client_tls(tls_dir) if spec.client_tls else None
         for i, port in enumerate(ports):
             cfg = NodeConfig(port=port, host=spec.host, data_dir=folder / f"node-{port}", cluster=spec.cluster,
                              maxmemory=spec.maxmemory, password=spec.password, deployment=deployment,
@@ -197,12 +208,13 @@ def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo
                                            process=procs.record(proc.pid, deployment))))
         deadline = time.monotonic() + spec.timeout_s
         for proc, node in started:
-            wait_ready(node.host, node.port, spec.password, proc, timeout_s=max(1.0, deadline - time.monotonic()))
+            wait_ready(node.host, node.port, spec.password, proc, timeout_s=max(1.0, deadline - time.monotonic()),
+                       tls=tls)
         info = ClusterInfo(nodes=[n for _, n in started], cluster=spec.cluster, replicas=spec.replicas,
                            state_dir=folder, deployment=deployment, maxmemory=spec.maxmemory,
                            password_file=password_file, tls_dir=str(tls_dir) if spec.tls else None)
         if spec.cluster:
-            _create_cluster(info, spec.password, deadline)
+            _create_cluster(info, spec.password, deadline, tls)
         write_deployment(info)
         return info
     except BaseException:
@@ -214,10 +226,10 @@ def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo
         raise
 
 
-def _create_cluster(info: ClusterInfo, password: str | None, deadline: float) -> None:
+def _create_cluster(info: ClusterInfo, password: str | None, deadline: float, tls: Any = None) -> None:
     masters = info.masters
     replicas = [n for n in info.nodes if n.role == "replica"]
-    clients = {n.port: client_for(n.host, n.port, password) for n in info.nodes}
+    clients = {n.port: client_for(n.host, n.port, password, tls=tls) for n in info.nodes}
     try:
         ids = {port: c.execute_command("CLUSTER MYID").decode() for port, c in clients.items()}
         for n in info.nodes:

@@ -20,7 +20,8 @@ from ..core import procs
 from ..core.procs import ProcessRecord
 from ..core.redis_server import client_for, cluster_info
 from ..core.services_file import state_dir
-from .redis_tls import remove_tls_dir
+from ..core.tls_trust import ClientTLS
+from .redis_tls import client_tls, remove_tls_dir
 
 DEPLOYMENT_FILE = "deployment.json"
 PASSWORD_FILE = "password"
@@ -79,6 +80,10 @@ class ClusterInfo:
     @property
     def password_set(self) -> bool:
         return self.password_file is not None
+
+    def client_tls(self) -> ClientTLS | None:
+        """How a client reaches the nodes: their CA and the client certificate when they serve TLS, else None."""
+        return client_tls(Path(self.tls_dir)) if self.tls_dir else None
 
     def password(self) -> str | None:
         """The nodes' password, read from its file (None when they have none)."""
@@ -166,12 +171,12 @@ def stop_deployment(info: ClusterInfo, remove_data: bool = True, timeout_s: floa
     return stopped
 
 
-def node_status(node: NodeInfo, password: str | None) -> dict[str, Any]:
+def node_status(node: NodeInfo, password: str | None, tls: ClientTLS | None = None) -> dict[str, Any]:
     """Liveness, role, key count and memory of one node."""
     status: dict[str, Any] = {"host": node.host, "port": node.port, "pid": node.pid, "role": node.role,
                               "process": node.running}
     try:
-        with client_for(node.host, node.port, password, timeout_s=1.0) as c:
+        with client_for(node.host, node.port, password, timeout_s=1.0, tls=tls) as c:
             status["keys"] = int(c.dbsize())
             status["used_memory"] = int(c.info("memory").get("used_memory", 0))
             if node.role != "standalone":
@@ -195,12 +200,12 @@ def cluster_status(port: int | None = None, state_root: Path | None = None,
         entry: dict[str, Any] = {"port": info.nodes[0].port if info.nodes else None, "cluster": info.cluster,
                                  "hosts": info.hosts_string, "state_dir": str(info.state_dir),
                                  "password_file": info.password_file,
-                                 "nodes": [node_status(n, secret) for n in info.nodes]}
+                                 "nodes": [node_status(n, secret, info.client_tls()) for n in info.nodes]}
         if info.cluster:
             entry["cluster_state"] = "down"
             for n in info.masters:
                 try:
-                    with client_for(n.host, n.port, secret, timeout_s=1.0) as c:
+                    with client_for(n.host, n.port, secret, timeout_s=1.0, tls=info.client_tls()) as c:
                         fields = cluster_info(c)
                     entry["cluster_state"] = fields.get("cluster_state", "unknown")
                     entry["slots_ok"] = int(fields.get("cluster_slots_ok", 0))

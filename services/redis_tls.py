@@ -1,4 +1,4 @@
-"""A deployment's own certificate authority and node certificates, for the Redis cluster bus over mutual TLS.
+"""A deployment's own certificate authority and its certificates: Redis nodes, trainers, the autotune service.
 
 Why: the cluster bus (``port + 10000``) has no password. Any local process could otherwise ``CLUSTER MEET``
 it, join the cluster, take its slots and receive the clients' ``AUTH <password>``. With ``tls-cluster``,
@@ -24,8 +24,11 @@ from pathlib import Path
 from ..core import procs
 from ..core.errors import ConfigurationError
 from ..core.redis_server import NodeTLS
+from ..core.tls_trust import ClientTLS
 
 CA_CERT = "ca.crt"
+CLIENT_CERT, CLIENT_KEY = "client.crt", "client.key"  # the trainers' (and the autotune service's) Redis client
+SERVICE_CERT, SERVICE_KEY = "autotune.crt", "autotune.key"  # the autotune service's gRPC server certificate
 VALID_DAYS = 3650
 _TIMEOUT_S = 30.0  # one openssl call; key generation on a loaded machine takes milliseconds
 
@@ -55,13 +58,34 @@ def _new_key(path: Path) -> Path:
     return procs.write_private(path, pem.decode())
 
 
-def make_node_certificates(folder: Path, ports: list[int], hosts: list[str]) -> dict[int, NodeTLS]:
+def _alt_names(hosts: list[str]) -> str:
+    return ",".join(f"IP:{h}" if _is_ip(h) else f"DNS:{h}" for h in dict.fromkeys(hosts))
+
+
+def _sign(folder: Path, name: str, ca_cert: Path, ca_key: Path, usage: str, hosts: list[str] | None) -> Path:
+    """A new key ``<name>.key`` and its certificate ``<name>.crt`` signed by the CA; returns the certificate."""
+    key = _new_key(folder / f"{name}.key")
+    names = _alt_names(hosts or [])
+    pem = _openssl("req", "-new", "-x509", "-key", str(key), "-CA", str(ca_cert), "-CAkey", str(ca_key),
+                   "-sha256", "-days", str(VALID_DAYS), "-subj", f"/CN={name}",
+                   "-addext", "basicConstraints=critical,CA:FALSE",
+                   "-addext", "keyUsage=critical,digitalSignature,keyEncipherment",
+                   "-addext", f"extendedKeyUsage={usage}",
+                   *(["-addext", f"subjectAltName={names}"] if names else []))
+    return procs.write_private(folder / f"{name}.crt", pem.decode())
+
+
+def make_node_certificates(folder: Path, ports: list[int], hosts: list[str], *, clients: bool = False,
+                           service_hosts: list[str] | None = None) -> dict[int, NodeTLS]:
     """A fresh CA and one certificate per node port in ``folder`` (made 0700); returns each node's files.
 
     Args:
         folder: where the files go (``ca.crt``, ``node-<port>.crt``, ``node-<port>.key``).
         ports: the nodes' ports; each node gets its own key and certificate (CN ``node-<port>``).
         hosts: addresses the nodes are reached at (put in the certificates' subjectAltName).
+        clients: the nodes serve clients over TLS too; also sign the client certificate ``client.crt``.
+        service_hosts: also sign the autotune service's server certificate ``autotune.crt`` for these
+            addresses (subjectAltName); None: none.
     """
     procs.private_dir(folder)
     ca_key = _new_key(folder / "ca.key")
@@ -72,20 +96,15 @@ def make_node_certificates(folder: Path, ports: list[int], hosts: list[str]) -> 
                        "-addext", "basicConstraints=critical,CA:TRUE",
                        "-addext", "keyUsage=critical,keyCertSign,cRLSign")
         procs.write_private(ca_cert, pem.decode())
-        names = ",".join(f"IP:{h}" if _is_ip(h) else f"DNS:{h}" for h in dict.fromkeys(hosts))
         out = {}
         for port in ports:
-            key = _new_key(folder / f"node-{port}.key")
-            cert = folder / f"node-{port}.crt"
             # Used both ways on the bus: as server (accepting a peer) and as client (connecting to one).
-            pem = _openssl("req", "-new", "-x509", "-key", str(key), "-CA", str(ca_cert), "-CAkey", str(ca_key),
-                           "-sha256", "-days", str(VALID_DAYS), "-subj", f"/CN=node-{port}",
-                           "-addext", "basicConstraints=critical,CA:FALSE",
-                           "-addext", "keyUsage=critical,digitalSignature,keyEncipherment",
-                           "-addext", "extendedKeyUsage=serverAuth,clientAuth",
-                           *(["-addext", f"subjectAltName={names}"] if names else []))
-            procs.write_private(cert, pem.decode())
-            out[port] = NodeTLS(cert_file=cert, key_file=key, ca_file=ca_cert)
+            cert = _sign(folder, f"node-{port}", ca_cert, ca_key, "serverAuth,clientAuth", hosts)
+            out[port] = NodeTLS(cert_file=cert, key_file=cert.with_suffix(".key"), ca_file=ca_cert, clients=clients)
+        if clients:
+            _sign(folder, Path(CLIENT_CERT).stem, ca_cert, ca_key, "clientAuth", None)
+        if service_hosts:
+            _sign(folder, Path(SERVICE_CERT).stem, ca_cert, ca_key, "serverAuth", service_hosts)
         return out
     finally:
         # Nobody can certify another node after this (a new `up` makes a new CA).
@@ -100,9 +119,24 @@ def _is_ip(host: str) -> bool:
         return False
 
 
+def client_tls(folder: Path) -> ClientTLS | None:
+    """The client side of the deployment whose certificates are in ``folder``: its CA and the client
+    certificate (None when the deployment's nodes serve clients in plaintext)."""
+    if not (folder / CLIENT_CERT).exists():
+        return None
+    return ClientTLS(ca=str(folder / CA_CERT), cert=str(folder / CLIENT_CERT), key=str(folder / CLIENT_KEY))
+
+
+def service_certificate(folder: Path) -> tuple[Path, Path] | None:
+    """``(certificate, key)`` of the autotune service in ``folder``, when they were made."""
+    cert = folder / SERVICE_CERT
+    return (cert, folder / SERVICE_KEY) if cert.exists() else None
+
+
 def remove_tls_dir(folder: Path) -> None:
     """Delete the certificate files a deployment made in ``folder`` (and the folder once empty); nothing else."""
-    for pattern in ("ca.crt", "ca.key", "node-*.crt", "node-*.key"):
+    for pattern in ("ca.crt", "ca.key", "node-*.crt", "node-*.key", CLIENT_CERT, CLIENT_KEY, SERVICE_CERT,
+                    SERVICE_KEY):
         for path in folder.glob(pattern):
             path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):

@@ -18,6 +18,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ...core.tls_trust import explain_untrusted
+
 log = logging.getLogger("bagua_lightning.client.cache")
 
 
@@ -88,6 +90,7 @@ class NodeBreakers:
         if state is not None:
             state.again(now, self.policy)
             return
+        exc = explain_untrusted(exc, None if name == CONNECT else name) or exc  # a server not ours: say so
         if not self.down:
             self.outages += 1
             self._since = now
@@ -164,6 +167,7 @@ class OutageTracker:
             self.outages += 1
             self._since = now
             self._wait = self.policy.retry_initial_s
+            exc = explain_untrusted(exc) or exc
             log.warning("%s is unavailable (%s: %s); loading samples from the source until it is back",
                         self.what, type(exc).__name__, exc)
         else:

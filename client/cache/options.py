@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from ...core.errors import ConfigurationError
-from ...core.services_file import resolve_redis_password
+from ...core.services_file import resolve_redis_password, resolve_redis_tls
+from ...core.tls_trust import ClientTLS
 
 # bytes per socket read: a batch of samples is hundreds of KB per node, read in a few large chunks
 SOCKET_READ_SIZE = 1024 * 1024
@@ -29,6 +30,12 @@ class RedisOptions:
         ssl_certfile: client certificate (mutual TLS).
         ssl_keyfile: client key (mutual TLS).
         ssl_cert_reqs: ``"required"`` (default), ``"optional"`` or ``"none"``.
+        tls_ca: PEM of the deployment's CA: speak TLS and verify every node against this CA alone (host
+            name or IP checked) before the password is sent. None: ``$BAGUA_LIGHTNING_TLS_CA``, else the
+            services file's CA when every host is a node it records (:meth:`resolve_tls`), else plaintext.
+        tls_cert: PEM client certificate shown to the nodes; None: ``$BAGUA_LIGHTNING_TLS_CERT``, else the
+            services file's (as for ``tls_ca``).
+        tls_key: PEM private key of ``tls_cert``; None: ``$BAGUA_LIGHTNING_TLS_KEY``, else the services file's.
         socket_timeout_s: deadline of one read or write on a connection, in seconds.
         connect_timeout_s: deadline of a TCP connect, in seconds.
         retries: retries of a failed network call (exponential backoff), 0 for none.
@@ -43,11 +50,15 @@ class RedisOptions:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_cert_reqs: str = "required"
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     socket_timeout_s: float = 5.0
     connect_timeout_s: float = 2.0
     retries: int = 2
     backoff_cap_s: float = 0.5
     start_timeout_s: float = 30.0
+    tls: ClientTLS | None = field(default=None, init=False)  # resolved by resolve_tls
 
     def __post_init__(self) -> None:
         if self.ssl_cert_reqs not in ("required", "optional", "none"):
@@ -64,9 +75,14 @@ class RedisOptions:
         if self.password is None:
             self.password = resolve_redis_password(hosts)
 
+    def resolve_tls(self, hosts: Sequence[tuple[str, int]]) -> None:
+        """Settle TLS for ``hosts`` (:func:`~bagua_lightning.core.services_file.resolve_redis_tls`: arguments,
+        environment, the services file's CA for the nodes it records, else plaintext)."""
+        self.tls = resolve_redis_tls(hosts, ca=self.tls_ca, cert=self.tls_cert, key=self.tls_key)
+
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> RedisOptions:
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown RedisStore option(s) {unknown}; valid options are {sorted(known)}.")
@@ -80,7 +96,9 @@ class RedisOptions:
             "password": self.password, "username": self.username, "socket_read_size": SOCKET_READ_SIZE,
             "socket_timeout": self.socket_timeout_s, "socket_connect_timeout": self.connect_timeout_s,
         }
-        if self.ssl:
+        if self.tls is not None:  # the deployment's CA: verified before AUTH is sent
+            kw.update(self.tls.redis_kwargs())
+        elif self.ssl:
             kw.update(ssl=True, ssl_ca_certs=self.ssl_ca_certs, ssl_certfile=self.ssl_certfile,
                       ssl_keyfile=self.ssl_keyfile, ssl_cert_reqs=self.ssl_cert_reqs)
         return kw

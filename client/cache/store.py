@@ -32,6 +32,7 @@ import redis
 
 from ...core.errors import ConfigurationError
 from ...core.services_file import resolve_redis_hosts
+from ...core.tls_trust import explain_untrusted
 from .backends import STORE_ERRORS, Backend, NodesBackend, Value, probe_is_cluster
 from .catalog import RESERVED_KEYS, Catalog, RedisCatalog
 from .cluster_backend import ClusterBackend
@@ -233,7 +234,8 @@ class RedisStore(Store):
             the n-th node (False). A real Redis Cluster is always used as a cluster.
         capacity_per_node: ``maxmemory`` in bytes of a spawned local server (no effect on existing servers).
         outage_policy: back-off of a failing node (and of connecting); default :class:`OutagePolicy()`.
-        **options: :class:`RedisOptions` fields (``password``, ``username``, ``ssl``, timeouts, retries).
+        **options: :class:`RedisOptions` fields (``password``, ``tls_ca``, ``tls_cert``, ``tls_key``,
+            ``username``, ``ssl``, timeouts, retries).
     """
 
     isolates_failures = True
@@ -268,7 +270,8 @@ class RedisStore(Store):
                 elif servers.local is not None and servers.started_here:
                     self.managed_pid = servers.local.pid
         self.hosts = parse_hosts(hosts)
-        if not self.local:  # a node-local server's password came with its address
+        if not self.local:  # a node-local server's password came with its address (and it speaks no TLS)
+            self.options.resolve_tls(self.hosts)
             self.options.resolve_password(self.hosts)
         self.breakers = NodeBreakers(f"the sample cache ({self!r})", outage_policy)
         self._backend_obj: Backend | None = None
@@ -329,12 +332,13 @@ class RedisStore(Store):
     def _fetch(self, keys: Sequence[bytes], views: bool) -> Fetched:
         backend, error = self._usable()
         if backend is None:
-            return [None] * len(keys), error
+            return [None] * len(keys), explain_untrusted(error)
         try:
-            return backend.fetch(keys, views)
+            values, error = backend.fetch(keys, views)
         except STORE_ERRORS as exc:  # backends report node failures beside the values; this is anything else
             self._lost(exc)
-            return [None] * len(keys), exc
+            return [None] * len(keys), explain_untrusted(exc)
+        return values, error if error is None else explain_untrusted(error)
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> Written:
         """Write ``items`` pipelined per node (``SET`` / ``SET NX``); the keys of failing nodes are not written.

@@ -175,6 +175,15 @@ class RedisPlanStore:
         password = os.environ.get("BAGUA_LIGHTNING_REDIS_PASSWORD")
         if password and "@" not in url:
             self._options["password"] = password
+        # The deployment's CA and client certificate ($BAGUA_LIGHTNING_TLS_*): the server proves itself before
+        # the password is sent.
+        from ...core.tls_trust import resolve_client_tls
+
+        tls = resolve_client_tls(None)
+        self._connect_url = url
+        if tls is not None and url.startswith(("redis://", "rediss://")):
+            self._connect_url = "rediss://" + url.split("://", 1)[1]
+            self._options.update({k: v for k, v in tls.redis_kwargs().items() if k != "ssl"})
         self._client: Any = None
         self._lock = threading.Lock()
         with contextlib.suppress(Exception):  # down now: the first call connects
@@ -196,7 +205,7 @@ class RedisPlanStore:
             import redis  # imported here: a directory store needs no redis client
             from redis.cluster import RedisCluster
 
-            probe = redis.Redis.from_url(self.url, **self._options)
+            probe = redis.Redis.from_url(self._connect_url, **self._options)
             try:
                 cluster = bool(probe.info("cluster").get("cluster_enabled"))
             except BaseException:
@@ -204,7 +213,7 @@ class RedisPlanStore:
                 raise
             if cluster:
                 probe.close()
-                self._client = RedisCluster.from_url(self.url, **self._options)
+                self._client = RedisCluster.from_url(self._connect_url, **self._options)
             else:
                 self._client = probe
             return self._client

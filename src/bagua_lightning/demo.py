@@ -124,8 +124,13 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
     hosts, cluster = resolved if resolved is not None else (
         [{"host": cfg.host, "port": cfg.redis_port + i} for i in range(cfg.nodes)], True)
     secrets = _secrets(autotune, hosts)
-    health = {"autotune": check_autotune(autotune, timeout_s, token=secrets.get(ENV_AUTOTUNE_TOKEN)),
-              "redis": check_redis(hosts, cluster, secrets.get(ENV_REDIS_PASSWORD), timeout_s)}
+    from .core.services_file import resolve_autotune_tls, resolve_redis_tls
+
+    ca = resolve_autotune_tls(autotune)  # the deployment's pinned CA, for the addresses it records
+    health = {"autotune": check_autotune(autotune, timeout_s, token=secrets.get(ENV_AUTOTUNE_TOKEN),
+                                         tls_ca=Path(ca.ca) if ca is not None else None),
+              "redis": check_redis(hosts, cluster, secrets.get(ENV_REDIS_PASSWORD), timeout_s,
+                                   tls=resolve_redis_tls(hosts))}
     if all(h.healthy for h in health.values()):
         return Endpoints(autotune=autotune, redis_hosts=[_hostport(h) for h in hosts], cluster=cluster,
                          how="running", secrets=secrets)

@@ -33,6 +33,7 @@ from bagua_lightning.core.services_file import (
     ServicesInfo,
     read_services_file,
 )
+from bagua_lightning.core.tls_trust import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY
 from bagua_lightning.services import deploy
 from tests.integration.compose import COMPOSE_FILE
 from tests.procs import free_port
@@ -109,8 +110,11 @@ class Deployment:
             return {k: v for k, v in os.environ.items() if k in (ENV_REDIS_PASSWORD, ENV_AUTOTUNE_TOKEN)}
         info = self.recorded()
         names = {"redis_password": ENV_REDIS_PASSWORD, "autotune_token": ENV_AUTOTUNE_TOKEN}
-        return {env: read_secret(info.secrets[name]) for name, env in names.items()
-                if info is not None and name in info.secrets}
+        env = {env: read_secret(info.secrets[name]) for name, env in names.items()
+               if info is not None and name in info.secrets}
+        if info is not None and info.tls is not None:  # the pinned CA and the client certificate, by path
+            env.update({ENV_TLS_CA: info.tls.ca, ENV_TLS_CERT: info.tls.cert or "", ENV_TLS_KEY: info.tls.key or ""})
+        return env
 
     def ports(self) -> list[int]:
         port = int(self.autotune.rpartition(":")[2])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from bagua_lightning.client import AutotuneClient
 from bagua_lightning.client.cache.store import RedisStore
 from bagua_lightning.core import procs as processes
 from bagua_lightning.core.services_file import ENV_REDIS_PASSWORD
+from bagua_lightning.core.tls_trust import resolve_client_tls
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
 from bagua_lightning.services import deploy, health
 from bagua_lightning.services.autotune.persistence import StoredPlan, open_store
@@ -30,13 +32,19 @@ def secrets_in_env(services: Deployment, monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setenv(name, value)
 
 
+def _ca() -> Path | None:
+    """The CA the deployment's clients pin (the environment, as for a trainer elsewhere), or None: plaintext."""
+    found = resolve_client_tls(None)
+    return Path(found.ca) if found is not None else None
+
+
 TENSORS: list[dict[str, Any]] = [{"name": f"layer{i}.weight", "num_elements": 1000 * (i + 1), "dtype": "f32"} for i in range(5)]
 
 
 def test_both_services_are_healthy(services: Deployment) -> None:
-    autotune = health.check_autotune(services.autotune, timeout_s=5.0)
+    autotune = health.check_autotune(services.autotune, timeout_s=5.0, tls_ca=_ca())
     assert autotune.healthy, autotune.detail
-    redis_health = health.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0,
+    redis_health = health.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0, tls=resolve_client_tls(None),
                                       password=services.secret_env().get(ENV_REDIS_PASSWORD))
     assert redis_health.healthy, redis_health.detail
     assert "16384/16384 slots" in redis_health.detail
@@ -106,9 +114,9 @@ def test_up_twice_is_harmless(services: Deployment) -> None:
     assert before, "the deployment runs no process"
     services.up()
     assert sorted(services.processes()) == before  # nothing restarted, nothing added
-    autotune = health.check_autotune(services.autotune, timeout_s=5.0)
+    autotune = health.check_autotune(services.autotune, timeout_s=5.0, tls_ca=_ca())
     assert autotune.healthy, autotune.detail
-    assert health.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0,
+    assert health.check_redis(services.redis_hosts, cluster=True, timeout_s=5.0, tls=resolve_client_tls(None),
                               password=services.secret_env().get(ENV_REDIS_PASSWORD)).healthy
 
 

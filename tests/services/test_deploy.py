@@ -167,6 +167,10 @@ def test_status_without_services_file_finds_running_services(state: Path, monkey
     monkeypatch.setenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", str(info.autotune))
     monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_HOSTS", f"127.0.0.1:{info.redis_hosts[0]['port']}")
     monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", Path(info.secrets["redis_password"]).read_text())
+    assert info.tls is not None and info.tls.cert and info.tls.key  # as a trainer elsewhere: the TLS files too
+    monkeypatch.setenv("BAGUA_LIGHTNING_TLS_CA", info.tls.ca)
+    monkeypatch.setenv("BAGUA_LIGHTNING_TLS_CERT", info.tls.cert)
+    monkeypatch.setenv("BAGUA_LIGHTNING_TLS_KEY", info.tls.key)
     try:
         result = _cli("status")
         assert result.returncode == 0, result.stdout + result.stderr
@@ -242,8 +246,16 @@ def test_up_makes_secrets_hands_them_over_by_file_and_environment_only(state: Pa
     autotune_env = psutil.Process(info.pids["autotune"]).environ()
     assert autotune_env[services_file.ENV_AUTOTUNE_TOKEN] == secrets["autotune_token"]
     # Redis requires the password; trainers on this machine resolve every secret through the services file.
+    # It speaks TLS only and wants the deployment's client certificate before the password.
     (node,) = info.redis_hosts
-    with redis.Redis(host=node["host"], port=node["port"]) as anonymous, pytest.raises(redis.AuthenticationError):
+    assert info.tls is not None
+    with redis.Redis(host=node["host"], port=node["port"]) as plain, pytest.raises(redis.ConnectionError):
+        plain.ping()
+    with redis.Redis(host=node["host"], port=node["port"], ssl=True, ssl_ca_certs=info.tls.ca) as certless, \
+            pytest.raises(redis.ConnectionError):
+        certless.ping()
+    with redis.Redis(host=node["host"], port=node["port"], **info.tls.redis_kwargs()) as anonymous, \
+            pytest.raises(redis.AuthenticationError):
         anonymous.ping()
     assert services_file.resolve_redis_password(info.redis_hosts) == secrets["redis_password"]
     assert services_file.resolve_autotune_token(str(info.autotune)) == secrets["autotune_token"]

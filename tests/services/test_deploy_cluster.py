@@ -36,6 +36,7 @@ from bagua_lightning.core.redis_server import (
     tls_port,
 )
 from bagua_lightning.core.services_file import ENV_FILE, ServicesInfo, read_services_file
+from bagua_lightning.core.tls_trust import TLS_ENV, ClientTLS
 from bagua_lightning.services import deploy
 from tests.procs import free_port, stop_process, wait_until
 
@@ -69,7 +70,7 @@ def private_state(tmp: Path) -> Iterator[None]:
         mp.setenv("XDG_STATE_HOME", str(tmp))
         mp.setenv(ENV_FILE, str(tmp / "services.json"))
         for name in ("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", "BAGUA_LIGHTNING_REDIS_HOSTS",
-                     "BAGUA_LIGHTNING_REDIS_PASSWORD", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN"):
+                     "BAGUA_LIGHTNING_REDIS_PASSWORD", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN", *TLS_ENV):
             mp.delenv(name, raising=False)
         try:
             yield
@@ -90,9 +91,9 @@ def _password(info: ServicesInfo) -> str:
     return procs.read_secret(info.secrets["redis_password"])
 
 
-def _known_nodes(host: str, port: int, password: str) -> dict[str, dict[str, str]]:
+def _known_nodes(host: str, port: int, password: str, tls: ClientTLS | None = None) -> dict[str, dict[str, str]]:
     """``CLUSTER NODES`` of one node: ``{node id: {"address", "flags"}}``."""
-    with client_for(host, port, password) as c:
+    with client_for(host, port, password, tls=tls) as c:
         c.set_response_callback("CLUSTER NODES", lambda response, **_: response)  # the raw text
         text = c.execute_command("CLUSTER NODES").decode()
     out = {}
@@ -153,31 +154,44 @@ def test_localhost_is_resolved_and_a_wildcard_announces_a_reachable_address() ->
     for line in ("cluster-announce-ip 10.9.8.7", "tls-cluster yes", "tls-replication yes", "tls-auth-clients yes",
                  "cluster-port 17000", "tls-port 27000", "port 7000"):
         assert line in text.splitlines()
+    # TLS for clients too (up's default): the plain port closed, the node's port speaks TLS only.
+    text = NodeConfig(port=7000, data_dir=Path("/d"), deployment="x", cluster=True,
+                      tls=NodeTLS(cert_file=Path("/c"), key_file=Path("/k"), ca_file=Path("/a"), clients=True)
+                      ).config_text()
+    for line in ("port 0", "tls-port 7000", "cluster-port 17000", "tls-cluster yes", "tls-replication yes",
+                 "tls-auth-clients yes"):
+        assert line in text.splitlines()
 
 
 # --------------------------------------------------------------------------------- the HA deployment
 
 
 def test_up_starts_masters_with_replicas_over_a_tls_bus(ha: ServicesInfo) -> None:
-    password = _password(ha)
+    password, tls = _password(ha), ha.tls
+    assert tls is not None
     base = int(ha.redis_hosts[0]["port"])
     assert [h["port"] for h in ha.redis_hosts] == [base, base + 1, base + 2]
     assert len(ha.redis_node_ids) == 6 and len(ha.processes["redis"]) == 6
     roles = {}
     for port in range(base, base + 6):
-        with client_for("127.0.0.1", port, password) as c:
+        with client_for("127.0.0.1", port, password, tls=tls) as c:
             repl = c.info("replication")
             roles[port] = repl["role"]
-            if repl["role"] == "slave":  # replication runs to the master's TLS port
+            if repl["role"] == "slave":  # replication runs over TLS to the master's (TLS-only) port
                 assert repl["master_link_status"] == "up"
-                assert int(repl["master_port"]) in {tls_port(p) for p in range(base, base + 3)}
+                assert int(repl["master_port"]) in set(range(base, base + 3))
     assert sorted(roles.values()) == ["master"] * 3 + ["slave"] * 3
-    # Clients keep the plain password-protected ports: that is what the cluster tells them.
+    # The plain port is closed: nothing answers a plaintext client on a node's port.
+    with pytest.raises(redis.ConnectionError), redis.Redis(port=base, password=password, socket_timeout=2,
+                                                            socket_connect_timeout=2) as plain:
+        plain.ping()
+    # A TLS client is given the TLS ports (= the nodes' ports) by the cluster.
     def every_node_is_listed() -> bool:  # replicas show once gossip has told every master about them
-        with RedisCluster(host="127.0.0.1", port=base, password=password, socket_timeout=5) as rc:
+        with RedisCluster(host="127.0.0.1", port=base, password=password, socket_timeout=5,
+                          **tls.redis_kwargs()) as rc:
             return {n.port for n in rc.get_nodes()} == set(range(base, base + 6))
-    wait_until(every_node_is_listed, 30, "CLUSTER SLOTS to list all six nodes at their plain ports")
-    with RedisCluster(host="127.0.0.1", port=base, password=password, socket_timeout=5) as rc:
+    wait_until(every_node_is_listed, 30, "CLUSTER SLOTS to list all six nodes at their TLS ports")
+    with RedisCluster(host="127.0.0.1", port=base, password=password, socket_timeout=5, **tls.redis_kwargs()) as rc:
         rc.set("deploy-test:key", b"v")
         assert rc.get("deploy-test:key") == b"v"
     # The bus demands TLS: a plain connection to it is dropped without an answer.
@@ -190,7 +204,9 @@ def test_up_starts_masters_with_replicas_over_a_tls_bus(ha: ServicesInfo) -> Non
     tls = Path(ha.state_dir or "") / deploy.SECRETS_DIR / deploy.REDIS_TLS_DIR
     assert oct(tls.stat().st_mode & 0o777) == "0o700" and not (tls / "ca.key").exists()
     files = sorted(tls.iterdir())
-    assert len([f for f in files if f.suffix == ".key"]) == 6
+    # six nodes, the trainers' client key and the autotune service's key
+    assert sorted(f.name for f in files if f.suffix == ".key") == sorted(
+        [f"node-{p}.key" for p in range(base, base + 6)] + ["client.key", "autotune.key"])
     assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in files)
     for rec in ha.processes["redis"]:
         assert not any(str(tls) in arg or arg.endswith((".key", ".crt")) for arg in psutil.Process(rec.pid).cmdline())
@@ -207,7 +223,7 @@ def test_a_rogue_node_cannot_join_through_the_bus(ha: ServicesInfo) -> None:
         deadline = time.monotonic() + ROGUE_WATCH_S
         while time.monotonic() < deadline:  # it must never appear, not only be gone at the end
             for host in ha.redis_hosts:
-                known = _known_nodes(host["host"], host["port"], password)
+                known = _known_nodes(host["host"], host["port"], password, ha.tls)
                 assert set(known) == ours, f"foreign node in CLUSTER NODES of {host}: {set(known) - ours}"
                 assert rogue_id not in known
             time.sleep(0.2)
@@ -228,7 +244,7 @@ def test_a_killed_master_is_failed_over_to_its_replica(ha: ServicesInfo) -> None
     os.kill(victim_rec.pid, signal.SIGKILL)
 
     def served_by_live_masters() -> bool:
-        with client_for(first["host"], first["port"], password) as c:
+        with client_for(first["host"], first["port"], password, tls=ha.tls) as c:
             if cluster_info(c).get("cluster_state") != "ok":
                 return False
             slots = c.execute_command("CLUSTER SLOTS")
@@ -236,7 +252,9 @@ def test_a_killed_master_is_failed_over_to_its_replica(ha: ServicesInfo) -> None
         return (victim["port"] not in owners.values()
                 and sum(hi - lo + 1 for lo, hi in owners) == CLUSTER_SLOTS)
     wait_until(served_by_live_masters, 60, "the replica of the killed master to take over its slots")
-    with RedisCluster(host=first["host"], port=first["port"], password=password, socket_timeout=5) as rc:
+    assert ha.tls is not None
+    with RedisCluster(host=first["host"], port=first["port"], password=password, socket_timeout=5,
+                      **ha.tls.redis_kwargs()) as rc:
         for i in range(50):  # keys in every master's slots, the failed-over ones included
             rc.set(f"after-failover:{i}", str(i))
             assert rc.get(f"after-failover:{i}") == str(i).encode()

@@ -46,3 +46,8 @@ class AutotuneRequestRejectedError(AutotuneError, ValueError):
 
 class AutotuneAuthenticationError(AutotuneError, PermissionError):
     """The autotune service requires a token and the call had none or a wrong one."""
+
+
+class UntrustedServerError(ServiceUnavailableError):
+    """A server did not prove, during the TLS handshake, that it belongs to the deployment (its certificate is
+    not signed by the pinned CA, or it speaks no TLS at all); nothing was sent to it."""

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # redis-py takes ~0.5 s to import: only where a connection is
 
 from . import procs
 from .errors import ConfigurationError, ServiceUnavailableError
+from .tls_trust import ClientTLS
 
 CLUSTER_SLOTS = 16384
 BUS_PORT_OFFSET = 10000  # a node's cluster bus listens on port + 10000
@@ -66,13 +67,16 @@ class NodeTLS:
     """The certificate files of one cluster node (PEM; the key file is 0600 in a 0700 folder).
 
     With these, the cluster bus and replication run over mutual TLS: a peer is accepted only with a
-    certificate signed by ``ca_file``, the deployment's own CA. Clients keep the plain, password-protected
-    port; the TLS port also demands a certificate and the password.
+    certificate signed by ``ca_file``, the deployment's own CA. With ``clients``, the node's client port
+    itself speaks TLS only (``port 0``, ``tls-port`` = the node's port): a client must show a certificate of
+    the same CA, and verifies the node's before it sends the password. Without, clients keep the plain,
+    password-protected port and the TLS port (:func:`tls_port`) serves replication.
     """
 
     cert_file: Path
     key_file: Path
     ca_file: Path
+    clients: bool = False
 
 
 @dataclass(kw_only=True)
@@ -110,7 +114,7 @@ class NodeConfig:
     announce_ip: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tls is not None and not self.cluster:
+        if self.tls is not None and not self.cluster and not self.tls.clients:
             raise ConfigurationError(f"port {self.port}: TLS is for the cluster bus; a standalone server has none.")
         limit = MAX_CLUSTER_PORT if self.cluster else 65535
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= limit:
@@ -125,8 +129,10 @@ class NodeConfig:
 
     def config_text(self) -> str:
         """The ``redis.conf`` text: everything but the password."""
+        client_tls = self.tls is not None and self.tls.clients
         lines = [
-            f"port {self.port}",
+            # TLS for clients: the plain port is closed, the node's port speaks TLS only.
+            f"port {0 if client_tls else self.port}",
             f"bind {self.host}",
             "protected-mode yes",
             "daemonize no",
@@ -156,14 +162,14 @@ class NodeConfig:
             if self.announce_ip:
                 lines.append(f"cluster-announce-ip {self.announce_ip}")
         if self.tls is not None:
-            lines += [
+            if self.cluster:
                 # The bus port is derived from the TLS port when the bus speaks TLS: pin it to port + 10000.
-                f"cluster-port {self.port + BUS_PORT_OFFSET}",
-                f"tls-port {tls_port(self.port)}",
+                lines += [f"cluster-port {self.port + BUS_PORT_OFFSET}", "tls-cluster yes"]
+            lines += [
+                f"tls-port {self.port if client_tls else tls_port(self.port)}",
                 f"tls-cert-file {_quote(str(self.tls.cert_file))}",
                 f"tls-key-file {_quote(str(self.tls.key_file))}",
                 f"tls-ca-cert-file {_quote(str(self.tls.ca_file))}",
-                "tls-cluster yes",
                 "tls-replication yes",
                 "tls-auth-clients yes",
             ]
@@ -204,19 +210,22 @@ def launch_node(config: NodeConfig) -> subprocess.Popen[bytes]:
     return proc
 
 
-def client_for(host: str, port: int, password: str | None = None, timeout_s: float = 2.0) -> redis.Redis:
-    """A plain connection to one node (no cluster routing), for administration."""
+def client_for(host: str, port: int, password: str | None = None, timeout_s: float = 2.0,
+               tls: ClientTLS | None = None) -> redis.Redis:
+    """A connection to one node (no cluster routing), for administration; over TLS with ``tls`` (the node's
+    certificate verified against its CA before the password is sent)."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     # No client-side retries: callers poll with their own deadline.
     return redis.Redis(host=host, port=port, password=password, socket_timeout=timeout_s,
-                       socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+                       socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                       **(tls.redis_kwargs() if tls is not None else {}))
 
 
 def wait_ready(host: str, port: int, password: str | None, proc: subprocess.Popen[bytes] | None = None,
-               timeout_s: float = 15.0) -> None:
+               timeout_s: float = 15.0, tls: ClientTLS | None = None) -> None:
     """Wait until the server on ``host:port`` answers PING; fail fast if ``proc`` exited.
 
     Raises:
@@ -232,7 +241,7 @@ def wait_ready(host: str, port: int, password: str | None, proc: subprocess.Pope
                 "use? See its redis.log."
             )
         try:
-            with client_for(host, port, password, timeout_s=1.0) as c:
+            with client_for(host, port, password, timeout_s=1.0, tls=tls) as c:
                 return bool(c.ping())
         except (redis.AuthenticationError, redis.ResponseError) as exc:
             raise ServiceUnavailableError(f"{host}:{port} answers but refuses our password ({exc}); "

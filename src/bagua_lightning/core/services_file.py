@@ -21,6 +21,9 @@ The file is JSON (mode 0600)::
      "secrets": {"redis_password": "<state_dir>/secrets/redis-password",
                  "autotune_token": "<state_dir>/secrets/autotune-token",
                  "cache_key": "<state_dir>/secrets/cache-key"},
+     "tls": {"ca": "<state_dir>/secrets/redis-tls/ca.crt",        # the deployment's CA, pinned by clients
+             "cert": "<state_dir>/secrets/redis-tls/client.crt",  # the trainers' client certificate
+             "key": "<state_dir>/secrets/redis-tls/client.key"},
      "processes": {"autotune": [{"pid": 1234, "create_time": 1795000000.12, "deployment": "3f9c..."}],
                    "redis": [...]}}
 
@@ -30,7 +33,10 @@ is resolved as: its environment variable (``BAGUA_LIGHTNING_REDIS_PASSWORD``,
 but only for an address the same services file records: the recorded password goes only to the recorded
 Redis nodes and the recorded token only to the recorded autotune service, whoever names the address (an
 argument, ``BAGUA_LIGHTNING_REDIS_HOSTS``, ``status --redis``). Another address gets a secret only when
-the user passes that secret explicitly (argument or environment variable).
+the user passes that secret explicitly (argument or environment variable). The recorded CA (``tls``) is pinned the same way:
+a client speaks TLS to the recorded addresses and sends a secret only after the server proved, with a
+certificate of that CA, that it is the deployment's (:mod:`bagua_lightning.core.tls_trust`, which also
+names the ``BAGUA_LIGHTNING_TLS_*`` overrides).
 
 Every address is validated where it enters (here for the environment and the file): a parseable host and
 a port in 1..65535. A services file that exists but cannot be parsed is an error naming the file, never a
@@ -51,6 +57,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 from .procs import ProcessRecord, read_secret
+from .tls_trust import ClientTLS, resolve_client_tls
 
 DEFAULT_AUTOTUNE_ADDRESS = "127.0.0.1:29600"
 FILE_VERSION = 2
@@ -171,6 +178,7 @@ class ServicesInfo:
         deployment: id of the deployment that wrote the file (its processes carry it).
         processes: what ``bagua-lightning up`` started, by service, for ``down``.
         secrets: paths of the 0600 files holding ``redis_password``, ``autotune_token``, ``cache_key``.
+        tls: the deployment's CA and the trainers' client certificate and key (paths), or None: plaintext.
     """
 
     autotune: str | None = None
@@ -181,6 +189,7 @@ class ServicesInfo:
     deployment: str = ""
     processes: dict[str, list[ProcessRecord]] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)
+    tls: ClientTLS | None = None
 
     @property
     def pids(self) -> dict[str, Any]:
@@ -198,6 +207,7 @@ class ServicesInfo:
             "state_dir": self.state_dir,
             "secrets": dict(self.secrets),
             "processes": {k: [r.to_json() for r in v] for k, v in self.processes.items()},
+            **({"tls": self.tls.to_json()} if self.tls is not None else {}),
         }
 
     @classmethod
@@ -236,6 +246,7 @@ class ServicesInfo:
             deployment=deployment,
             processes={str(k): [ProcessRecord.from_json(r) for r in v] for k, v in processes.items()},
             secrets={str(k): v for k, v in secrets.items()},
+            tls=ClientTLS.from_json(data.get("tls")),
         )
 
 
@@ -402,3 +413,20 @@ def resolve_cache_key(hosts: Iterable[Any] | None = None) -> bytes | None:
         if hosts is None or is_recorded_redis(hosts, info):
             key = _recorded_secret("cache_key", info)
     return key.encode() if key else None
+
+
+def resolve_redis_tls(hosts: Iterable[Any], *, ca: Any = None, cert: Any = None, key: Any = None) -> ClientTLS | None:
+    """TLS settings for the Redis nodes ``hosts``: arguments, else ``$BAGUA_LIGHTNING_TLS_*``, else the services
+    file's when every node of ``hosts`` is one it records, else None (plaintext)."""
+    info = read_services_file()
+    return resolve_client_tls(info.tls if info is not None and is_recorded_redis(hosts, info) else None,
+                              ca=ca, cert=cert, key=key)
+
+
+def resolve_autotune_tls(address: str, *, ca: Any = None) -> ClientTLS | None:
+    """The CA to verify the autotune service at ``address`` with: argument, else ``$BAGUA_LIGHTNING_TLS_CA``, else
+    the services file's when ``address`` is the service it records, else None (plaintext)."""
+    info = read_services_file()
+    recorded = info.tls if info is not None and is_recorded_autotune(address, info) else None
+    found = resolve_client_tls(recorded, ca=ca)
+    return ClientTLS(ca=found.ca) if found is not None else None  # gRPC: server authentication only
