@@ -29,7 +29,7 @@ made) and against the best of its candidates in the run (what the choice is wort
 
 Every variant trains its own copy of the same model (same initial weights, same
 batches, same AdamW, fused where torch has it); all copies live side by side and warm up for ``--warmup`` steps
-(then as many more as an ``auto`` variant's selection took, so all start timing at the same step).
+(on CPU then as many more as an ``auto`` variant's selection took, so all start timing at the same step).
 Then each of ``--rounds`` rounds runs ONE step of every variant, in an order shuffled
 per round (the same on every rank), each step timed between two device synchronisations
 (``benchmarks/interleaved.py``). Reported per variant: the median step time and the speed
@@ -277,11 +277,11 @@ def run_model(args: argparse.Namespace, comm: CommContext, device: torch.device,
         chosen = runner.auto.selection.chosen if runner.auto is not None else None
         if chosen is not None and chosen not in [r.variant for r in runners]:
             runners.append(Runner(chosen, args, device, comm, batches))
-    # The same training progress for all before timing: an `auto` variant spent its selection's steps
+    # On CPU the same training progress for all before timing: an `auto` variant spent its selection's steps
     # training (gradients and optimizer state change with progress, and their values can change a CPU's
-    # speed: subnormal floats), so the others catch up first.
+    # speed: subnormal floats), so the others catch up first. A GPU's speed does not depend on the values.
     most = max(runner.i for runner in runners)
-    for runner in runners:
+    for runner in runners if not cuda else ():
         runner.warm_up(most - runner.i)
     times = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device),
                        seed=args.seed)
