@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.core.errors import ConfigurationError
@@ -21,8 +22,6 @@ from bagua_lightning.engine.autotune.selection import (
     Selection,
     choose,
 )
-import torch
-
 from tests.procs import free_port
 from tests.ranks import run_commands
 from tests.services.conftest import FAST, autotune_service
