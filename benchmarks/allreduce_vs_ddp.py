@@ -14,14 +14,22 @@ ranks in two network namespaces joined by a veth pair shaped to ``--rate`` (root
 (``--model mlp``: 25.2M parameters and little compute, so at 1 Gbit/s the step is gradient communication;
 ``--model wide``: a 10M-parameter transformer whose CPU backward is a sizeable part of the step.)
 
-The variant ``auto`` (or ``auto:bytegrad+decentralized+...`` for other candidates) is
-``BaguaStrategy(algorithm="auto")``'s selection: during its warm-up it measures its candidates
-in flight and switches to the fastest (reported with the step at which it settled); its timed
-steps are then interleaved with the other variants' like any other.
+Variants: ``ddp``; an algorithm's name, optionally with keyword arguments and another bucket size,
+``name:key=value/key=value+25MiB`` (``bytegrad:hierarchical=0`` is flat bytegrad); ``auto`` (or
+``auto:bytegrad+decentralized+...`` for other candidates), the registered engine algorithm ``auto`` that
+``BaguaStrategy(algorithm="auto")`` and ``with_bagua`` use: during its warm-up it measures its candidates
+in flight (``--auto-warmup`` untimed steps a visit, ``--auto-trials`` timed steps each, forward start to
+optimizer step end) and hands the model to the fastest (reported with the step at which it settled); its
+timed steps are then interleaved with the other variants' like any other. Its choice joins the run as a
+variant of its own when it is not one already, and ``auto`` is reported against it (what a choice costs once
+made) and against the best of its candidates in the run (what the choice is worth).
+
+``--model`` takes a comma-separated list: one process measures each model in turn (one JSON per model,
+``--json`` with ``_<model>`` before its suffix).
 
 Every variant trains its own copy of the same model (same initial weights, same
 batches, same AdamW, fused where torch has it); all copies live side by side and warm up for ``--warmup`` steps
-(then as many more as an ``auto`` variant's selection took, so all start timing at the same step).
+(on CPU then as many more as an ``auto`` variant's selection took, so all start timing at the same step).
 Then each of ``--rounds`` rounds runs ONE step of every variant, in an order shuffled
 per round (the same on every rank), each step timed between two device synchronisations
 (``benchmarks/interleaved.py``). Reported per variant: the median step time and the speed
@@ -34,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,13 +52,13 @@ import torch.distributed as dist
 from torch import nn
 
 from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.engine.algorithms.auto import AutoAlgorithm
 from bagua_lightning.engine.algorithms.base import get_algorithm_class
-from bagua_lightning.engine.autotune.selection import AlgorithmSelector, AutoSettings
 from bagua_lightning.engine.comm import CommContext
 from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interleaved import interleave, speeds  # a sibling module of the benchmarks
+from interleaved import bootstrap_ratio, interleave, speeds  # a sibling module of the benchmarks
 
 SIZES = {  # vocab, width, layers, heads
     "100m": (32000, 768, 12, 12),
@@ -123,12 +132,11 @@ def build(variant: str, args: argparse.Namespace, device: torch.device, comm: Co
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     elif variant.startswith("auto"):
-        first = auto_settings(variant).candidates[0]
-        wrapped = BaguaDistributedDataParallel(model, get_algorithm_class(first).from_kwargs(), comm,
+        wrapped = BaguaDistributedDataParallel(model, auto_algorithm(variant, args), comm,
                                                bucket_size=args.bucket_size, optimizers=[opt])
     else:
-        name, bucket_size = parse_variant(variant, args.bucket_size)
-        algo = get_algorithm_class(name).from_kwargs()
+        name, kwargs, bucket_size = parse_variant(variant, args.bucket_size)
+        algo = get_algorithm_class(name).from_kwargs(**kwargs)
         wrapped = BaguaDistributedDataParallel(model, algo, comm, bucket_size=bucket_size, optimizers=[opt])
     return wrapped, opt
 
@@ -142,16 +150,31 @@ def fused_adamw(device: torch.device) -> bool:
     return True
 
 
-def auto_settings(variant: str) -> AutoSettings:
-    """``auto`` or ``auto:a+b+c`` -> the selection's settings."""
+def auto_algorithm(variant: str, args: argparse.Namespace) -> AutoAlgorithm:
+    """``auto`` or ``auto:a+b+c`` -> the registered ``auto`` over those candidates (default: its own)."""
     _, _, names = variant.partition(":")
-    return AutoSettings(candidates=tuple(names.split("+"))) if names else AutoSettings()
+    return AutoAlgorithm(candidates=names.split("+") if names else None,
+                         warmup_steps=getattr(args, "auto_warmup", 3), trial_steps=getattr(args, "auto_trials", 10))
 
 
-def parse_variant(variant: str, default_bucket: int) -> tuple[str, int]:
-    """``"name"`` or ``"name+25MiB"`` (another bucket size)."""
-    name, _, size = variant.partition("+")
-    return name, int(float(size.removesuffix("MiB")) * 1024**2) if size else default_bucket
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("1", "true", "0", "false"):
+        return low in ("1", "true")
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_variant(variant: str, default_bucket: int) -> tuple[str, dict[str, Any], int]:
+    """``"name"``, ``"name+25MiB"`` (another bucket size), ``"name:key=value/key=value"`` (its arguments)."""
+    head, _, size = variant.partition("+")
+    name, _, options = head.partition(":")
+    kwargs = {k: _value(v) for k, _, v in (o.partition("=") for o in options.split("/") if o)}
+    return name, kwargs, int(float(size.removesuffix("MiB")) * 1024**2) if size else default_bucket
 
 
 class Runner:
@@ -162,16 +185,15 @@ class Runner:
         self.variant, self.args, self.device, self.comm, self.batches = variant, args, device, comm, batches
         self.model, self.opt = build(variant, args, device, comm)
         self.i = 0
-        self.selector: AlgorithmSelector | None = None
+        self.auto: AutoAlgorithm | None = None
         if variant.startswith("auto"):
-            wrapper = self.model
-            assert isinstance(wrapper, BaguaDistributedDataParallel)
-            self.selector = AlgorithmSelector(
-                auto_settings(variant), lambda name: wrapper.switch_algorithm(get_algorithm_class(name).from_kwargs()),
-                group=comm.group, device=device)
-            while not self.selector.done:  # the selection runs alone, in its own consecutive steps
-                self.selector.on_batch_start(self.i)
+            assert isinstance(self.model, BaguaDistributedDataParallel)
+            self.auto = auto = self.model.algorithm  # type: ignore[assignment]
+            assert isinstance(auto, AutoAlgorithm)
+            while auto.selection.chosen is None:  # the selection runs alone, in its own consecutive steps
                 self.step()
+            # Handed over: the wrapper drives the chosen algorithm itself from now on.
+            assert not isinstance(self.model.algorithm, AutoAlgorithm), "auto did not hand its choice over"
         self.warm_up(args.warmup)
 
     def step(self) -> None:
@@ -192,10 +214,7 @@ class Runner:
         sync(self.device)
 
     def selection(self) -> str | None:
-        if self.selector is None:
-            return None
-        sel = self.selector.selection
-        return f"chose {sel.chosen} at step {sel.decided_at}: {sel.reason()}"
+        return self.auto.selection.line() if self.auto is not None else None
 
     def timings(self) -> str | None:
         if not isinstance(self.model, BaguaDistributedDataParallel):
@@ -218,12 +237,104 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def auto_report(times: dict[str, list[float]], runners: list[Runner]) -> dict[str, Any]:
+    """Each ``auto`` variant against its choice and against the best of its candidates, in the same run."""
+    out: dict[str, Any] = {}
+    for runner in runners:
+        if runner.auto is None or runner.variant not in times:
+            continue
+        chosen = runner.auto.selection.chosen
+        present = [c for c in runner.auto.candidates if c in times]
+        best = min(present, key=lambda c: statistics.median(times[c])) if present else None
+        entry: dict[str, Any] = {"chosen": chosen, "best_candidate": best}
+        for key, other in (("vs_chosen", chosen), ("vs_best", best)):
+            if other is not None and other in times:
+                ratio, low, high = bootstrap_ratio(times[other], times[runner.variant])
+                entry[key] = {"variant": other, "ratio": ratio, "ci95": [low, high]}
+        out[runner.variant] = entry
+    return out
+
+
+def run_model(args: argparse.Namespace, comm: CommContext, device: torch.device, cuda: bool) -> dict[str, Any]:
+    """Measure every variant on ``args.model``; rank 0 prints the table; returns the JSON document."""
+    args.batch_size = args.batch_size_arg or ((64 if args.model in VISION else 16) if cuda else 4)
+    args.seq_len = args.seq_len_arg or (512 if cuda else 32)
+    variants = []
+    for v in args.variants.split(","):
+        try:
+            if v.startswith("auto"):
+                auto_algorithm(v, args)
+            elif v != "ddp":
+                name, kwargs, _ = parse_variant(v, 0)
+                get_algorithm_class(name).from_kwargs(**kwargs)
+            variants.append(v)
+        except ConfigurationError as exc:
+            if comm.rank == 0:
+                print(f"skipping {v!r}: {exc}")
+    batches = make_batches(args, device, torch.Generator().manual_seed(1 + comm.rank))
+    runners = [Runner(v, args, device, comm, batches) for v in variants]
+    for runner in list(runners):  # auto's choice joins the run when it is not a variant already
+        chosen = runner.auto.selection.chosen if runner.auto is not None else None
+        if chosen is not None and chosen not in [r.variant for r in runners]:
+            runners.append(Runner(chosen, args, device, comm, batches))
+    # On CPU the same training progress for all before timing: an `auto` variant spent its selection's steps
+    # training (gradients and optimizer state change with progress, and their values can change a CPU's
+    # speed: subnormal floats), so the others catch up first. A GPU's speed does not depend on the values.
+    most = max(runner.i for runner in runners)
+    for runner in runners if not cuda else ():
+        runner.warm_up(most - runner.i)
+    times = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device),
+                       seed=args.seed)
+    timings = {runner.variant: runner.timings() for runner in runners}
+    selections = {runner.variant: runner.selection() for runner in runners}
+    autos = auto_report(times, runners)
+    n_params = sum(p.numel() for p in runners[0].model.parameters())
+    for runner in runners:
+        runner.close()
+    del runners
+    if cuda:
+        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    doc: dict[str, Any] = {"world_size": comm.world_size, "nodes": comm.num_nodes, "device": name,
+                           "params": n_params, "args": vars(args), "auto": autos}
+    if comm.rank != 0:
+        return doc
+    print(f"model {args.model} ({n_params / 1e6:.1f}M params), {comm.world_size} x {name} on {comm.num_nodes} "
+          f"node(s), batch {args.batch_size}{'' if args.model in VISION + tuple(MLPS) else f'x{args.seq_len}'} "
+          f"per rank, {args.rounds} interleaved steps per variant; "
+          "speed vs DDP = median(DDP) / median(variant) [95 % bootstrap interval]")
+    baseline = "ddp" if "ddp" in times else next(iter(times))
+    result = {}
+    for sp in speeds(times, baseline):
+        result[sp.variant] = {**sp.to_json(), "samples_per_s":
+                              1000.0 * args.batch_size * comm.world_size / sp.median_ms,
+                              "step_ms": times[sp.variant]}
+        print(sp.row())
+        if selections.get(sp.variant):
+            print(f"{'':>32}{selections[sp.variant]}")
+            result[sp.variant]["selection"] = selections[sp.variant]
+        if timings.get(sp.variant):
+            print(f"{'':>32}last measured step: {timings[sp.variant]}")
+    for variant, entry in autos.items():
+        for key, what in (("vs_chosen", "its choice"), ("vs_best", "the best of its candidates")):
+            if key in entry:
+                c = entry[key]
+                print(f"{variant} against {what} ({c['variant']}): {c['ratio']:.3f}x "
+                      f"[{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] (median({c['variant']}) / median({variant}))")
+    doc.update(baseline=baseline, results=result)
+    return doc
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(SIZES) + list(MLPS) + list(VISION), default="100m")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 16 GPU, 4 CPU)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512 GPU, 32 CPU)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first")
+    p.add_argument("--model", default="100m", help=f"comma-separated, of {sorted(SIZES) + list(MLPS) + list(VISION)}")
+    p.add_argument("--batch-size", dest="batch_size_arg", type=int, default=None,
+                   help="sequences per rank (default 16 GPU, 4 CPU; 64 images for vision models on GPU)")
+    p.add_argument("--seq-len", dest="seq_len_arg", type=int, default=None,
+                   help="tokens per sequence (default 512 GPU, 32 CPU)")
+    p.add_argument("--auto-warmup", type=int, default=3, help="auto: untimed steps after each switch")
+    p.add_argument("--auto-trials", type=int, default=10, help="auto: timed steps per candidate")
+    p.add_argument("--warmup", "--steps", type=int, default=5, help="untimed steps per variant first")
     p.add_argument("--rounds", type=int, default=60, help="timed steps per variant (one per round)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-round shuffle (same on every rank)")
     p.add_argument("--bucket-size", type=int, default=10 * 1024**2, help="bytes per Bagua bucket")
@@ -238,63 +349,26 @@ def main() -> None:
         argv = [a for a in sys.argv[1:] if a != "--netns"]
         print(run_on_two_hosts([os.path.abspath(__file__), *argv], args.rate, 3600, port="29617")[0])
         return
+    models = args.model.split(",")
+    for model in models:
+        if model not in list(SIZES) + list(MLPS) + list(VISION):
+            p.error(f"--model {model!r}: choose from {sorted(SIZES) + list(MLPS) + list(VISION)}")
     cuda = torch.cuda.is_available() and "GLOO_SOCKET_IFNAME" not in os.environ  # netns ranks are CPU hosts
-    args.batch_size = args.batch_size or ((64 if args.model in VISION else 16) if cuda else 4)
-    args.seq_len = args.seq_len or (512 if cuda else 32)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     comm = CommContext.build(local_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
-    variants = []
-    for v in args.variants.split(","):
-        try:
-            if v.startswith("auto"):
-                for name in auto_settings(v).candidates:
-                    get_algorithm_class(name)
-            elif v != "ddp":
-                get_algorithm_class(parse_variant(v, 0)[0])
-            variants.append(v)
-        except ConfigurationError:
-            if comm.rank == 0:
-                print(f"skipping {v!r}: not available")
-    batches = make_batches(args, device, torch.Generator().manual_seed(1 + comm.rank))
-    runners = [Runner(v, args, device, comm, batches) for v in variants]
-    # The same training progress for all before timing: an `auto` variant spent its selection's steps
-    # training (gradients and optimizer state change with progress, and their values can change a CPU's
-    # speed: subnormal floats), so the others catch up first.
-    most = max(runner.i for runner in runners)
-    for runner in runners:
-        runner.warm_up(most - runner.i)
-    times = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device),
-                       seed=args.seed)
-    timings = {runner.variant: runner.timings() for runner in runners}
-    selections = {runner.variant: runner.selection() for runner in runners}
-    for runner in runners:
-        runner.close()
-    if comm.rank == 0:
-        n_params = sum(p.numel() for p in make_model(args).parameters())
-        name = torch.cuda.get_device_name(device) if cuda else "cpu"
-        print(f"model {args.model} ({n_params / 1e6:.1f}M params), {comm.world_size} x {name}, "
-              f"batch {args.batch_size}{'' if args.model in VISION + tuple(MLPS) else f'x{args.seq_len}'} per rank, {args.rounds} interleaved steps per variant; "
-              "speed vs DDP = median(DDP) / median(variant) [95 % bootstrap interval]")
-        baseline = "ddp" if "ddp" in times else variants[0]
-        result = {}
-        for sp in speeds(times, baseline):
-            result[sp.variant] = {**sp.to_json(), "samples_per_s":
-                                  1000.0 * args.batch_size * comm.world_size / sp.median_ms,
-                                  "step_ms": times[sp.variant]}
-            print(sp.row())
-            if selections.get(sp.variant):
-                print(f"{'':>32}{selections[sp.variant]}")
-                result[sp.variant]["selection"] = selections[sp.variant]
-            if timings.get(sp.variant):
-                print(f"{'':>32}last measured step: {timings[sp.variant]}")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"world_size": comm.world_size, "device": name, "params": n_params, "baseline": baseline,
-                           "args": vars(args), "results": result}, fh, indent=1)
+    for model in models:
+        args.model = model
+        doc = run_model(args, comm, device, cuda)
+        if args.json and comm.rank == 0:
+            path = Path(args.json)
+            if len(models) > 1:
+                path = path.with_name(f"{path.stem}_{model}{path.suffix}")
+            path.write_text(json.dumps(doc, indent=1))
+        args.model = ",".join(models)
     comm.destroy_groups()
     dist.destroy_process_group()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The NCCL test suite and the GPU benchmarks, as run on the lent GPU machine (see docs/benchmarks.md).
 #
-#   benchmarks/device_suite.sh OUT_DIR [tests] [bench] [autotune] [twonode] [cache] [cpuauto]
+#   benchmarks/device_suite.sh OUT_DIR [tests] [bench] [autotune] [twonode] [twobytwo] [autonv] [cache] [cpuauto]
 #
 # Environment: NGPU (ranks; default every GPU, e.g. NGPU=2 with CUDA_VISIBLE_DEVICES=0,1),
 # AUTOTUNE_ARGS (extra arguments for autotune_training.py), PYTEST_K (a -k filter for tests),
@@ -15,6 +15,13 @@
 # The GPU machine has torch, lightning and grpcio but not the project, grpcio-health-checking,
 # grpcio-reflection or redis-py: wheels for those are carried in .whl/ (git-ignored) and the package is
 # put on PYTHONPATH through .ci/linktree. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+#
+# twobytwo (4 GPUs): two torchrun "nodes" of 2 GPUs each. Inside a node NCCL uses NVLink/P2P; between the
+# nodes NCCL sockets over `lo`, shaped to RATE as for twonode: each node has its own NCCL_HOSTID, so NCCL sees
+# two hosts (no P2P or SHM between them). NCCL_DEBUG=INFO goes to files under /tmp; the transport of every
+# channel connection (P2P inside a node, NET/Socket between) is counted per rank pair kind and written into
+# twobytwo.log. TWOBYTWO_MODELS, TWOBYTWO_ROUNDS and TWOBYTWO_VARIANTS override the defaults below.
+# autonv: the same variants on every GPU over NVLink (one node): auto against its choice and the best.
 #
 # cache and cpuauto use the host's CPUs only (a quiet 16-core machine): keyed vs unkeyed cache reads
 # (redis-server carried in .bin/), and algorithm="auto" on two CPU ranks in network namespaces at 1 Gbit/s
@@ -62,6 +69,45 @@ for what in "$@"; do
       for p in "${pids[@]}"; do wait "$p" || rc=1; done
       "$tc" qdisc del dev lo root || true
       cat "$out/twonode_rank0.log" ;;
+    twobytwo)
+      tc=.bin/tc; [ -x "$tc" ] || tc=$(command -v tc) || { echo "twobytwo: no tc; run benchmarks/carry_binaries.sh tc"; rc=2; continue; }
+      [ "$ngpu" -ge 4 ] || { echo "twobytwo: needs 4 GPUs, found $ngpu"; rc=2; continue; }
+      "$tc" qdisc replace dev lo root tbf rate "${RATE:-10gbit}" burst 8mb latency 50ms || { rc=1; continue; }
+      log="$out/twobytwo.log"; nccl=/tmp/twobytwo_nccl; rm -rf "$nccl"; mkdir -p "$nccl"
+      { echo "twobytwo: $(date -u +%FT%TZ), lo shaped to ${RATE:-10gbit} ($("$tc" qdisc show dev lo))"; } > "$log"
+      pids=()
+      for n in 0 1; do
+        CUDA_VISIBLE_DEVICES=$((2 * n)),$((2 * n + 1)) NCCL_HOSTID="twobytwo-node$n" NCCL_NET=Socket \
+        NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,NET \
+        NCCL_DEBUG_FILE="$nccl/node$n.%p.log" timeout "${TWOBYTWO_TIMEOUT:-360}" \
+        torchrun --nnodes 2 --node_rank "$n" --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29556 \
+          benchmarks/allreduce_vs_ddp.py --model "${TWOBYTWO_MODELS:-resnet50,100m,vgg16}" \
+          --rounds "${TWOBYTWO_ROUNDS:-14}" --warmup 2 --auto-warmup 2 --auto-trials 6 \
+          --variants "${TWOBYTWO_VARIANTS:-ddp,gradient_allreduce,bytegrad,bytegrad:hierarchical=0,decentralized,low_precision_decentralized,auto:gradient_allreduce+bytegrad+decentralized+low_precision_decentralized}" \
+          --json "$out/twobytwo.json" > "$out/twobytwo_node$n.log" 2>&1 &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p" || rc=1; done
+      "$tc" qdisc del dev lo root || true
+      {
+        echo "== NCCL transports (channel connections in NCCL_DEBUG=INFO, all communicators; node = NCCL_HOSTID)"
+        for f in "$nccl"/node*.log; do
+          [ -f "$f" ] || continue
+          echo "$(basename "$f"): hostid $(grep -m1 -o 'NCCL_HOSTID set by environment to [^ ]*' "$f" | awk '{print $NF}')," \
+            "P2P $(grep -c 'via P2P' "$f"), NET/Socket $(grep -c 'via NET/Socket' "$f"), SHM $(grep -c 'via SHM' "$f")"
+        done
+        echo "== examples"
+        cat "$nccl"/node*.log 2>/dev/null | grep -m3 'via P2P'
+        cat "$nccl"/node*.log 2>/dev/null | grep -m3 'via NET/Socket'
+        echo "== node 0"; cat "$out/twobytwo_node0.log"
+      } >> "$log"
+      cat "$log" ;;
+    autonv)
+      timeout "${AUTONV_TIMEOUT:-200}" torchrun --nproc_per_node "$ngpu" benchmarks/allreduce_vs_ddp.py \
+        --model "${AUTONV_MODELS:-resnet50,100m,vgg16}" --rounds "${AUTONV_ROUNDS:-30}" --warmup 3 \
+        --auto-warmup 2 --auto-trials 6 \
+        --variants "ddp,gradient_allreduce,bytegrad,decentralized,low_precision_decentralized,auto:gradient_allreduce+bytegrad+decentralized+low_precision_decentralized" \
+        --json "$out/autonv_${ngpu}gpu.json" 2>&1 | tee "$out/autonv_${ngpu}gpu.log" || rc=1 ;;
     cache)
       PATH="$PWD/.bin:$PATH" python3 benchmarks/cache_throughput.py --variants c,k --repeats 15 2>&1 \
         | tee "$out/cache_keyed.log" || rc=1 ;;

@@ -192,6 +192,7 @@ class AlgorithmDriver:
             check_plan(plan, named)
         algorithm.flatten = flatten
         self.initial_plan = plan
+        algorithm._hand_over = self._take_over
         algorithm.setup(module, comm, plan)
         algorithm._driven = True
         for _, p in named:
@@ -249,6 +250,15 @@ class AlgorithmDriver:
         finally:
             self._sync = previous
 
+    def _take_over(self, algorithm: Algorithm) -> None:
+        """Drive ``algorithm`` (set up on this module by the algorithm driven now) directly from now on.
+
+        ``auto`` hands its choice over so: its hooks then run as if the user had picked it, with nothing of
+        ``auto`` left between the driver and the chosen algorithm."""
+        self.algorithm._hand_over = None
+        algorithm._driven = True
+        self.algorithm = algorithm
+
     # ------------------------------------------------------------------ optimizers and plans
 
     def attach_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -286,6 +296,7 @@ class AlgorithmDriver:
         self._hooks, self._step_hooks = [], []
         if not self._closed:
             self._closed = True
+            self.algorithm._hand_over = None
             self.algorithm.teardown()
             self.algorithm._driven = False
 

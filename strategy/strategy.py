@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from ..core.errors import ConfigurationError
 from ..core.services_file import resolve_autotune_address
+from ..engine.algorithms.auto import AutoAlgorithm, auto_settings
 from ..engine.algorithms.base import (
     Algorithm,
     AlgorithmOptimizerError,
@@ -50,7 +51,7 @@ from ..engine.autotune import (
     batch_size_of,
 )
 from ..engine.autotune.advice import algorithm_advice
-from ..engine.autotune.selection import DEFAULT_CANDIDATES, AlgorithmSelector, AutoSettings, Selection
+from ..engine.autotune.selection import AutoSettings, Selection
 from ..engine.comm import CommContext
 from ..engine.ddp import BaguaDistributedDataParallel
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
@@ -71,8 +72,8 @@ class BaguaStrategy(DDPStrategy):
     Args:
         algorithm: ``"gradient_allreduce"``, ``"bytegrad"``, ``"decentralized"``,
             ``"low_precision_decentralized"``, ``"qadam"`` or ``"async"``; or ``"auto"``: measure
-            ``auto_candidates`` while training and keep the fastest
-            (:mod:`bagua_lightning.engine.autotune.selection`).
+            ``auto_candidates`` while training and keep the fastest (engine algorithm ``auto``; what it
+            times: :mod:`bagua_lightning.engine.autotune.selection`).
         flatten: communicate flat buckets with gradients as views of them (no copy).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for ``DDPStrategy``.
@@ -95,10 +96,12 @@ class BaguaStrategy(DDPStrategy):
             most 200 characters); None: the LightningModule's class name and a fingerprint of
             its parameters. Each job has its own tuning session whatever the name (keyed by the
             launcher's run id); jobs of the same model and world size share their best plans.
-        auto_candidates: with ``algorithm="auto"``: the algorithms to measure; None: gradient_allreduce
-            and bytegrad. Add decentralized, low_precision_decentralized or async to widen the search.
+        auto_candidates: with ``algorithm="auto"``: the algorithms to measure (any registered one that needs
+            no optimizer of its own); None: gradient_allreduce and bytegrad. Add decentralized,
+            low_precision_decentralized or async to widen the search.
         auto_warmup_steps: with ``algorithm="auto"``: untimed steps after each switch.
-        auto_trial_steps: with ``algorithm="auto"``: timed steps per candidate (their median counts).
+        auto_trial_steps: with ``algorithm="auto"``: timed steps per candidate (forward start to optimizer
+            step end, spread over two mirrored rounds; their median counts).
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``,
             ``average``, ``peer_selection_mode``, ``sync_interval_ms``); unknown ones
             raise :class:`~bagua_lightning.core.errors.ConfigurationError` listing the accepted ones.
@@ -136,20 +139,15 @@ class BaguaStrategy(DDPStrategy):
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ConfigurationError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
         self._auto: AutoSettings | None = None
-        if algorithm == "auto":
-            self._auto = AutoSettings(
-                candidates=DEFAULT_CANDIDATES if auto_candidates is None else tuple(auto_candidates),
-                warmup_steps=auto_warmup_steps, trial_steps=auto_trial_steps)
-            for name in self._auto.candidates:  # the algorithm's keyword arguments go to every candidate
-                try:
-                    get_algorithm_class(name).from_kwargs(**bagua_kwargs)
-                except ConfigurationError as exc:
-                    raise ConfigurationError(f"algorithm='auto': candidate {name!r} refuses the arguments "
-                                             f"given: {exc}") from None
+        if algorithm == "auto":  # the algorithm's keyword arguments go to every candidate
+            self._auto = auto_settings(auto_candidates, auto_warmup_steps, auto_trial_steps, prefix="auto_",
+                                       candidate_kwargs=bagua_kwargs)
         elif auto_candidates is not None:
             raise ConfigurationError(f"auto_candidates={list(auto_candidates)} needs algorithm='auto' "
                                      f"(algorithm={algorithm!r} is fixed).")
-        self._algorithm_class = get_algorithm_class(self._auto.candidates[0] if self._auto else algorithm)
+        names = self._auto.candidates if self._auto is not None else (algorithm,)
+        self._algorithm_classes = [get_algorithm_class(name) for name in names]
+        self._algorithm_class = self._algorithm_classes[0]
         self._algorithm_class.from_kwargs(**bagua_kwargs)  # validate now, not at fit
         if not isinstance(autotune, bool):
             raise ConfigurationError(f"autotune must be a bool, got {autotune!r}")
@@ -175,9 +173,8 @@ class BaguaStrategy(DDPStrategy):
         self._resume_autotune: AutotuneState | None = None  # from the checkpoint a fit resumes
         self._logged_step = -1
         self.autotune_summary: AutotuneSummary | None = None
-        self._selector: AlgorithmSelector | None = None
-        #: What ``algorithm="auto"`` measured and chose (None for a fixed algorithm).
-        self.selection: Selection | None = None
+        self._auto_algorithm: AutoAlgorithm | None = None  # the fit's ``auto`` (kept after it: its selection)
+        self._auto_reported = False
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -188,8 +185,7 @@ class BaguaStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        #: The algorithm driving the model (with ``algorithm="auto"``: the one measured or chosen).
-        self.algorithm_name = self._auto.candidates[0] if self._auto is not None else algorithm
+        self._algorithm_name = names[0]
         self.flatten = flatten
         self.autotune = autotune
         self.bucket_size = bucket_size
@@ -222,11 +218,12 @@ class BaguaStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         precision = getattr(self.precision_plugin, "precision", None)
-        refused = self._algorithm_class.unsupported_precisions.get(str(precision))
-        if trainer.state.fn == TrainerFn.FITTING and refused is not None:
-            raise MisconfigurationException(
-                f"Bagua {self.algorithm_name} does not support precision={precision!r} ({refused})."
-            )
+        for cls in self._algorithm_classes:
+            refused = cls.unsupported_precisions.get(str(precision))
+            if trainer.state.fn == TrainerFn.FITTING and refused is not None:
+                raise MisconfigurationException(
+                    f"Bagua {cls.name} does not support precision={precision!r} ({refused})."
+                )
         super().setup(trainer)
         wrapper = self.bagua_module
         if wrapper is not None:
@@ -236,7 +233,7 @@ class BaguaStrategy(DDPStrategy):
                 raise MisconfigurationException(str(exc)) from exc
             fitting = trainer.state.fn == TrainerFn.FITTING
             if self._auto is not None and fitting:
-                self._start_selection(wrapper)
+                rank_zero_info(self._auto.plan_line())
             elif self._autotune_settings is not None and fitting:
                 self._start_autotune(wrapper)
 
@@ -250,6 +247,9 @@ class BaguaStrategy(DDPStrategy):
         if self._comm is None:
             raise RuntimeError("BaguaStrategy: the process group is not set up; setup_environment must run first")
         algorithm: Algorithm = self._algorithm_class.from_kwargs(**self._bagua_kwargs)
+        if self._auto is not None:  # the one ``auto``: the registered engine algorithm
+            algorithm = self._auto_algorithm = AutoAlgorithm.of(self._auto, self._bagua_kwargs)
+            self._auto_reported = False
         self.model = BaguaDistributedDataParallel(
             self.model, algorithm, self._comm, flatten=self.flatten, bucket_size=self.bucket_size
         )
@@ -264,6 +264,19 @@ class BaguaStrategy(DDPStrategy):
         """The running algorithm instance (None outside ``fit``)."""
         module = self.bagua_module
         return module.algorithm if module is not None else None
+
+    @property
+    def algorithm_name(self) -> str:
+        """The algorithm driving the model (``algorithm="auto"``: the candidate measured now, then the one kept)."""
+        algorithm, chosen = self.algorithm, self.selection.chosen if self.selection is not None else None
+        if algorithm is not None:
+            return algorithm.current_name if isinstance(algorithm, AutoAlgorithm) else algorithm.name
+        return chosen or self._algorithm_name
+
+    @property
+    def selection(self) -> Selection | None:
+        """What ``algorithm="auto"`` measured and chose (None for a fixed algorithm, or before the fit)."""
+        return self._auto_algorithm.selection if self._auto_algorithm is not None else None
 
     # ------------------------------------------------------------------ autotune hook points
 
@@ -286,36 +299,24 @@ class BaguaStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ autotune
 
-    def _start_selection(self, wrapper: BaguaDistributedDataParallel) -> None:
-        assert self._auto is not None and self._comm is not None
-
-        def switch(name: str) -> None:
-            wrapper.switch_algorithm(get_algorithm_class(name).from_kwargs(**self._bagua_kwargs))
-            self.algorithm_name = name
-
-        self._selector = AlgorithmSelector(self._auto, switch, group=self._comm.group,
-                                           device=self.root_device if self._comm.is_nccl else torch.device("cpu"))
-        self.selection = self._selector.selection
-        rank_zero_info(f"algorithm='auto': measuring {', '.join(self._auto.candidates)} "
-                       f"({self._auto.warmup_steps} + {self._auto.trial_steps} steps each), then keeping the fastest")
-
-    def _selection_step(self, step: int) -> None:
-        assert self._selector is not None
-        chosen = self._selector.on_batch_start(step)
-        if chosen is None:
+    def _report_choice(self) -> None:
+        """Once ``auto`` has chosen (seen at the next batch start): the summary line, the loggers, and the
+        chosen algorithm's buckets tuned as a fixed algorithm's would be."""
+        selection = self.selection
+        if self._auto_reported or selection is None or selection.chosen is None:
             return
-        self.selection = chosen
-        rank_zero_info(f"algorithm='auto' chose {chosen.chosen} at step {step}: {chosen.reason()}")
+        self._auto_reported = True
+        rank_zero_info(selection.line())
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and self.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(chosen.metrics(), step=trainer.global_step)
+                logger.log_metrics(selection.metrics(), step=trainer.global_step)
         wrapper = self.bagua_module
         if self._autotune_settings is not None and wrapper is not None:
             if wrapper.algorithm.uses_gradient_buckets:
-                self._start_autotune(wrapper)  # the chosen algorithm's buckets tuned as a fixed one's
+                self._start_autotune(wrapper)
             else:
-                rank_zero_info(f"autotune: {chosen.chosen} communicates no gradient buckets; nothing left to tune")
+                rank_zero_info(f"autotune: {selection.chosen} communicates no gradient buckets; nothing left to tune")
 
     def _start_autotune(self, wrapper: BaguaDistributedDataParallel) -> None:
         assert self._autotune_settings is not None and self._comm is not None
@@ -364,8 +365,8 @@ class BaguaStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if self._selector is not None and not self._selector.done:
-            self._selection_step(trainer.global_step)
+        if self._auto_algorithm is not None and not self._auto_reported:
+            self._report_choice()
         if self._autotune is not None:
             self._log_autotune(self._autotune.on_batch_start(trainer.global_step, batch_size_of(batch)))
         self._log_training_metrics(trainer)
@@ -385,6 +386,8 @@ class BaguaStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        if self._auto_algorithm is not None:
+            self._report_choice()  # a choice made at the last step
         if self._autotune is not None:
             advice = algorithm_advice(self.algorithm_name, selection=self.selection,
                                       measured=self._autotune.last_measured, last_step=self.last_step_timings(),
@@ -392,7 +395,6 @@ class BaguaStrategy(DDPStrategy):
             self.autotune_summary = dataclasses.replace(self._autotune.summary(), advice=advice or "")
             rank_zero_info(self.autotune_summary.line())
             self._stop_autotune()
-        self._selector = None
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -450,7 +452,6 @@ class BaguaStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._stop_autotune()
-        self._selector = None
         module = self.bagua_module
         if module is not None:
             module.teardown()

@@ -89,6 +89,10 @@ class Algorithm(abc.ABC):
     plan_is_default: bool = True
     #: True while an AlgorithmDriver drives this instance (one model per instance).
     _driven: bool = False
+    #: Set by the driving :class:`~bagua_lightning.engine.ddp.AlgorithmDriver` before ``setup``: hands the
+    #: module to another algorithm instance, already set up on it, which the driver then calls directly
+    #: (``auto`` leaves the step path so once it has chosen). None when nothing drives this instance.
+    _hand_over: Callable[[Algorithm], None] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Algorithm:
@@ -188,6 +192,10 @@ class AlgorithmSpec:
     #: Engine attributes Bagua's classes read through, e.g. ``auto``'s ``selection``: on ``<bagua_name>Impl``
     #: its engine instance's; on the ``<bagua_name>`` factory, those of the model it was last reified for.
     exposed: tuple[str, ...] = ()
+    #: True when the algorithm can take a model over from another one between two steps and hand it on
+    #: (tear down, set up on the same module and optimizers): ``auto`` may measure it when it also needs no
+    #: optimizer of its own. False for ``auto`` itself.
+    switchable: bool = True
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or not self.bagua_name.isidentifier():
@@ -209,6 +217,7 @@ def register_algorithm(
     optimizer_arg: str | None = None,
     module_methods: tuple[str, ...] = (),
     exposed: tuple[str, ...] = (),
+    switchable: bool = True,
 ) -> Callable[[type[_A]], type[_A]]:
     """Class decorator: the one registration of an engine algorithm (see :class:`AlgorithmSpec`).
 
@@ -217,7 +226,7 @@ def register_algorithm(
     """
     spec = AlgorithmSpec(name=name, description=description, bagua_name=bagua_name,
                          bucket_state=dict(bucket_state or {}), optimizer_arg=optimizer_arg,
-                         module_methods=module_methods, exposed=exposed)
+                         module_methods=module_methods, exposed=exposed, switchable=switchable)
 
     def register(cls: type[_A]) -> type[_A]:
         taken = ALGORITHMS.get(name)
@@ -240,6 +249,13 @@ def register_algorithm(
 def algorithm_classes() -> dict[str, type[Algorithm]]:
     """Every registered algorithm by name (importing this package registered each of its modules)."""
     return dict(ALGORITHMS)
+
+
+def switchable_algorithms() -> list[str]:
+    """The algorithms ``auto`` may measure, in registration order: those that need no optimizer of their own
+    and accept a switch (:attr:`AlgorithmSpec.switchable`). Derived from the registry, so a new algorithm's
+    file is all it takes for ``auto`` to try it."""
+    return [name for name, cls in ALGORITHMS.items() if cls.spec.switchable and cls.spec.optimizer_arg is None]
 
 
 def get_algorithm_class(name: str) -> type[Algorithm]:

@@ -74,7 +74,7 @@ def measured_advice(selection: Selection | None) -> str | None:
     best = times[chosen]
     ratio = times[other] / best if best > 0 else float("inf")
     return (f"algorithm='auto' kept {chosen}: {chosen} was {ratio:.2f}x as fast as {other} here (measured in "
-            f"flight: {best:.1f} vs {times[other]:.1f} ms/step)")
+            f"flight, forward start to optimizer step end: {best:.1f} vs {times[other]:.1f} ms/step)")
 
 
 def _measured_elsewhere(algorithm: str, earlier: Selection | None) -> tuple[str, float] | None:

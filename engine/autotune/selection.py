@@ -2,21 +2,29 @@
 
 The one knob with a 3-4x effect where the network is the bottleneck is the algorithm itself (bytegrad
 sends a quarter of gradient_allreduce's bytes), and on NVLink none of them is faster than allreduce. So
-the job measures instead of guessing:
+the job measures instead of guessing (:class:`AlgorithmSelector`, driven by the registered engine algorithm
+``auto``, :mod:`bagua_lightning.engine.algorithms.auto`, behind both ``BaguaStrategy(algorithm="auto")`` and
+``with_bagua(..., AutoAlgorithm(...))``):
 
-1. every candidate, in the order given, drives the model for ``warmup_steps`` untimed steps (buckets,
-   communicators and compression kernels warm up), then ``trial_steps`` timed steps; each step is the
-   time between two batch starts, taken after a device synchronisation, so the GPU's queue is counted;
-2. after the last trial every rank contributes its median step time per candidate and the group takes the
-   maximum per candidate (a job is as slow as its slowest rank); every rank then picks the argmin of the
-   same numbers, so all ranks choose the same algorithm without a broadcast, at the same step;
-3. the chosen algorithm drives the rest of the training (its bucket plan then tuned as a fixed
-   algorithm's would be, with ``autotune=True``).
+1. **What is timed is the step, not the loop**: from the start of a training forward to the end of the
+   last ``optimizer.step()`` of that step, so the backward, the communication it leaves exposed and the
+   algorithm's own work at the step's ends are in, and whatever the loop does between steps (data loading,
+   validation, logging, checkpoints) is not. On GPU with CUDA events on the current stream, read only when
+   the choice is made (no synchronisation in the steps); on CPU with the monotonic clock.
+2. **The trial steps are spread** so that the job's warm-up and the machine's drift fall on every candidate
+   alike: each candidate's ``trial_steps`` are split over two rounds run in mirrored order, A B C | C B A
+   (linear drift then weighs the same on every candidate), each visit after ``warmup_steps`` untimed steps
+   (buckets, communicators and compression kernels warm up; the last candidate of the first round goes
+   straight on into the second).
+3. **The slowest rank decides**: each rank takes the median of each candidate's timed steps, the group takes
+   the maximum per candidate (a job is as slow as its slowest rank), and every rank picks the argmin of the
+   same numbers: the same algorithm on every rank, at the same step, without a broadcast.
+4. The chosen algorithm then drives the rest of the training as if picked by hand: ``auto`` hands it to the
+   driver and leaves the step path (no timing, synchronisation or indirection left behind).
 
-Switching happens between two steps through
-:meth:`~bagua_lightning.engine.ddp.BaguaDistributedDataParallel.switch_algorithm`, which averages the
-replicas after an algorithm that let them drift (decentralized, async). The default candidates are the
-synchronous algorithms whose result equals or approximates allreduce's; the others are opt-in.
+The default candidates are the synchronous algorithms whose result equals or approximates allreduce's; the
+others are opt-in. Which algorithms may be candidates is derived from the registry
+(:func:`~bagua_lightning.engine.algorithms.base.switchable_algorithms`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,9 +46,8 @@ log = logging.getLogger(__name__)
 #: Candidates measured when the user names none: the result equals (gradient_allreduce) or approximates
 #: (bytegrad, MinMax uint8 gradients) an allreduce of the gradients.
 DEFAULT_CANDIDATES = ("gradient_allreduce", "bytegrad")
-#: What may be measured: every algorithm that needs nothing beyond the model and its optimizers (qadam
-#: needs its own optimizer, so it cannot be switched to in flight).
-SELECTABLE = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "async")
+#: How many rounds a candidate's trial steps are spread over (mirrored order: A B | B A).
+ROUNDS = 2
 
 
 @dataclass(kw_only=True)
@@ -47,10 +55,11 @@ class AutoSettings:
     """How ``algorithm="auto"`` measures.
 
     Attributes:
-        candidates: algorithm names to measure, in this order (the first also drives the warm-up of the
-            job); default :data:`DEFAULT_CANDIDATES`.
+        candidates: algorithm names to measure (the first also drives the warm-up of the job); default
+            :data:`DEFAULT_CANDIDATES`. Which names exist is checked by ``auto`` against the registry.
         warmup_steps: untimed steps after each switch, >= 1.
-        trial_steps: timed steps per candidate, >= 3 (the median of them is its step time).
+        trial_steps: timed steps per candidate, >= 3 (the median of them is its step time), spread over
+            :data:`ROUNDS` rounds.
         prefix: how the front door spells these arguments, for error messages (``BaguaStrategy``'s
             ``auto_candidates``; ``""`` for ``AutoAlgorithm(candidates=...)``).
     """
@@ -66,11 +75,6 @@ class AutoSettings:
             raise ConfigurationError(f"{p}candidates={self.candidates!r}; give a list of algorithm names, "
                                      f"e.g. {list(DEFAULT_CANDIDATES)}.")
         self.candidates = tuple(self.candidates)
-        unknown = [c for c in self.candidates if c not in SELECTABLE]
-        if unknown:
-            raise ConfigurationError(
-                f"{p}candidates has {unknown}, which algorithm='auto' cannot measure; choose from "
-                f"{list(SELECTABLE)} (qadam needs its own optimizer: use algorithm='qadam').")
         if not self.candidates or len(set(self.candidates)) != len(self.candidates):
             raise ConfigurationError(f"{p}candidates={list(self.candidates)}; name each algorithm once, at "
                                      "least one.")
@@ -84,10 +88,41 @@ class AutoSettings:
             raise ConfigurationError(f"{p}trial_steps={self.trial_steps}; give at least 3 (a median of fewer "
                                      "steps is noise).")
 
+    def blocks(self) -> list[Block]:
+        """The trial schedule: each candidate's visits in order (A B C | C B A; C's two visits are one)."""
+        first = (self.trial_steps + 1) // 2
+        out = [Block(name, self.warmup_steps, first) for name in self.candidates]
+        for name in reversed(self.candidates):
+            if out[-1].candidate == name:  # no switch between the rounds: no second warm-up either
+                out[-1] = Block(name, out[-1].warmup, self.trial_steps)
+            else:
+                out.append(Block(name, self.warmup_steps, self.trial_steps - first))
+        return out
+
     @property
     def steps_to_decide(self) -> int:
         """Training steps until the choice is made."""
-        return len(self.candidates) * (self.warmup_steps + self.trial_steps)
+        return sum(b.warmup + b.timed for b in self.blocks())
+
+    def plan_line(self) -> str:
+        """What will be measured, for the log at the start of the fit."""
+        return (f"algorithm='auto': measuring {', '.join(self.candidates)} ({self.trial_steps} timed steps each "
+                f"over {ROUNDS} mirrored rounds, {self.warmup_steps} warm-up steps a visit), then keeping the fastest")
+
+    def measured(self, device: torch.device, ranks: int) -> str:
+        """What a candidate's step time is, in words (the summary line and the docs say the same)."""
+        clock = "CUDA events" if device.type == "cuda" else "monotonic clock"
+        return (f"step = forward start to optimizer step end ({clock}), median of {self.trial_steps} steps per "
+                f"candidate in {ROUNDS} mirrored rounds, slowest of {ranks} rank{'s' if ranks != 1 else ''}")
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One visit of a candidate: ``warmup`` untimed steps, then ``timed`` timed ones."""
+
+    candidate: str
+    warmup: int
+    timed: int
 
 
 def choose(step_ms: Sequence[float]) -> int:
@@ -106,12 +141,14 @@ class Selection:
         chosen: the candidate kept (None while measuring).
         decided_at: the training step at which it was switched to for good.
         job_id: the job that measured it, when it came from the autotune service ("" for this job's own).
+        measured: what a step time is (:meth:`AutoSettings.measured`; "" when not known).
     """
 
     step_ms: dict[str, float] = field(default_factory=dict)
     chosen: str | None = None
     decided_at: int | None = None
     job_id: str = ""
+    measured: str = ""
 
     def reason(self) -> str:
         """``bytegrad: 48.1 ms/step (kept); gradient_allreduce: 170.0 ms/step (3.53x slower)``."""
@@ -124,6 +161,11 @@ class Selection:
                 parts.append(f"{name}: {ms:.1f} ms/step ({ms / best:.2f}x slower)")
         return "; ".join(parts)
 
+    def line(self) -> str:
+        """The summary line: ``algorithm='auto' chose X at step N: <reason> (<what was measured>)``."""
+        head = f"algorithm='auto' chose {self.chosen} at step {self.decided_at}: {self.reason()}"
+        return f"{head} ({self.measured})" if self.measured else head
+
     def metrics(self) -> dict[str, float]:
         """For Lightning's loggers: each candidate's step time and the chosen index."""
         out = {f"bagua/auto/{name}_step_ms": ms for name, ms in self.step_ms.items()}
@@ -132,30 +174,61 @@ class Selection:
         return out
 
 
+class StepMarks:
+    """Time stamps of step ends: CUDA events on ``device``'s current stream, else the monotonic clock.
+
+    Events are only read by :meth:`elapsed_ms`, which the selector calls once, when it decides: the steps
+    themselves never wait for the device.
+    """
+
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.device = device
+        self._clock = clock
+
+    def mark(self) -> Any:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return self._clock()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        if self.device.type == "cuda":
+            end.synchronize()  # at once for all but the last step (events complete in stream order)
+            return float(start.elapsed_time(end))
+        return (end - start) * 1000.0
+
+
 class AlgorithmSelector:
-    """Drives the measurement of ``algorithm="auto"``; every rank creates one and calls it at every batch start.
+    """Drives the measurement of ``algorithm="auto"`` on one rank (every rank creates one).
+
+    Call :meth:`on_forward_start` before the candidate's own hook at the start of every training forward, and
+    :meth:`on_step_end` after every ``optimizer.step()``.
 
     Args:
         settings: the candidates and trial lengths.
         switch: hands the model to the named algorithm (a fresh instance); called between steps.
         group: the process group whose ranks decide together (None: the default group).
-        device: where the group's collectives run (CUDA for NCCL, CPU for Gloo); its synchronisation times
-            the steps.
-        clock: seconds, monotonic.
+        device: where the model computes (CUDA: steps timed with CUDA events; else the clock).
+        reduce_device: where the group's collectives run (CUDA for NCCL, CPU for Gloo); default ``device``.
+        clock: seconds, monotonic (CPU timing).
     """
 
     def __init__(self, settings: AutoSettings, switch: Callable[[str], None], *,
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+                 reduce_device: torch.device | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.settings = settings
         self._switch = switch
         self._group = group
-        self._device = device or torch.device("cpu")
-        self._clock = clock
-        self._index = 0  # the candidate being measured; the model starts on candidates[0]
-        self._steps_on_candidate = 0
-        self._last: float | None = None
-        self._times: dict[str, list[float]] = {name: [] for name in settings.candidates}
+        self._marks = StepMarks(device or torch.device("cpu"), clock)
+        self._reduce_device = reduce_device or self._marks.device
+        self._blocks = settings.blocks()
+        self._block = 0
+        self._in_block = 0  # steps started in the current block
+        self._open: tuple[str, Any] | None = None  # (candidate, start mark) of the timed step under way
+        self._end: Any = None  # the latest optimizer step end of that step
+        self._samples: list[tuple[str, Any, Any]] = []
         self.selection = Selection()
 
     @property
@@ -165,44 +238,57 @@ class AlgorithmSelector:
     @property
     def current(self) -> str:
         """The algorithm driving the model now."""
-        return self.selection.chosen or self.settings.candidates[self._index]
+        return self.selection.chosen or self._blocks[self._block].candidate
 
-    def on_batch_start(self, step: int) -> Selection | None:
-        """Call at the start of every training batch (before its forward), on every rank.
+    def on_forward_start(self, step: int) -> Selection | None:
+        """Start of a training forward, before the candidate's hook; may switch candidates first.
 
         Returns the :class:`Selection` at the step where the choice is made, else None.
         """
         if self.done:
             return None
-        s = self.settings
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        now = self._clock()
-        timed = self._steps_on_candidate > s.warmup_steps  # the step that just ended was a trial step
-        if timed and self._last is not None:
-            self._times[self.current].append((now - self._last) * 1000.0)
-        self._last = now
-        if self._steps_on_candidate < s.warmup_steps + s.trial_steps:
-            self._steps_on_candidate += 1
-            return None
-        if self._index + 1 < len(s.candidates):  # next candidate
-            self._index += 1
-            self._steps_on_candidate = 1
-            self._switch(self.current)
-            self._last = self._clock()
-            return None
-        return self._decide(step)
+        self._close_step()
+        block = self._blocks[self._block]
+        if self._in_block == block.warmup + block.timed:
+            self._block += 1
+            if self._block == len(self._blocks):
+                return self._decide(step)
+            previous, block = block, self._blocks[self._block]
+            if block.candidate != previous.candidate:
+                self._switch(block.candidate)
+            self._in_block = 0
+        if self._in_block >= block.warmup:
+            self._open = (block.candidate, self._marks.mark())
+        self._in_block += 1
+        return None
+
+    def on_step_end(self) -> None:
+        """After an ``optimizer.step()`` (the last one of a step marks its end)."""
+        if self._open is not None:
+            self._end = self._marks.mark()
+
+    def _close_step(self) -> None:
+        if self._open is not None and self._end is not None:
+            self._samples.append((self._open[0], self._open[1], self._end))
+        self._open, self._end = None, None  # a step without an optimizer step is not counted
 
     def _decide(self, step: int) -> Selection:
         names = list(self.settings.candidates)
-        local = torch.tensor([statistics.median(self._times[n]) for n in names], dtype=torch.float64,
-                             device=self._device)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for name, start, end in self._samples:
+            times[name].append(self._marks.elapsed_ms(start, end))
+        self._samples.clear()
+        local = torch.tensor([statistics.median(times[n]) if times[n] else float("inf") for n in names],
+                             dtype=torch.float64, device=self._reduce_device)
+        ranks = 1
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)  # the job's pace: its slowest rank
+            ranks = dist.get_world_size(self._group)
         step_ms = [float(v) for v in local.cpu()]
         chosen = names[choose(step_ms)]
-        self.selection = Selection(step_ms=dict(zip(names, step_ms, strict=True)), chosen=chosen, decided_at=step)
-        if chosen != names[-1]:
+        self.selection = Selection(step_ms=dict(zip(names, step_ms, strict=True)), chosen=chosen, decided_at=step,
+                                   measured=self.settings.measured(self._marks.device, ranks))
+        if chosen != self._blocks[-1].candidate:
             self._switch(chosen)
-        log.info("algorithm='auto' chose %s at step %d: %s", chosen, step, self.selection.reason())
+        log.info("%s", self.selection.line())
         return self.selection

@@ -53,11 +53,13 @@ class Record(Model):
     def __init__(self) -> None:
         super().__init__()
         self.algorithms: list[str] = []
+        self.driven: list[str] = []
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = self.trainer.strategy
         assert isinstance(strategy, BaguaStrategy)
         self.algorithms.append(strategy.algorithm_name)
+        self.driven.append(type(strategy.algorithm).__name__)
 
 
 def auto_fit(out: Path) -> dict[str, Any]:
@@ -70,7 +72,7 @@ def auto_fit(out: Path) -> dict[str, Any]:
     assert selection is not None
     logged = logger.keys
     return {"chosen": selection.chosen, "step_ms": selection.step_ms, "decided_at": selection.decided_at,
-            "reason": selection.reason(), "algorithms": model.algorithms, "algorithm_name": strategy.algorithm_name,
+            "reason": selection.reason(), "algorithms": model.algorithms, "driven": model.driven, "algorithm_name": strategy.algorithm_name,
             "losses": model.losses, "params": flat_params(model).tolist(), "logged": sorted(logged)}
 
 

@@ -51,7 +51,7 @@ def test_under_auto_the_advice_is_the_measured_ratio() -> None:
     sel = Selection(step_ms={"gradient_allreduce": 170.0, "bytegrad": 50.0}, chosen="bytegrad", decided_at=26)
     advice = algorithm_advice("bytegrad", selection=sel, measured=DOMINATED)
     assert advice == ("algorithm='auto' kept bytegrad: bytegrad was 3.40x as fast as gradient_allreduce here "
-                      "(measured in flight: 50.0 vs 170.0 ms/step)")
+                      "(measured in flight, forward start to optimizer step end: 50.0 vs 170.0 ms/step)")
     # Without gradient_allreduce among the candidates the slowest is the baseline.
     sel = Selection(step_ms={"bytegrad": 50.0, "decentralized": 60.0, "async": 80.0}, chosen="bytegrad",
                     decided_at=3)

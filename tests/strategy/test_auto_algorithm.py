@@ -8,13 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.engine.algorithms.auto import auto_settings
+from bagua_lightning.engine.algorithms.base import switchable_algorithms
 from bagua_lightning.engine.autotune.selection import (
     DEFAULT_CANDIDATES,
     AlgorithmSelector,
     AutoSettings,
+    Block,
     Selection,
     choose,
 )
@@ -27,8 +31,10 @@ AUTOTUNE_WORKER = str(Path(__file__).with_name("auto_autotune_worker.py"))
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"candidates": ("gradient_allreduce", "qadam")}, r"\['qadam'\], which algorithm='auto' cannot measure"),
+    ({"candidates": ("gradient_allreduce", "qadam")},
+     r"auto_candidates has \['qadam'\], which algorithm='auto' cannot measure.*qadam needs its own optimizer"),
     ({"candidates": ("nope",)}, r"\['nope'\]"),
+    ({"candidates": ("auto",)}, r"\['auto'\], which algorithm='auto' cannot measure"),
     ({"candidates": ()}, "name each algorithm once, at least one"),
     ({"candidates": ("bytegrad", "bytegrad")}, "name each algorithm once"),
     ({"candidates": "bytegrad"}, "give a list of algorithm names"),
@@ -38,13 +44,23 @@ AUTOTUNE_WORKER = str(Path(__file__).with_name("auto_autotune_worker.py"))
 ])
 def test_settings_refuse_what_cannot_be_measured(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigurationError, match=match):
-        AutoSettings(**kwargs)
+        auto_settings(kwargs.get("candidates"), kwargs.get("warmup_steps", 3), kwargs.get("trial_steps", 10),
+                      prefix="auto_")
+
+
+def test_candidates_come_from_the_registry() -> None:
+    # Every registered algorithm that needs no optimizer of its own and accepts a switch; not qadam, not auto.
+    assert set(switchable_algorithms()) == {"gradient_allreduce", "bytegrad", "decentralized",
+                                            "low_precision_decentralized", "async"}
 
 
 def test_defaults_are_the_allreduce_like_algorithms() -> None:
     s = AutoSettings()
     assert s.candidates == DEFAULT_CANDIDATES == ("gradient_allreduce", "bytegrad")
-    assert s.steps_to_decide == 2 * (s.warmup_steps + s.trial_steps)
+    # A B | B A: each candidate's 10 timed steps in two halves; B's two visits are one (no switch between).
+    assert s.blocks() == [Block("gradient_allreduce", 3, 5), Block("bytegrad", 3, 10), Block("gradient_allreduce", 3, 5)]
+    assert s.steps_to_decide == 29
+    assert "forward start to optimizer step end (monotonic clock)" in s.measured(torch.device("cpu"), 2)
 
 
 def test_strategy_arguments_are_checked_at_construction() -> None:
@@ -75,9 +91,10 @@ def test_selection_explains_itself() -> None:
     assert Selection().reason() == "still measuring"
 
 
-def test_selector_measures_each_candidate_then_keeps_the_fastest() -> None:
+def test_selector_times_the_step_not_the_loop_and_spreads_the_trials() -> None:
     a, b, c = "gradient_allreduce", "bytegrad", "decentralized"
-    cost = {a: 0.030, b: 0.010, c: 0.020}  # seconds per step
+    cost = {a: 0.030, b: 0.010, c: 0.020}  # seconds per step (forward start to optimizer step end)
+    loop = {a: 0.0, b: 0.500, c: 0.0}  # other work in the loop between steps: the fastest step has the most
     now = [0.0]
     running = [a]
     switches: list[tuple[int, str]] = []
@@ -91,16 +108,21 @@ def test_selector_measures_each_candidate_then_keeps_the_fastest() -> None:
                                  clock=lambda: now[0])
     decided = None
     for step[0] in range(40):
-        got = selector.on_batch_start(step[0])
+        got = selector.on_forward_start(step[0])
         if got is not None:
             decided = got
         assert selector.current == running[0]
         # A warm-up step after a switch is slow (buckets, communicators): never counted.
         now[0] += cost[running[0]] * (10 if switches and step[0] == switches[-1][0] else 1)
-    assert switches == [(6, b), (12, c), (18, b)]
-    assert decided is not None and decided.chosen == b and decided.decided_at == 18
+        selector.on_step_end()
+        now[0] += loop[running[0]]
+    # A (2+2) B (2+2) C (2+4) B (2+2) A (2+2), then the fastest step: b.
+    assert switches == [(4, b), (8, c), (14, b), (18, a), (22, b)]
+    assert decided is not None and decided.chosen == b and decided.decided_at == 22
     assert decided.step_ms == pytest.approx({a: 30.0, b: 10.0, c: 20.0})
-    assert selector.done and selector.on_batch_start(41) is None
+    assert "median of 4 steps per candidate in 2 mirrored rounds" in decided.measured
+    assert decided.line().startswith("algorithm='auto' chose bytegrad at step 22: bytegrad: 10.0 ms/step (kept)")
+    assert selector.done and selector.on_forward_start(41) is None
 
 
 def _results(tmp_path: Path, n: int) -> list[dict[str, Any]]:
@@ -122,11 +144,15 @@ def test_auto_under_lightning_and_switching_on_two_gloo_ranks(tmp_path: Path) ->
     step_ms = fits[0]["step_ms"]
     assert list(step_ms) == ["gradient_allreduce", "bytegrad", "decentralized"]
     assert fits[0]["chosen"] == min(step_ms, key=step_ms.get)
-    assert fits[0]["decided_at"] == 12  # 3 candidates x (1 warm-up + 3 timed steps)
+    # A (1+2) B (1+2) C (1+3) B (1+1) A (1+1): 3 timed steps each over two mirrored rounds.
+    assert fits[0]["decided_at"] == 14
+    a, b, c = step_ms
     for fit in fits:
-        # Each candidate drove its 4 steps in order, then the chosen one drove the rest.
-        assert fit["algorithms"] == [n for n in step_ms for _ in range(4)] + [fit["chosen"]] * 4
+        # Each candidate drove its visits in order, then the chosen one drove the rest.
+        assert fit["algorithms"] == [a] * 3 + [b] * 3 + [c] * 4 + [b] * 2 + [a] * 2 + [fit["chosen"]] * 2
         assert fit["algorithm_name"] == fit["chosen"]
+        # Handed over: the wrapper drives the chosen algorithm itself, nothing of auto in between.
+        assert fit["driven"][:14] == ["AutoAlgorithm"] * 14 and "AutoAlgorithm" not in fit["driven"][14:]
         assert all(x == x and x < 10 for x in fit["losses"])  # finite, no blow-up from the switches
     # Rank 0 logs through Lightning's loggers.
     assert "bagua/auto/chosen_index" in fits[0]["logged"]
@@ -164,6 +190,7 @@ def test_auto_with_autotune_reports_its_choice_to_the_service(tmp_path: Path) ->
     other = "bytegrad" if fit["chosen"] == "gradient_allreduce" else "gradient_allreduce"
     ratio = fit["step_ms"][other] / fit["step_ms"][fit["chosen"]]
     assert fit["advice"] == (f"algorithm='auto' kept {fit['chosen']}: {fit['chosen']} was {ratio:.2f}x as fast as "
-                             f"{other} here (measured in flight: {fit['step_ms'][fit['chosen']]:.1f} vs "
+                             f"{other} here (measured in flight, forward start to optimizer step end: "
+                             f"{fit['step_ms'][fit['chosen']]:.1f} vs "
                              f"{fit['step_ms'][other]:.1f} ms/step)")
     assert fit["summary"].endswith(fit["advice"])

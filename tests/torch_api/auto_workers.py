@@ -1,8 +1,14 @@
-"""Rank program for the ``AutoAlgorithm`` tests: ``python auto_workers.py OUT_DIR CANDIDATES``, one per rank.
+"""Rank program for the ``AutoAlgorithm`` tests: ``python auto_workers.py OUT_DIR CANDIDATES [--busy-loop]``,
+one per rank.
 
 Wraps a small model with ``with_bagua`` and an ``AutoAlgorithm`` over the comma-separated candidates, trains
-past the choice and writes ``OUT_DIR/auto-rankN.json``: the choice, the measured step times, the log line
-and the parameters after training on the chosen algorithm.
+past the choice and writes ``OUT_DIR/auto-rankN.json``: the choice, the measured step times, the log line,
+the algorithm the driver calls after the choice and the parameters after training on the chosen algorithm.
+
+The candidate ``slow_allreduce`` is registered here, in this file only (an algorithm's own file is all
+``auto`` needs): gradient_allreduce whose backward takes SLOW_S longer. With ``--busy-loop`` the training
+loop itself sleeps BUSY_S after every step of gradient_allreduce (data loading, validation, logging...):
+work outside the step, which ``auto`` must not count.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,9 +26,21 @@ import torch.nn.functional as F
 from torch import nn
 
 import bagua_lightning.torch_api as bagua
+from bagua_lightning.engine.algorithms.base import register_algorithm
+from bagua_lightning.engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+from bagua_lightning.engine.autotune.selection import AutoSettings
 from bagua_lightning.torch_api.algorithms import AutoAlgorithm
 
 WARMUP, TRIALS = 1, 3
+SLOW_S, BUSY_S = 0.3, 1.0
+
+
+@register_algorithm(name="slow_allreduce", bagua_name="SlowAllReduceAlgorithm",
+                    description="gradient_allreduce with a slower backward (a test candidate)")
+class SlowAllReduce(GradientAllReduceAlgorithm):
+    def on_backward_end(self, step: int) -> None:
+        super().on_backward_end(step)
+        time.sleep(SLOW_S)
 
 
 class _Lines(logging.Handler):
@@ -33,7 +52,7 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def main(out: Path, candidates: list[str]) -> None:
+def main(out: Path, candidates: list[str], busy_loop: bool) -> None:
     bagua.init_process_group()
     rank = bagua.get_rank()
     lines = _Lines()
@@ -45,7 +64,7 @@ def main(out: Path, candidates: list[str]) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     algorithm = AutoAlgorithm(candidates=candidates, warmup_steps=WARMUP, trial_steps=TRIALS)
     model = model.with_bagua([opt], algorithm)
-    decide_at = len(candidates) * (WARMUP + TRIALS)  # forwards before the one that decides
+    decide_at = AutoSettings(candidates=tuple(candidates), warmup_steps=WARMUP, trial_steps=TRIALS).steps_to_decide
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     used: list[str] = []
     for _ in range(decide_at + 6):
@@ -55,11 +74,14 @@ def main(out: Path, candidates: list[str]) -> None:
         used.append(model.bagua_algorithm.engine.current_name)  # a forward may have switched it
         loss.backward()
         opt.step()
+        if busy_loop and used[-1] == "gradient_allreduce":
+            time.sleep(BUSY_S)  # the loop's own work, between two steps
     selection = algorithm.selection
     assert selection is model.bagua_algorithm.selection  # the factory reads its model's
     result = {
         "chosen": selection.chosen, "step_ms": selection.step_ms, "decided_at": selection.decided_at,
-        "reason": selection.reason(), "used": used, "log": lines.lines,
+        "reason": selection.reason(), "used": used, "log": lines.lines, "decide_at": decide_at,
+        "driven": type(model._bagua_driver.algorithm).__name__,
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     }
     (out / f"auto-rank{rank}.json").write_text(json.dumps(result))
@@ -70,4 +92,4 @@ def main(out: Path, candidates: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2].split(","))
+    main(Path(sys.argv[1]), sys.argv[2].split(","), "--busy-loop" in sys.argv[3:])

@@ -16,8 +16,8 @@ WORKER = Path(__file__).with_name("auto_workers.py")
 SYNCHRONOUS = {"gradient_allreduce", "bytegrad"}
 
 
-def _run(tmp_path: Path, candidates: list[str]) -> list[dict[str, Any]]:
-    run_ranks(str(WORKER), [str(tmp_path), ",".join(candidates)], world_size=2, log_dir=tmp_path, hide_cuda=True,
+def _run(tmp_path: Path, candidates: list[str], *extra: str) -> list[dict[str, Any]]:
+    run_ranks(str(WORKER), [str(tmp_path), ",".join(candidates), *extra], world_size=2, log_dir=tmp_path, hide_cuda=True,
               timeout_s=240, log_name="auto-log")
     return [json.loads((tmp_path / f"auto-rank{r}.json").read_text()) for r in range(2)]
 
@@ -31,9 +31,12 @@ def test_every_rank_keeps_the_same_measured_candidate(tmp_path: Path, candidates
     for r in results:
         assert list(r["step_ms"]) == candidates and r["step_ms"] == results[0]["step_ms"]  # the group's numbers
         assert all(ms > 0 for ms in r["step_ms"].values())
-        # Each candidate drove its trial (1 warm-up + 3 timed steps), then the kept one drove the rest.
-        assert r["used"][:8] == [candidates[0]] * 4 + [candidates[1]] * 4
-        assert set(r["used"][8:]) == {chosen}
+        # A (1+2) B (1+3) A (1+1): 3 timed steps each over two mirrored rounds, then the kept one.
+        a, b = candidates
+        assert r["decide_at"] == 9 and r["used"][:9] == [a] * 3 + [b] * 4 + [a] * 2
+        assert set(r["used"][9:]) == {chosen}
+        # Handed over: the driver calls the chosen algorithm itself, nothing of auto in between.
+        assert r["driven"] == get_algorithm_class(chosen).__name__
         assert any(f"chose {chosen}" in line for line in r["log"]), r["log"]
         assert f"{chosen}: " in r["reason"] and "(kept)" in r["reason"]
     if chosen in SYNCHRONOUS:  # trained on a synchronous algorithm since the switch: identical replicas
@@ -42,9 +45,22 @@ def test_every_rank_keeps_the_same_measured_candidate(tmp_path: Path, candidates
         assert results[0]["params"] != results[1]["params"]  # decentralized: each rank applies its own gradient
 
 
+def test_work_between_steps_does_not_change_the_choice(tmp_path: Path) -> None:
+    # gradient_allreduce's steps are fast, but the loop sleeps 1 s after each of them; slow_allreduce's steps
+    # take 0.3 s longer. Timing the loop would keep slow_allreduce; timing the step keeps gradient_allreduce.
+    # slow_allreduce is registered in the worker's file only: auto takes it from the registry.
+    results = _run(tmp_path, ["slow_allreduce", "gradient_allreduce"], "--busy-loop")
+    for r in results:
+        assert r["chosen"] == "gradient_allreduce" and r["step_ms"] == results[0]["step_ms"]
+        assert r["driven"] == "GradientAllReduceAlgorithm"
+        assert "forward start to optimizer step end" in r["log"][-1] and "slowest of 2 ranks" in r["log"][-1]
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"candidates": ["gradient_allreduce", "fastest"]}, r"\['fastest'\].*choose from"),
     ({"candidates": ["qadam"]}, r"qadam needs its own optimizer"),
+    ({"candidates": ["bytegrad"], "candidate_kwargs": {"peer_selection_mode": "all"}},
+     r"candidate 'bytegrad' refuses the arguments given"),
     ({"candidates": []}, r"candidates=\[\]; name each algorithm once, at least one"),
     ({"candidates": "bytegrad"}, r"candidates='bytegrad'; give a list"),
     ({"warmup_steps": 0}, r"warmup_steps=0; give at least 1"),
