@@ -19,12 +19,12 @@ import socket
 import subprocess
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 from pytest_docker.plugin import get_docker_services
 
 from tests.integration.compose import COMPOSE_FILE, ROOT
