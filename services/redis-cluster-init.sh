@@ -8,11 +8,22 @@
 #   BAGUA_LIGHTNING_REDIS_REPLICAS  ports of the replicas, one per master; used only when the first answers
 #   BAGUA_LIGHTNING_REDIS_INIT_TIMEOUT_S  deadline in seconds (default 60)
 #   REDISCLI_AUTH                   the nodes' password, if any (read by redis-cli itself)
+#   BAGUA_LIGHTNING_REDIS_PASSWORD_FILE  a file holding the password instead (a Compose secret)
+#   BAGUA_LIGHTNING_REDIS_TLS_CA, _CERT, _KEY  PEM files: speak TLS to the nodes with this client certificate
 #
 # Idempotent: a cluster that already serves every slot is left as it is. Exits 0 once all 16384 slots are
 # served by every master, 1 after the deadline.
 set -eu
+if [ -n "${BAGUA_LIGHTNING_REDIS_PASSWORD_FILE:-}" ]; then
+  REDISCLI_AUTH=$(cat "$BAGUA_LIGHTNING_REDIS_PASSWORD_FILE")
+  export REDISCLI_AUTH
+fi
 [ -n "${REDISCLI_AUTH:-}" ] || unset REDISCLI_AUTH
+tls=""
+if [ -n "${BAGUA_LIGHTNING_REDIS_TLS_CA:-}" ]; then
+  tls="--tls --cacert ${BAGUA_LIGHTNING_REDIS_TLS_CA} --cert ${BAGUA_LIGHTNING_REDIS_TLS_CERT:?set with _TLS_CA}"
+  tls="$tls --key ${BAGUA_LIGHTNING_REDIS_TLS_KEY:?set with _TLS_CA}"
+fi
 host=${BAGUA_LIGHTNING_REDIS_HOST:-127.0.0.1}
 masters=${BAGUA_LIGHTNING_REDIS_MASTERS:-7000 7001 7002}
 replicas=${BAGUA_LIGHTNING_REDIS_REPLICAS:-}
@@ -20,7 +31,8 @@ timeout_s=${BAGUA_LIGHTNING_REDIS_INIT_TIMEOUT_S:-60}
 first=${masters%% *}
 
 info_field() {  # info_field PORT FIELD: one field of CLUSTER INFO, empty when the node does not answer
-  redis-cli -h "$host" -p "$1" cluster info 2>/dev/null | tr -d '\r' | sed -n "s/^$2://p"
+  # shellcheck disable=SC2086  # $tls is a list of words on purpose
+  redis-cli $tls -h "$host" -p "$1" cluster info 2>/dev/null | tr -d '\r' | sed -n "s/^$2://p"
 }
 
 served() {
@@ -37,15 +49,16 @@ fi
 nodes=""
 for p in $masters; do nodes="$nodes $host:$p"; done
 per_master=0
-if [ -n "$replicas" ] && redis-cli -h "$host" -p "${replicas%% *}" ping >/dev/null 2>&1; then
+# shellcheck disable=SC2086
+if [ -n "$replicas" ] && redis-cli $tls -h "$host" -p "${replicas%% *}" ping >/dev/null 2>&1; then
   for p in $replicas; do nodes="$nodes $host:$p"; done
   per_master=1
 fi
 
 # Nodes that already hold slots cannot be joined again: create only while no slot is assigned.
 if [ "$(info_field "$first" cluster_slots_assigned)" = 0 ]; then
-  # shellcheck disable=SC2086  # $nodes is a list of words on purpose
-  redis-cli --cluster create $nodes --cluster-replicas "$per_master" --cluster-yes
+  # shellcheck disable=SC2086  # $tls and $nodes are lists of words on purpose
+  redis-cli $tls --cluster create $nodes --cluster-replicas "$per_master" --cluster-yes
 fi
 
 tries=0

@@ -5,7 +5,8 @@ Docker path: ``pytest-docker``'s ``docker_services`` runs ``docker compose up --
 top-level docker-compose.yml (fixed ports: 29600, 7000-7002) and ``down -v`` after. Native path:
 ``bagua-lightning up`` in a temporary state folder (``XDG_STATE_HOME`` and ``BAGUA_LIGHTNING_SERVICES_FILE``
 point there) on free ports, ``bagua-lightning down`` after, and whatever is still alive is killed by pid.
-Set ``BAGUA_LIGHTNING_TEST_DEPLOYMENT=native`` (or ``docker``) to force a path.
+The native path is the default; ``BAGUA_LIGHTNING_TEST_DEPLOYMENT=docker`` picks compose (its clients then
+need the deployment's TLS files: see test_compose_up.py, which runs the compose stack on its own).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _deployment_kind() -> str:
     forced = os.environ.get("BAGUA_LIGHTNING_TEST_DEPLOYMENT", "")
     if forced in ("native", "docker"):
         return forced
-    return "docker" if docker_engine_available() else "native"
+    # The compose stack serves TLS only; its own test (test_compose_up.py) runs it with the client files.
+    return "native"
 
 
 @dataclass(kw_only=True)

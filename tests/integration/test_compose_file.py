@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,9 +23,9 @@ import jsonschema
 import pytest
 
 from bagua_lightning.cli import build_parser
-from bagua_lightning.core.redis_server import DEFAULT_NODE_TIMEOUT_MS, NodeTLS, tls_port
+from bagua_lightning.core.redis_server import DEFAULT_NODE_TIMEOUT_MS, NodeTLS
 from bagua_lightning.core.services_file import DEFAULT_AUTOTUNE_ADDRESS
-from bagua_lightning.services import deploy, deploy_cli, redis_cli
+from bagua_lightning.services import deploy, deploy_cli
 from bagua_lightning.services.redis_cluster import DEFAULT_EVICTION_POLICY, NodeConfig
 from tests.integration.compose import (
     COMPOSE_FILE,
@@ -51,15 +52,18 @@ SETTINGS = {
     "BAGUA_LIGHTNING_AUTOTUNE_PORT": str(DEFAULT_AUTOTUNE_PORT),
     "BAGUA_LIGHTNING_REDIS_MAXMEMORY": "1gb",
     "BAGUA_LIGHTNING_REDIS_IMAGE": "redis:7.2-alpine",
+    "BAGUA_LIGHTNING_PYTHON_IMAGE": "python:3.11.14-slim-trixie",
+    "BAGUA_LIGHTNING_CLIENT_TLS_DIR": "./compose-tls",
     # Empty: `autotune serve` falls back to its own defaults (60 plans, 30 s warm-up, 5 s per plan).
     "BAGUA_LIGHTNING_AUTOTUNE_MAX_SAMPLES": "",
     "BAGUA_LIGHTNING_AUTOTUNE_WARMUP_TIME_S": "",
     "BAGUA_LIGHTNING_AUTOTUNE_SAMPLING_CONFIDENCE_TIME_S": "",
 }
-# Variables without a default: compose refuses to start without them (`${VAR:?message}`).
+# The secrets: Compose secrets made from these variables when a service that uses them starts (`up` refuses
+# to start such a service without them); no other command needs them.
 REQUIRED = {"BAGUA_LIGHTNING_REDIS_PASSWORD", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN"}
 SECRETS_ENV = {"BAGUA_LIGHTNING_REDIS_PASSWORD": "pw-0123", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN": "token-4567"}
-TLS_DIR = "/var/lib/bagua-lightning/redis-tls"
+TLS_DIR = "/var/lib/bagua-lightning/tls"
 CUSTOM_ENV = {
     "BAGUA_LIGHTNING_AUTOTUNE_TOKEN": "t0ken",
     "BAGUA_LIGHTNING_BIND_IP": "0.0.0.0",
@@ -126,11 +130,15 @@ def test_schema_check_catches_mistakes(compose: dict[str, Any]) -> None:
 
 def test_every_variable_is_a_documented_setting_with_a_default() -> None:
     found = variables()
-    assert set(found) == set(SETTINGS) | REQUIRED, "variables in docker-compose.yml differ from the documented settings"
+    assert set(found) == set(SETTINGS), "variables in docker-compose.yml differ from the documented settings"
+    secret_sources = {s["environment"] for s in raw_compose()["secrets"].values()}
+    assert secret_sources == REQUIRED
     header = COMPOSE_FILE.read_text().split("\nname:", 1)[0]
     docs = (ROOT / "docs" / "deployment.md").read_text()
+    for name in REQUIRED:
+        assert name in header and name in docs, f"{name} is not described"
     for name, defaults in found.items():
-        expected = {None} if name in REQUIRED else {SETTINGS[name]}
+        expected = {SETTINGS[name]}
         assert defaults == expected, f"{name} has defaults {defaults}, expected {expected}"
         assert name in header, f"{name} is not described in the comment at the top of docker-compose.yml"
         assert name in docs, f"{name} is not described in docs/deployment.md"
@@ -152,26 +160,29 @@ def test_custom_settings_reach_every_use(services: dict[str, dict[str, Any]]) ->
     assert {ip for ip, _, _ in ports} == {"0.0.0.0"}
     assert (None, 29777, 29777) in [(None, pub, tgt) for _, pub, tgt in ports]
     assert custom["autotune"]["command"][custom["autotune"]["command"].index("--port") + 1] == "29777"
-    assert "127.0.0.1:29777" in custom["autotune"]["healthcheck"]["test"]
-    assert custom["autotune"]["environment"]["BAGUA_LIGHTNING_REDIS_PASSWORD"] == "s3cret"
-    assert custom["autotune"]["environment"]["BAGUA_LIGHTNING_AUTOTUNE_TOKEN"] == "t0ken"
+    assert "127.0.0.1:29777" in custom["autotune"]["healthcheck"]["test"][1]
     for name in _redis_nodes(custom):
         d = redis_directives(custom[name]["command"])
         assert (d["maxmemory"], d["cluster-announce-ip"]) == ("256mb", "10.1.2.3")
-        assert custom[name]["environment"]["REDISCLI_AUTH"] == "s3cret"
-    assert custom["redis-init"]["environment"]["REDISCLI_AUTH"] == "s3cret"
-    assert "10.1.2.3" in custom["redis-certs"]["command"]
+    assert "10.1.2.3" in custom["certs"]["environment"]["BAGUA_LIGHTNING_TLS_HOSTS"].split()
 
 
 @pytest.mark.parametrize("missing", sorted(REQUIRED))
-def test_a_password_and_a_token_are_required(missing: str) -> None:
-    with pytest.raises(InterpolationError, match=missing):
-        load_compose({k: v for k, v in SECRETS_ENV.items() if k != missing})
-    with pytest.raises(InterpolationError, match=missing):
-        load_compose({**SECRETS_ENV, missing: ""})
+def test_a_password_and_a_token_are_required_only_by_the_services_that_use_them(missing: str) -> None:
+    # Loading (what down, ps and logs do) needs neither secret.
+    load_compose({k: v for k, v in SECRETS_ENV.items() if k != missing})
+    compose = raw_compose()
+    (secret,) = [name for name, s in compose["secrets"].items() if s["environment"] == missing]
+    users = {name for name, svc in compose["services"].items() if secret in (svc.get("secrets") or [])}
+    wanted = {"redis_password": {"redis-init", "autotune", *(f"redis-{i}" for i in range(6))},
+              "autotune_token": {"autotune"}}
+    assert users == wanted[secret]
+    # An empty secret is refused by the containers' entrypoints, naming the variable.
+    assert missing in json.dumps(compose["services"]["autotune"]["entrypoint"])
 
 
-def test_the_password_reaches_redis_on_stdin_never_on_a_command_line(services: dict[str, dict[str, Any]]) -> None:
+def test_the_password_reaches_redis_on_stdin_never_on_a_command_line(services: dict[str, dict[str, Any]],
+                                                                    tmp_path: Path) -> None:
     password = SECRETS_ENV["BAGUA_LIGHTNING_REDIS_PASSWORD"]
     for name, svc in services.items():
         for key in ("command", "entrypoint"):
@@ -184,35 +195,44 @@ def test_the_password_reaches_redis_on_stdin_never_on_a_command_line(services: d
         # (redis-server then reads the rest of its configuration from stdin). Run it with `cat` instead.
         shell, flag, script, arg0 = svc["entrypoint"]
         assert (shell, flag) == ("sh", "-c")
+        secret_file = Path(tmp_path) / "redis_password"
+        secret_file.write_text(password)
         fed = subprocess.run([shell, flag, script, arg0, "sh", "-c", 'printf "%s|" "$@"; cat', "-", *svc["command"]],
-                             env={"PATH": "/usr/bin:/bin", "REDISCLI_AUTH": password}, capture_output=True,
-                             text=True, timeout=30)
+                             env={"PATH": "/usr/bin:/bin", "BAGUA_LIGHTNING_REDIS_PASSWORD_FILE": str(secret_file)},
+                             capture_output=True, text=True, timeout=30)
         assert fed.returncode == 0, fed.stderr
         argv, stdin = fed.stdout.split("\n", 1)[0], fed.stdout.split("|")[-1]
         assert argv.split("|")[:len(svc["command"]) + 1] == [*svc["command"], "-"]
         assert config_directives(stdin) == {"requirepass": password, "masterauth": password}
-        refused = subprocess.run([shell, flag, script, arg0, "true"], env={"REDISCLI_AUTH": 'a"b'},
-                                 capture_output=True, text=True, timeout=30)
+        secret_file.write_text('a"b')
+        refused = subprocess.run([shell, flag, script, arg0, "true"], capture_output=True, text=True, timeout=30,
+                                 env={"PATH": "/usr/bin:/bin", "BAGUA_LIGHTNING_REDIS_PASSWORD_FILE": str(secret_file)})
         assert refused.returncode == 2 and "double quotes" in refused.stderr
+        secret_file.write_text("")
+        empty = subprocess.run([shell, flag, script, arg0, "true"], capture_output=True, text=True, timeout=30,
+                               env={"PATH": "/usr/bin:/bin", "BAGUA_LIGHTNING_REDIS_PASSWORD_FILE": str(secret_file)})
+        assert empty.returncode == 2 and "BAGUA_LIGHTNING_REDIS_PASSWORD" in empty.stderr
 
 
 # ---------------------------------------------------------------------------------- services and health
 
 
 def test_expected_services(services: dict[str, dict[str, Any]]) -> None:
-    assert set(services) == {"net", "autotune", "redis-certs", "redis-init", *(f"redis-{i}" for i in range(6))}
+    assert set(services) == {"net", "autotune", "certs", "redis-init", *(f"redis-{i}" for i in range(6))}
     # Replicas by default, as `bagua-lightning up`: no profile to forget.
     assert not any("profiles" in svc for svc in services.values())
 
 
-@pytest.mark.parametrize("name", ["net", "autotune", "redis-certs", "redis-init", *(f"redis-{i}" for i in range(6))])
+@pytest.mark.parametrize("name", ["net", "autotune", "certs", "redis-init", *(f"redis-{i}" for i in range(6))])
 def test_every_service_has_a_working_healthcheck(services: dict[str, dict[str, Any]], name: str) -> None:
     check = services[name].get("healthcheck")
     assert check, f"service {name} has no healthcheck"
     assert not check.get("disable"), f"service {name} disables its healthcheck"
     test = check["test"]
     assert isinstance(test, list) and test[0] in ("CMD", "CMD-SHELL") and len(test) >= 2, test
-    for key in ("interval", "timeout", "start_period", "start_interval"):
+    # start_interval needs Engine 25; docker-compose.start-interval.yml adds it for such engines.
+    assert "start_interval" not in check, f"{name}: healthcheck.start_interval fails on Engine 20.10-24"
+    for key in ("interval", "timeout", "start_period"):
         if key in check:
             assert _DURATION.match(check[key]), f"{name}.healthcheck.{key}={check[key]!r} is not a duration"
     assert int(check.get("retries", 3)) >= 1
@@ -242,7 +262,7 @@ def test_one_shot_services_are_awaited_by_a_long_running_one(services: dict[str,
     # `docker compose up --wait` counts an exited container as a failure unless a running service waits
     # for it with `service_completed_successfully`; that service must run whatever profiles are active.
     one_shot = sorted(n for n, s in services.items() if s.get("restart") == "no")
-    assert one_shot == ["redis-certs", "redis-init"]
+    assert one_shot == ["certs", "redis-init"]
     for name in one_shot:
         adopters = [n for n, s in services.items() if not s.get("profiles") and n not in one_shot
                     and s.get("depends_on", {}).get(name, {}).get("condition") == "service_completed_successfully"]
@@ -272,7 +292,7 @@ def test_published_ports_match_client_defaults(services: dict[str, dict[str, Any
     published = {pub: (ip, tgt) for spec in services["net"]["ports"] for ip, pub, tgt in parse_port(spec)}
     assert len(published) == sum(len(parse_port(s)) for s in services["net"]["ports"]), "a port is published twice"
     for port in [DEFAULT_AUTOTUNE_PORT, *MASTER_PORTS, *REPLICA_PORTS,
-                 *(tls_port(p) for p in MASTER_PORTS + REPLICA_PORTS)]:
+]:
         assert port in published, f"port {port} is not published"
         ip, target = published[port]
         assert ip == "127.0.0.1", f"port {port} must be published on loopback by default, not {ip}"
@@ -288,8 +308,9 @@ def test_redis_nodes_listen_where_published(services: dict[str, dict[str, Any]])
     ports = {}
     for name in _redis_nodes(services):
         d = redis_directives(services[name]["command"])
-        ports[name] = int(d["port"])
-        assert f"-p {d['port']} " in services[name]["healthcheck"]["test"][1]
+        ports[name] = int(d["tls-port"])
+        assert d["port"] == "0", "clients on TLS only: the plain port is closed"
+        assert f"--tls -p {d['tls-port']}" in services[name]["healthcheck"]["test"][1]
     assert [ports[f"redis-{i}"] for i in range(3)] == MASTER_PORTS
     assert [ports[f"redis-{i}"] for i in range(3, 6)] == REPLICA_PORTS
     env = services["redis-init"]["environment"]
@@ -303,19 +324,23 @@ def test_redis_nodes_listen_where_published(services: dict[str, dict[str, Any]])
 def test_autotune_command_is_the_native_launchers(services: dict[str, dict[str, Any]]) -> None:
     svc = services["autotune"]
     samples = "/var/lib/bagua-lightning/autotune-samples"
-    expected = deploy.autotune_service_args(
-        host="0.0.0.0", port=DEFAULT_AUTOTUNE_PORT, state=deploy.redis_state_url("127.0.0.1", MASTER_PORTS[0]),
-        log_dir=samples,
-    )
-    assert svc["command"] == expected
+    # The plan store over TLS with the service's certificate; gRPC over TLS with the same.
+    state = (f"rediss://127.0.0.1:{MASTER_PORTS[0]}?ssl_ca_certs={TLS_DIR}/ca.crt&ssl_certfile={TLS_DIR}/service.crt"
+             f"&ssl_keyfile={TLS_DIR}/service.key")
+    expected = deploy.autotune_service_args(host="0.0.0.0", port=DEFAULT_AUTOTUNE_PORT,
+                                            state=deploy.redis_state_url("127.0.0.1", MASTER_PORTS[0]),
+                                            log_dir=samples)
+    expected[expected.index("--state") + 1] = state
+    assert svc["command"] == [*expected, "--tls-cert", f"{TLS_DIR}/service.crt", "--tls-key", f"{TLS_DIR}/service.key"]
     # What `bagua-lightning up` runs differs only in the bind address (loopback) and the log folder.
     native = deploy.autotune_service_args(host="127.0.0.1", port=DEFAULT_AUTOTUNE_PORT,
                                           state=deploy.redis_state_url("127.0.0.1", MASTER_PORTS[0]),
                                           log_dir="/home/me/.local/state/bagua-lightning/autotune-samples")
-    assert [a for a in native if not a.startswith(("127.0.0.1", "/home"))] == \
-        [a for a in expected if a not in ("0.0.0.0", samples)]
+    assert [a for a in native if not a.startswith(("127.0.0.1", "/home", "redis://"))] == \
+        [a for a in expected if a not in ("0.0.0.0", samples, state)]
     # The samples folder is a named volume, created in the image for the service's user.
-    assert svc["volumes"] == [{"type": "volume", "source": "autotune-samples", "target": samples}]
+    assert svc["volumes"] == [{"type": "volume", "source": "autotune-samples", "target": samples},
+                              {"type": "volume", "source": "tls", "target": TLS_DIR, "read_only": True}]
     assert "autotune-samples" in raw_compose()["volumes"]
     assert f"install -d -o bagua -g bagua {samples}" in DOCKERFILE.read_text()
     # The CLI accepts it, and the service runs without the trainer side (no torch in the image).
@@ -323,25 +348,34 @@ def test_autotune_command_is_the_native_launchers(services: dict[str, dict[str, 
     assert callable(args.func)
     assert "BAGUA_LIGHTNING_NO_STRATEGY" not in svc["environment"]  # the CLI never imports Lightning
     assert svc["depends_on"]["redis-init"] == {"condition": "service_completed_successfully"}
-    assert svc["build"] == {"context": ".", "dockerfile": "services/Dockerfile"}
+    assert svc["build"] == {"context": ".", "dockerfile": "services/Dockerfile",
+                            "args": {"PYTHON_IMAGE": SETTINGS["BAGUA_LIGHTNING_PYTHON_IMAGE"]}}
+    assert f"ARG PYTHON_IMAGE={SETTINGS['BAGUA_LIGHTNING_PYTHON_IMAGE']}" in DOCKERFILE.read_text()
 
 
 def test_autotune_healthcheck_is_the_status_command(services: dict[str, dict[str, Any]]) -> None:
-    test = services["autotune"]["healthcheck"]["test"]
-    assert test[:2] == ["CMD", "bagua-lightning"]
-    args = build_parser().parse_args(test[2:])
+    kind, shell = services["autotune"]["healthcheck"]["test"]
+    token, command = shell.split(" bagua-lightning ", 1)
+    assert kind == "CMD-SHELL" and token == "BAGUA_LIGHTNING_AUTOTUNE_TOKEN=$(cat /run/secrets/autotune_token)"
+    args = build_parser().parse_args(command.split())
     assert args.func is deploy_cli._cmd_status and args.autotune == f"127.0.0.1:{DEFAULT_AUTOTUNE_PORT}"
+    assert str(args.tls_ca) == f"{TLS_DIR}/ca.crt"
 
 
 @pytest.mark.parametrize("name", [f"redis-{i}" for i in range(6)])
 def test_redis_node_settings_are_the_native_launchers(services: dict[str, dict[str, Any]], name: str) -> None:
     compose = redis_directives(services[name]["command"])
-    port = int(compose["port"])
+    # Clients on TLS only: the node's port is its TLS port and the plain one is closed (`port 0`); the native
+    # launcher (until it serves clients on TLS too) opens the plain port and puts TLS at tls_port(port).
+    port = int(compose["tls-port"])
+    assert compose["port"] == "0"
     tls = NodeTLS(cert_file=Path(f"{TLS_DIR}/node-{port}.crt"), key_file=Path(f"{TLS_DIR}/node-{port}.key"),
                   ca_file=Path(f"{TLS_DIR}/ca.crt"))
     node = NodeConfig(port=port, data_dir=Path("/data"), cluster=True, deployment="d", tls=tls,
                       maxmemory=deploy.DEFAULT_MAXMEMORY, announce_ip="127.0.0.1", password="pw")
     native = config_directives(node.config_text())
+    if native["port"] != "0":
+        native["port"], native["tls-port"] = "0", str(port)
     assert node.node_timeout_ms == DEFAULT_NODE_TIMEOUT_MS
     # The password is in neither: both hand it over on stdin.
     assert not {"requirepass", "masterauth"} & (set(compose) | set(native))
@@ -355,23 +389,58 @@ def test_redis_node_settings_are_the_native_launchers(services: dict[str, dict[s
 
 
 def test_certificates_service_makes_what_the_nodes_use(services: dict[str, dict[str, Any]]) -> None:
-    svc = services["redis-certs"]
+    svc = services["certs"]
     assert svc["restart"] == "no" and svc["build"] == services["autotune"]["build"]
     assert svc["image"] == services["autotune"]["image"]
-    args = build_parser().parse_args(svc["command"])
-    assert args.func is redis_cli._certs and str(args.dir) == TLS_DIR
-    assert args.ports == MASTER_PORTS + REPLICA_PORTS
-    assert svc["volumes"] == [{"type": "volume", "source": "redis-tls", "target": TLS_DIR}]
-    assert "redis-tls" in raw_compose()["volumes"]
+    assert svc["entrypoint"] == ["sh", "/bagua/compose-certs.sh"]
+    env = svc["environment"]
+    assert env["BAGUA_LIGHTNING_TLS_DIR"] == TLS_DIR
+    assert [int(p) for p in env["BAGUA_LIGHTNING_REDIS_PORTS"].split()] == MASTER_PORTS + REPLICA_PORTS
+    mounts = {m["target"]: m for m in svc["volumes"]}
+    assert mounts[TLS_DIR] == {"type": "volume", "source": "tls", "target": TLS_DIR}
+    assert mounts["/bagua/compose-certs.sh"]["source"] == "./services/compose-certs.sh"
+    assert mounts[env["BAGUA_LIGHTNING_CLIENT_TLS_DIR"]]["source"] == SETTINGS["BAGUA_LIGHTNING_CLIENT_TLS_DIR"]
+    assert "tls" in raw_compose()["volumes"]
     for name in _redis_nodes(services):
         node = services[name]
-        assert node["depends_on"]["redis-certs"] == {"condition": "service_completed_successfully"}
-        assert node["volumes"] == [{"type": "volume", "source": "redis-tls", "target": TLS_DIR, "read_only": True}]
+        assert node["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+        assert node["volumes"] == [{"type": "volume", "source": "tls", "target": TLS_DIR, "read_only": True}]
         # The nodes run as the image's user, who owns the 0600 keys.
         assert node["user"].split(":")[0] == "10001"
     dockerfile = DOCKERFILE.read_text()
     assert "openssl" in dockerfile and f"install -d -o bagua -g bagua -m 0700 {TLS_DIR}" in dockerfile
     assert "--uid 10001" in dockerfile
+
+
+def test_certificates_script_makes_what_each_side_needs(tmp_path: Path) -> None:
+    server, client = tmp_path / "server", tmp_path / "client"
+    client.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "BAGUA_LIGHTNING_TLS_DIR": str(server), "BAGUA_LIGHTNING_CLIENT_TLS_DIR": str(client),
+           "BAGUA_LIGHTNING_REDIS_PORTS": "7000 7001", "BAGUA_LIGHTNING_TLS_HOSTS": "127.0.0.1 10.1.2.3",
+           "BAGUA_LIGHTNING_TLS_OWNER": f"{os.getuid()}:{os.getgid()}"}
+    script = str(ROOT / "services" / "compose-certs.sh")
+    made = subprocess.run(["sh", script], env=env, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert sorted(p.name for p in server.iterdir()) == ["ca.crt", "node-7000.crt", "node-7000.key", "node-7001.crt",
+                                                       "node-7001.key", "service.crt", "service.key"]  # no CA key
+    assert sorted(p.name for p in client.iterdir()) == ["ca.crt", "client.crt", "client.key"]
+    for folder in (server, client):
+        assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in folder.iterdir())
+    for cert in (server / "node-7000.crt", server / "service.crt", client / "client.crt"):
+        verified = subprocess.run(["openssl", "verify", "-CAfile", str(client / "ca.crt"), str(cert)],
+                                  capture_output=True, text=True, timeout=30)
+        assert verified.returncode == 0, verified.stderr
+    names = subprocess.run(["openssl", "x509", "-in", str(server / "service.crt"), "-noout", "-ext", "subjectAltName"],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert "IP Address:127.0.0.1" in names and "IP Address:10.1.2.3" in names
+    before = (server / "ca.crt").read_bytes()
+    assert subprocess.run(["sh", script], env=env, capture_output=True, timeout=120).returncode == 0
+    assert (server / "ca.crt").read_bytes() == before  # complete certificates are kept
+    (client / "client.key").unlink()  # incomplete: everything anew, one CA again on both sides
+    assert subprocess.run(["sh", script], env=env, capture_output=True, timeout=120).returncode == 0
+    assert (server / "ca.crt").read_bytes() == (client / "ca.crt").read_bytes() != before
+    lint = subprocess.run(["sh", "-n", script], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stderr
 
 
 def test_certificates_command_makes_certificates_the_nodes_accept(tmp_path: Path) -> None:
@@ -394,7 +463,9 @@ def test_certificates_command_makes_certificates_the_nodes_accept(tmp_path: Path
 def test_cluster_init_service(services: dict[str, dict[str, Any]]) -> None:
     svc = services["redis-init"]
     assert svc["command"][0] == "sh" and svc["restart"] == "no"
-    (mount,) = svc["volumes"]
+    mount, tls = svc["volumes"]
+    assert tls == {"type": "volume", "source": "tls", "target": TLS_DIR, "read_only": True}
+    assert "redis_password" in svc["secrets"]
     assert (ROOT / mount["source"]).is_file() and mount["read_only"] is True
     assert svc["command"][1] == mount["target"]
     assert set(svc["depends_on"]) == {"net", *_redis_nodes(services)}
@@ -406,7 +477,7 @@ def test_cluster_init_service(services: dict[str, dict[str, Any]]) -> None:
 
 def test_same_redis_image_everywhere(compose: dict[str, Any]) -> None:
     raw = raw_compose()
-    images = {s.get("image") for n, s in compose["services"].items() if n not in ("autotune", "redis-certs")}
+    images = {s.get("image") for n, s in compose["services"].items() if n not in ("autotune", "certs")}
     assert images == {SETTINGS["BAGUA_LIGHTNING_REDIS_IMAGE"]}
     assert raw["name"] == "bagua-lightning"
 
@@ -431,7 +502,9 @@ def _dockerfile_instructions() -> list[tuple[str, str]]:
 
 def test_dockerfile_builds_a_small_torch_free_image() -> None:
     steps = _dockerfile_instructions()
-    assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", steps[0][1]), steps[0]  # pinned
+    assert steps[0][0] == "ARG" and steps[1] == ("FROM", "${PYTHON_IMAGE}"), steps[:2]
+    default = steps[0][1].removeprefix("PYTHON_IMAGE=")
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", default), steps[0]  # pinned
     runs = " ".join(rest for op, rest in steps if op == "RUN")
     assert "pip install --no-deps --no-build-isolation ." in runs
     # dependencies: the [service] extra, locked (tests/test_package.py checks the lock covers it)
