@@ -196,7 +196,7 @@ def test_jobs_of_one_model_tune_apart_and_share_their_best_plan(tmp_path: Path) 
     for job_id in ("job-a", "job-b"):
         assert service.register("m", rows, True, job_id=job_id).version == 0
     # Job a measures plans; job b's history stays empty, and its plan for an iteration is its own.
-    final_a, completed_a = _tune(service, "job-a", 0)
+    _, completed_a = _tune(service, "job-a", 0)
     assert completed_a
     a, b = service.session("m", "job-a"), service.session("m", "job-b")
     assert len(a.samples) == 3 and b.samples == [] and not b.completed

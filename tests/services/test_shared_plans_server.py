@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import redis
 
 from bagua_lightning.client.autotune import AutotuneClient
-from bagua_lightning.services.autotune.persistence import REDIS_PREFIX, StoredPlan
+from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
+from bagua_lightning.services.autotune.persistence import REDIS_PREFIX, RedisPlanStore, StoredPlan, open_store
+from bagua_lightning.services.redis_cluster import ClusterSpec, start_cluster, stop_cluster
+from tests.client.conftest import free_port_block
 from tests.procs import free_port, running, wait_until
 from tests.services import ranks
 from tests.services.conftest import FAST, cli, one_line_error
@@ -52,7 +56,7 @@ def test_an_evil_jobs_report_completes_no_other_job_and_ls_forget_show_it(start_
         after = client.ask_hyperparameters("honest-net", 0, 1, job_id="honest")
         assert not after.completed and after.plan.version > first.plan.version
         # forget MODEL and forget SHAPE: the honest job's first measured plan is shared now.
-        models, shared = client.list_jobs()
+        shared = client.list_jobs()[1]
         assert [(p.key, p.model_name, p.job_id, p.reports, p.samples) for p in shared] == [
             (key, "honest-net", "honest", 1, 1)]
         assert shared[0].saved_at > 0
@@ -121,3 +125,23 @@ def test_best_plans_survive_kill_9_of_the_service_and_a_redis_node_restarted_emp
             assert second.plan.same_layout(reply.plan) and not second.completed
             again = client.register_job("net", tensors, job_id="run-1", world_size=4, nproc_per_node=2)
             assert again.plan.same_layout(reply.plan) and again.completed
+
+
+def test_a_cluster_store_lists_and_forgets_plans_on_every_master(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = ClusterSpec(nodes=1, port=free_port_block(1), state_root=tmp_path, password="pw")
+    start_cluster(spec)
+    try:
+        monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", "pw")
+        store = open_store(f"redis://127.0.0.1:{spec.port}")
+        assert isinstance(store, RedisPlanStore)
+        plan = BucketPlan(((TensorDeclaration(name="w", num_elements=4, dtype="f32"),),), bucket_size=16)
+        keys = {f"k{i}-w1-n1" for i in range(20)}  # many slots
+        for key in keys:
+            store.save(key, StoredPlan(plan=plan, score=1.0, completed=True, model_name="m"))
+        assert store.cluster and set(store.keys(100)) == keys and len(store.keys(5)) == 5
+        assert store.delete("k3-w1-n1") and not store.delete("k3-w1-n1")
+        assert set(store.keys(100)) == keys - {"k3-w1-n1"}
+        store.close()
+    finally:
+        stop_cluster(spec.port, tmp_path)
