@@ -355,7 +355,8 @@ class ModelSession:
                 proposal = self._tuner.propose(self._history) if self._tuner else Proposal(plan=self._current)
             self._conclude(sample, sample_iter, proposal)
             return
-        if self._order_changed:
+        # A shared plan being confirmed is measured as its job cut it (in that job's ready order).
+        if self._order_changed and self.confirming is None:
             self._order_changed = False
             self._issue(BucketPlan(buckets=split_into_buckets(self._order, self._current.bucket_size,
                                                               whether_to_bucket=self.registration.whether_to_bucket),

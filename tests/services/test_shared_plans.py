@@ -19,7 +19,7 @@ from bagua_lightning.services.autotune.errors import InvalidArgumentError, NotFo
 from bagua_lightning.services.autotune.mirror import MirroredPlanStore
 from bagua_lightning.services.autotune.persistence import DirectoryPlanStore, StoredPlan, open_store
 from bagua_lightning.services.autotune.reports import PlanRef
-from bagua_lightning.services.autotune.service import AutotuneService
+from bagua_lightning.services.autotune.service import AutotuneService, Span
 from bagua_lightning.services.autotune.sharing import OUTLIER_FACTOR, outlier, replaces
 from tests.services.ranks import abcde
 
@@ -230,3 +230,18 @@ def test_a_mirrored_store_keeps_plans_through_the_loss_of_either_copy(tmp_path: 
         store.save("k2", _stored(plan, completed=True))
     assert one.load("k2") is not None and store.load("k2") is not None
     assert open_store([]) is None and isinstance(open_store([str(tmp_path / "x")]), DirectoryPlanStore)
+
+
+def test_the_shared_plan_is_measured_as_cut_even_when_the_ready_order_arrives_first(tmp_path: Path) -> None:
+    service = AutotuneService(ServiceConfig(world_size=2, max_samples=6, **FAST), store=DirectoryPlanStore(tmp_path))
+    a = _Job(service, "a")
+    good = _other_plan(a.plan)
+    service.shared.save(a.session.registration.store_key, _stored(good, completed=True, job_id="a"))
+    c = _Job(service, "c")
+    names = [t.name for t in reversed(abcde())]
+    service.report_execution_order([Span(1, "tensor_ready", n, i, i) for i, n in enumerate(names)], "net", "c")
+    plan, _ = c.step(30.0)
+    assert [s.plan.same_layout(good) for s in c.session.samples] == [True]
+    assert plan.tensor_names != good.tensor_names and [n for b in plan.tensor_names for n in b] == names
+    plan, completed = c.step(20.0)  # the default in this job's ready order loses: confirmed
+    assert completed and plan.same_layout(good)
