@@ -186,9 +186,7 @@ class SharedPlan:
 
 
 def _shared_plan(p: Any) -> SharedPlan:
-    return SharedPlan(key=p.key, model_name=p.model_name, job_id=p.job_id, world_size=p.world_size,
-                      nproc_per_node=p.nproc_per_node, score=p.score, completed=p.completed, buckets=p.buckets,
-                      saved_at=p.saved_at, reports=p.reports, samples=p.samples)
+    return SharedPlan(**{name: getattr(p, name) for name in SharedPlan.__dataclass_fields__})
 
 
 @dataclass(frozen=True, slots=True)
