@@ -181,6 +181,13 @@ class SharedPlan:
     score: float
     completed: bool
     buckets: int
+    saved_at: float = 0.0
+    reports: int = 0
+    samples: int = 0
+
+
+def _shared_plan(p: Any) -> SharedPlan:
+    return SharedPlan(**{name: getattr(p, name) for name in SharedPlan.__dataclass_fields__})
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,10 +474,14 @@ class AutotuneClient:
     def list_jobs(self) -> tuple[list[ModelSummary], list[SharedPlan]]:
         """Every session the service holds, and the best plan per model shape that jobs share."""
         reply = self._call("ListModels", pb.ListModelsRequest())
-        shared = [SharedPlan(key=p.key, model_name=p.model_name, job_id=p.job_id, world_size=p.world_size,
-                             nproc_per_node=p.nproc_per_node, score=p.score, completed=p.completed,
-                             buckets=p.buckets) for p in reply.shared_plans]
-        return [_summary(m) for m in reply.models], shared
+        return [_summary(m) for m in reply.models], [_shared_plan(p) for p in reply.shared_plans]
+
+    def forget_plans(self, match: str) -> tuple[list[SharedPlan], str]:
+        """Remove every shared plan whose shape key, model name or job id is ``match``; returns them and a
+        warning ("" unless the service's store failed to drop them). ModelNotRegisteredError when none
+        matches."""
+        reply = self._call("ForgetPlans", pb.ForgetPlansRequest(match=match))
+        return [_shared_plan(p) for p in reply.removed], reply.warning
 
     def describe_model(self, model_name: str, job_id: str = "") -> ModelDescription:
         """One session's plans and samples; ModelNotRegisteredError when the service does not hold it

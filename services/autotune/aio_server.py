@@ -33,10 +33,10 @@ from .servicer import AutotuneServicer
 
 BIG_MODEL_TENSORS = 5_000  # above it a model's reports and asks run in a worker (their plans cost milliseconds)
 WORKER_THREADS = 4  # big requests at once; more queue (the loop and small requests do not)
-_HEAVY = frozenset({"RegisterTensors", "DescribeModel", "ListModels", "ReportTensorExecutionOrder"})
+_HEAVY = frozenset({"RegisterTensors", "DescribeModel", "ListModels", "ReportTensorExecutionOrder", "ForgetPlans"})
 
 _METHODS = ("RegisterTensors", "ReportMetrics", "AskHyperparameters", "ReportTensorExecutionOrder", "ListModels",
-            "DescribeModel", "ReportAlgorithmSelection")
+            "DescribeModel", "ReportAlgorithmSelection", "ForgetPlans")
 
 
 class _Aborted(Exception):

@@ -34,8 +34,10 @@ def register(subparsers: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=bind_port_arg, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks one)")
     _add_tuning_options(s, warmup_time_s=None, sampling_confidence_time_s=None, max_samples=None)
-    s.add_argument("--state", default=None,
-                   help="where best plans persist: a directory, or a redis:// URL (default: memory only)")
+    s.add_argument("--state", action="append", default=None,
+                   help="where best plans persist: a directory, or a redis:// URL (default: memory only); give it "
+                        "twice (a Redis URL and a directory) to keep every plan in both, so that losing either "
+                        "loses none")
     s.add_argument("--log-dir", default=None, help="directory for one JSONL sample log per model")
     s.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain (enables TLS, with --tls-key)")
     s.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")

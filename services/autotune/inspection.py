@@ -1,6 +1,7 @@
-"""``bagua-lightning autotune ls | show MODEL | plot MODEL -o FILE.png``: what a running service holds.
+"""``bagua-lightning autotune ls | show MODEL | forget MODEL|SHAPE|JOB | plot MODEL -o FILE.png``.
 
-``ls`` and ``show`` ask a running service (ListModels, DescribeModel); ``plot``
+``ls`` and ``show`` ask a running service what it holds (ListModels, DescribeModel); ``forget``
+removes shared best plans (ForgetPlans); ``plot``
 draws a model's tuning history (speed of each measured plan, and its bucket
 layout) from the service, or from a sample log file with ``--log-file`` when the
 service is gone. The plot needs matplotlib (the ``demo`` extra).
@@ -9,6 +10,7 @@ service is gone. The plot needs matplotlib (the ``demo`` extra).
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +22,7 @@ MIB = 1024.0**2
 
 
 def register_inspection(sub: Any) -> None:
-    """Add ``ls``, ``show`` and ``plot`` to the ``autotune`` subcommands."""
+    """Add ``ls``, ``forget``, ``show`` and ``plot`` to the ``autotune`` subcommands."""
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--target", default=None,
                        help="host:port of the service (default: $BAGUA_LIGHTNING_AUTOTUNE_SERVICE, the services "
@@ -32,6 +34,12 @@ def register_inspection(sub: Any) -> None:
                                    "model shape that new jobs start from")
     common(ls)
     ls.set_defaults(func=_ls)
+    forget = sub.add_parser("forget", help="remove the shared best plans of a model, a shape or a job, so that new "
+                                           "jobs of those shapes start from the default plan")
+    common(forget)
+    forget.add_argument("match", metavar="MODEL|SHAPE|JOB",
+                        help="a model name, a shape key (the KEY column of `autotune ls`) or a job id")
+    forget.set_defaults(func=_forget)
     show = sub.add_parser("show", help="one model's plans and measured samples")
     common(show)
     show.add_argument("model", help="model name (see `autotune ls`)")
@@ -83,11 +91,38 @@ def _ls(args: argparse.Namespace) -> int:
                   f"{m.world_size:5d} v{m.plan_version:<4d} {m.samples:7d} {m.reports_accepted:7d} {best:>10s} "
                   f"{m.idle_s:7.0f} {'completed' if m.completed else 'tuning'}")
     if shared:
-        print(f"\nbest plan per model shape (what a new job starts from):\n"
-              f"{'KEY':40s} {'MODEL':32s} {'FROM_JOB':24s} {'BUCKETS':>7s} {'SCORE':>10s} STATE")
+        print("\nbest plan per model shape (where a new job starts; it measures the plan itself before it counts "
+              "as tuned):")
+        print(f"{'KEY':40s} {'MODEL':32s} {'FROM_JOB':24s} {'SAVED (UTC)':19s} {'SCORE':>10s} {'REPORTS':>7s} "
+              f"{'PLANS':>5s} {'BUCKETS':>7s} STATE")
         for p in shared:
-            print(f"{p.key[:40]:40s} {p.model_name[:32]:32s} {(p.job_id or '-')[:24]:24s} {p.buckets:7d} "
-                  f"{p.score:10.4g} {'completed' if p.completed else 'tuning'}")
+            print(f"{p.key[:40]:40s} {p.model_name[:32]:32s} {(p.job_id or '-')[:24]:24s} {_utc(p.saved_at):19s} "
+                  f"{p.score:10.4g} {p.reports:7d} {p.samples:5d} {p.buckets:7d} "
+                  f"{'completed' if p.completed else 'tuning'}")
+    return 0
+
+
+def _utc(unix_s: float) -> str:
+    if unix_s <= 0:
+        return "-"
+    return datetime.datetime.fromtimestamp(unix_s, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@_one_line_errors
+def _forget(args: argparse.Namespace) -> int:
+    from ...core.errors import ModelNotRegisteredError
+
+    try:
+        with _client(args) as client:
+            removed, warning = client.forget_plans(args.match)
+    except ModelNotRegisteredError:
+        raise SystemExit(f"autotune forget: no shared plan has the model name, shape key or job id "
+                         f"{args.match!r:.200}; see `bagua-lightning autotune ls`") from None
+    for p in removed:
+        print(f"forgot {p.key} (model {p.model_name or '-'}, job {p.job_id or '-'}, saved {_utc(p.saved_at)} UTC, "
+              f"score {p.score:.4g}, {p.reports} reports, {'completed' if p.completed else 'tuning'})")
+    if warning:
+        raise SystemExit(f"autotune forget: {warning}")
     return 0
 
 

@@ -17,6 +17,7 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,6 +57,8 @@ class StoredPlan:
         job_id: the job whose session measured it (informational; empty: none).
         selection: what ``algorithm="auto"`` measured and kept for a job of this shape (None: none
             reported); sessions that start from this plan show it.
+        reports: how many reports the score is the mean of (0: unknown, e.g. a resumed plan).
+        samples: how many plans the job had measured when it stored this one.
     """
 
     plan: BucketPlan
@@ -65,18 +68,13 @@ class StoredPlan:
     saved_at: float = 0.0
     job_id: str = ""
     selection: AlgorithmChoice | None = None
-
-    def better_than(self, other: StoredPlan | None) -> bool:
-        """Whether this plan should replace ``other`` as the best of its key: a higher score, or the
-        same score from a session that completed (its plan is final) where ``other``'s had not."""
-        if other is None or self.score > other.score:
-            return True
-        return self.score == other.score and self.completed and not other.completed
+    reports: int = 0
+    samples: int = 0
 
     def to_json(self) -> str:
         return json.dumps({"plan": self.plan.to_dict(), "score": self.score, "completed": self.completed,
                            "model_name": self.model_name, "saved_at": self.saved_at or time.time(),
-                           "job_id": self.job_id,
+                           "job_id": self.job_id, "reports": self.reports, "samples": self.samples,
                            **({"selection": self.selection.to_dict()} if self.selection is not None else {})})
 
     @classmethod
@@ -92,10 +90,13 @@ class StoredPlan:
         if not isinstance(completed, bool):
             raise TypeError(f"stored completed must be a bool, got {completed!r}")
         selection = data.get("selection")
+        counts = {name: int(data.get(name, 0)) for name in ("reports", "samples")}
+        if not all(0 <= n < 2**63 for n in counts.values()):
+            raise ValueError(f"stored reports and samples must be in [0, 2**63), got {counts}")
         return cls(plan=BucketPlan.from_dict(data["plan"]), score=score, completed=completed,
                    model_name=str(data.get("model_name", ""))[:1024], saved_at=float(data.get("saved_at", 0.0)),
                    job_id=str(data.get("job_id", ""))[:1024],
-                   selection=AlgorithmChoice.from_dict(selection) if selection is not None else None)
+                   selection=AlgorithmChoice.from_dict(selection) if selection is not None else None, **counts)
 
 
 MAX_STORED_BYTES = 64 * 1024**2  # a stored plan of 100k tensors with long names stays well below
@@ -105,12 +106,17 @@ class PlanStore(Protocol):
     """Where best plans are kept; ``load`` returns None for unknown or unreadable keys.
 
     Calls may block up to the store's deadline and raise on failure; the service calls
-    them outside its locks. ``ping`` raises when the store cannot be used now.
+    them outside its locks. ``ping`` raises when the store cannot be used now. ``keys``
+    lists at most ``limit`` stored keys (any order); ``delete`` removes one, True when it was there.
     """
 
     def load(self, key: str) -> StoredPlan | None: ...
 
     def save(self, key: str, stored: StoredPlan) -> None: ...
+
+    def delete(self, key: str) -> bool: ...
+
+    def keys(self, limit: int) -> list[str]: ...
 
     def ping(self) -> None: ...
 
@@ -149,6 +155,21 @@ class DirectoryPlanStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+    def delete(self, key: str) -> bool:
+        try:
+            self._file(key).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def keys(self, limit: int) -> list[str]:
+        out: list[str] = []
+        for file in self.path.glob("*.json"):
+            if len(out) >= limit:
+                break
+            out.append(file.name[:-len(".json")])
+        return out
 
     def ping(self) -> None:
         """Raise OSError when the directory cannot take a write (gone, read-only, full)."""
@@ -231,6 +252,19 @@ class RedisPlanStore:
     def save(self, key: str, stored: StoredPlan) -> None:
         self._connected().set(REDIS_PREFIX + key, stored.to_json())
 
+    def delete(self, key: str) -> bool:
+        return bool(self._connected().delete(REDIS_PREFIX + key))
+
+    def keys(self, limit: int) -> list[str]:
+        out: list[str] = []
+        # SCAN, not KEYS: the store may share a big cache's Redis. A cluster client scans every primary.
+        for raw in self._connected().scan_iter(match=REDIS_PREFIX + "*", count=1000):
+            if len(out) >= limit:
+                break
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            out.append(name[len(REDIS_PREFIX):])
+        return out
+
     def ping(self) -> None:
         client = self._connected()
         if client.ping() is False:
@@ -246,14 +280,29 @@ class RedisPlanStore:
         return f"RedisPlanStore({self.url!r})"
 
 
-def open_store(location: str | os.PathLike[str] | None, *, timeout_s: float = 1.0) -> PlanStore | None:
+Location = str | os.PathLike[str]
+
+
+def open_store(location: Location | Sequence[Location] | None, *, timeout_s: float = 1.0) -> PlanStore | None:
     """A Redis store for ``redis://``, ``rediss://`` and ``unix://`` URLs, a directory store otherwise.
 
-    None or an empty string keeps plans in memory only.
+    Several locations make a :class:`~.mirror.MirroredPlanStore` that writes every plan to each (so a
+    plan outlives the loss of any one of them). None, an empty string or an empty list keeps plans in
+    memory only.
     """
-    if location is None or str(location) == "":
+    if location is None or isinstance(location, (str, os.PathLike)):
+        locations = [] if location is None or str(location) == "" else [location]
+    else:
+        locations = [loc for loc in location if str(loc) != ""]
+    stores: list[PlanStore] = []
+    for loc in locations:
+        text = str(loc)
+        stores.append(RedisPlanStore(text, timeout_s=timeout_s) if text.startswith(REDIS_SCHEMES)
+                      else DirectoryPlanStore(text))
+    if not stores:
         return None
-    text = str(location)
-    if text.startswith(REDIS_SCHEMES):
-        return RedisPlanStore(text, timeout_s=timeout_s)
-    return DirectoryPlanStore(text)
+    if len(stores) == 1:
+        return stores[0]
+    from .mirror import MirroredPlanStore
+
+    return MirroredPlanStore(stores)

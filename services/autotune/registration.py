@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ...proto.plan import BucketPlan, TensorDeclaration, tensor_list_fingerprint
+from .errors import FailedPreconditionError, InvalidArgumentError
 from .persistence import plan_key
 
 
@@ -42,7 +45,55 @@ class Registration:
     def store_key(self) -> str:
         return plan_key(self.fingerprint, self.world_size, self.nproc_per_node)
 
+    def check_same_model(self, other: Registration) -> None:
+        """Raise FailedPreconditionError when ``other`` declares another model under this name."""
+        mine = self
+        if other.fingerprint != mine.fingerprint:
+            raise FailedPreconditionError(
+                f"model_name {mine.label} is already registered with a different tensor_list "
+                f"({len(mine.tensors)} tensors, fingerprint {mine.fingerprint}; got {len(other.tensors)} "
+                f"tensors, fingerprint {other.fingerprint}); use a new model_name for a different model")
+        if other.whether_to_bucket != mine.whether_to_bucket:
+            raise FailedPreconditionError(
+                f"model_name {mine.label} is already registered with whether_to_bucket="
+                f"{mine.whether_to_bucket!r}, got {other.whether_to_bucket!r}; use a new model_name")
+
+    def same_shape(self, other: Registration) -> bool:
+        """Whether ``other`` has this world size and ranks per node."""
+        mine = self
+        return (other.world_size, other.nproc_per_node) == (mine.world_size, mine.nproc_per_node)
+
+    def check_same_registration(self, other: Registration) -> None:
+        """Raise FailedPreconditionError when ``other`` re-registers this model differently."""
+        mine = self
+        self.check_same_model(other)
+        for name in ("world_size", "nproc_per_node"):
+            if getattr(other, name) != getattr(mine, name):
+                raise FailedPreconditionError(
+                    f"model_name {mine.model_name!r} is already registered with {name}="
+                    f"{getattr(mine, name)!r}, got {getattr(other, name)!r}; use a new model_name per job setup")
+
 
 def layout_key(plan: BucketPlan) -> tuple[str, bool]:
     """What tells two plans apart for the statistics: the buckets' fingerprint and hierarchical."""
     return plan.fingerprint(), plan.is_hierarchical_reduce
+
+
+def canonical_plan(plan: BucketPlan, names: Mapping[str, TensorDeclaration], model_name: str) -> BucketPlan:
+    """``plan`` over the model's own declarations ``names`` (so plans share them); InvalidArgumentError
+    when it names a tensor the model did not register or does not cover every registered one."""
+    buckets = []
+    for bucket in plan.buckets:
+        mine = []
+        for t in bucket:
+            own = names.get(t.name)
+            if own != t:
+                raise InvalidArgumentError(f"the plan holds tensor {t.to_dict()} which model {model_name!r} did not "
+                                           "register; report the plan the service handed back")
+            mine.append(own)
+        buckets.append(tuple(mine))
+    covered = sum(len(b) for b in buckets)
+    if covered != len(names):
+        raise InvalidArgumentError(f"the plan covers {covered} of the {len(names)} registered tensors of model "
+                                   f"{model_name!r}")
+    return dataclasses.replace(plan, buckets=tuple(buckets))

@@ -85,6 +85,42 @@ class LayoutStats:
                       bucket_timings=timings, reports=self.reports, train_iter=self.max_iter)
 
 
+_MAX_ITERS_PER_RANK = 4096  # remembered train_iters per rank before the oldest half is dropped
+_MAX_ITERS = 65536  # remembered (rank, train_iter) pairs per model before every rank drops its oldest half
+
+
+class SeenIters:
+    """The (rank, train_iter) pairs a session counted, bounded: past the limits a rank keeps the newer
+    half, and anything at or below what it dropped counts as seen (a duplicate)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, set[int]] = {}
+        self._floor: dict[int, int] = {}
+        self._total = 0
+
+    def add(self, rank: int, train_iter: int) -> bool:
+        """Count ``(rank, train_iter)``; False when it was counted before (a duplicate)."""
+        seen = self._seen.setdefault(rank, set())
+        if train_iter in seen or train_iter <= self._floor.get(rank, -1):
+            return False
+        seen.add(train_iter)
+        self._total += 1
+        if len(seen) > _MAX_ITERS_PER_RANK:
+            self._forget_oldest(rank)
+        if self._total > _MAX_ITERS:
+            for r in list(self._seen):
+                self._forget_oldest(r)
+        return True
+
+    def _forget_oldest(self, rank: int) -> None:
+        seen = sorted(self._seen[rank])
+        keep = seen[len(seen) // 2:]
+        self._total -= len(seen) - len(keep)
+        if len(keep) < len(seen):
+            self._floor[rank] = keep[0] - 1
+        self._seen[rank] = set(keep)
+
+
 def _check_range(name: str, value: float, high: float, unit: str) -> None:
     if not (math.isfinite(value) and 0 <= value <= high):
         raise InvalidArgumentError(f"{name} must be a finite number in [0, {high:g}] {unit}, got {value}")

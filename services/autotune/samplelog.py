@@ -16,9 +16,13 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .costmodel import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,17 @@ def log_file_name(model_name: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model_name)[:_PREFIX_CHARS].lstrip(".") or "_"
     digest = hashlib.sha256(model_name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return f"{safe}-{digest}.jsonl"
+
+
+def sample_record(sample: Sample, *, model_name: str, job_id: str, index: int, train_iter: int, tuner: str,
+                  next_reason: str) -> dict[str, Any]:
+    """The log line of one measured plan (``index``: its number in the job's history, from 1)."""
+    plan = sample.plan
+    return {"time": time.time(), "model_name": model_name, "job_id": job_id, "sample": index,
+            "train_iter": train_iter, "tuner": tuner, "plan_version": plan.version, "buckets": plan.tensor_names,
+            "bucket_bytes": plan.bucket_bytes, "bucket_size": plan.bucket_size,
+            "is_hierarchical_reduce": plan.is_hierarchical_reduce, "score": sample.score, "speed": sample.speed,
+            "exposed_ms": sample.exposed_ms, "reports": sample.reports, "next": next_reason}
 
 
 class SampleLog:

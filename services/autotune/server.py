@@ -20,7 +20,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,7 +163,8 @@ def create_server(address: str, service: AutotuneService, *, max_workers: int = 
     return server, port
 
 
-def serve(config: ServiceConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, state: str | None = None,
+def serve(config: ServiceConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+          state: str | Sequence[str] | None = None,
           log_dir: str | None = None, tls: TlsFiles | None = None, max_workers: int = 8,
           token: str | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
           kind: str = "aio", stop_event: threading.Event | None = None) -> int:

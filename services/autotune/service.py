@@ -6,14 +6,12 @@ errors leave as :mod:`.errors` exceptions that it maps to status codes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
 import threading
 import time
 import unicodedata
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -30,13 +28,13 @@ from .registration import Registration
 from .reports import PlanRef, Spread
 from .samplelog import SampleLog
 from .session import ModelSession
+from .sharing import SharedPlans
 from .storeio import StoreIO
 from .validation import check_name
 
 logger = logging.getLogger(__name__)
 
 MAX_WORLD_SIZE = 1 << 20  # ranks of one job
-MAX_SHARED_PLANS = 4096  # best plans per shape held in memory (least recently used dropped; the store keeps all)
 
 #: What identifies a tuning session: (job_id, model_name); job_id "" for registrations without a job.
 SessionKey = tuple[str, str]
@@ -79,7 +77,8 @@ class AutotuneService:
     Every (job_id, model_name) is its own session, so concurrent jobs of one model tune
     independently. What they learn is shared by shape: the best plan per store key
     (tensor-list fingerprint, world size, ranks per node) is kept in memory and in the
-    store, replaced only by a better one, and a new session starts from it.
+    store, and a new session starts from it -- a starting point the session confirms with its
+    own measurements, never a verdict (:mod:`.sharing` says which plan is kept).
 
     The service-wide lock guards only the table of sessions (a dict lookup, an insert,
     an eviction); requests of a model then hold that model's own lock, and store or
@@ -99,10 +98,7 @@ class AutotuneService:
         self.io = StoreIO(store, sample_log, timeout_s=config.store_timeout_s)
         self._sessions: dict[SessionKey, ModelSession] = {}
         self._lock = threading.Lock()
-        # The best plan per store key, from sessions' saves and store loads; its own lock, taken inside
-        # a session's lock (a session saves under it) and never the other way round.
-        self._shared: OrderedDict[str, StoredPlan] = OrderedDict()
-        self._shared_lock = threading.Lock()
+        self.shared = SharedPlans(self.io)  # the best plan per store key: what jobs share
         self.evicted = 0
         self.memory = MemoryAccount(config.max_memory)  # bytes held per session, guarded by self._lock
         self._retired_plans = 0  # plans issued by sessions since evicted (for the running total)
@@ -165,40 +161,15 @@ class AutotuneService:
         with self._lock:
             return [name for _, name in self._sessions]
 
-    # -- what jobs share: the best plan per shape ----------------------------------------------------
-    def _remember(self, key: str, stored: StoredPlan) -> bool:
-        """Keep ``stored`` as the best of ``key`` when it beats the one known; whether it did."""
-        with self._shared_lock:
-            known = self._shared.get(key)
-            if known is not None and not stored.better_than(known):
-                return False
-            self._shared[key] = stored
-            self._shared.move_to_end(key)
-            while len(self._shared) > MAX_SHARED_PLANS:
-                self._shared.popitem(last=False)
-            return True
+    # -- what jobs share: the best plan per shape (:mod:`.sharing`) -----------------------------------
+    def shared_plans(self, *, from_store: bool = False) -> list[tuple[str, StoredPlan]]:
+        """The best plan per store key known to this service (with ``from_store``, also those only in the
+        store), sorted by key."""
+        return self.shared.listed(from_store=from_store)
 
-    def _save_best(self, key: str, stored: StoredPlan) -> None:
-        """A session's new best (queued to the store only when it beats every job's best of that shape)."""
-        if self._remember(key, stored):
-            self.io.save(key, stored)
-
-    def _best_for(self, key: str) -> StoredPlan | None:
-        """The best plan known for ``key``: this service's (newer than the store's queued writes), else the
-        store's, read with no lock held."""
-        with self._shared_lock:
-            known = self._shared.get(key)
-        if known is not None:
-            return known
-        stored = self.io.load(key)
-        if stored is not None:
-            self._remember(key, stored)
-        return stored
-
-    def shared_plans(self) -> list[tuple[str, StoredPlan]]:
-        """The best plan per store key known to this service, sorted by key."""
-        with self._shared_lock:
-            return sorted(self._shared.items(), key=lambda kv: kv[0])
+    def forget(self, what: str) -> tuple[list[tuple[str, StoredPlan]], str]:
+        """Remove the shared plans of a model name, shape key or job id (see :meth:`SharedPlans.forget`)."""
+        return self.shared.forget(what, timeout_s=max(5.0, 2 * self.config.store_timeout_s))
 
     @property
     def plans_issued(self) -> int:
@@ -277,11 +248,11 @@ class AutotuneService:
         key = registration.session_key
         session = self._sessions.get(key)
         if session is not None:
-            if not job_id or session.same_shape(registration):
-                session.check_same_registration(registration)
+            if not job_id or session.registration.same_shape(registration):
+                session.registration.check_same_registration(registration)
                 session.last_used = self._clock()
                 return session
-            session.check_same_model(registration)  # a resize keeps the model
+            session.registration.check_same_model(registration)  # a resize keeps the model
         # The store is read with no lock held: a slow store delays this registration only.
         start: StoredPlan | None
         first_version = 0 if session is None else session.next_version
@@ -290,9 +261,11 @@ class AutotuneService:
                                job_id=job_id)
             first_version = max(first_version, resume.version)
         else:
-            start = self._best_for(registration.store_key)
-        fresh = ModelSession(registration, self.config, remembered=start, first_version=first_version,
-                             persist=self._save_best,
+            start = self.shared.best(registration.store_key)
+        # Only the job's own plan (its checkpoint's, or the one it stored itself) may hand back `completed`.
+        own = resume is not None or (start is not None and bool(job_id) and start.job_id == job_id)
+        fresh = ModelSession(registration, self.config, remembered=start, own=own, first_version=first_version,
+                             persist=self.shared.save,
                              sample_log=self.io.log if self.io.sample_log is not None else None,
                              propose_async=self._propose_async if self._tuning_pool else None, clock=self._clock)
         if resume is not None and not fresh.current_plan.same_layout(resume):
@@ -316,7 +289,7 @@ class AutotuneService:
                             "" if old is None else f" was_world_size={old.world_size} "
                             f"was_nproc_per_node={old.nproc_per_node} first_version={first_version}")
         if current is not fresh:
-            current.check_same_registration(registration)
+            current.registration.check_same_registration(registration)
         current.last_used = self._clock()
         return current
 
@@ -421,14 +394,7 @@ class AutotuneService:
         choice = AlgorithmChoice.of(chosen, step_ms, reason, step, job_id=job_id)
         session.selection = choice
         session.last_used = self._clock()
-        key = session.registration.store_key
-        with self._shared_lock:
-            known = self._shared.get(key)
-            stored = dataclasses.replace(known, selection=choice) if known is not None else None
-            if stored is not None:
-                self._shared[key] = stored
-        if stored is not None:
-            self.io.save(key, stored)
+        self.shared.with_selection(session.registration.store_key, choice)
         logger.info("event=algorithm_selected model=%s job=%s chosen=%s step=%d step_ms=%s", model_name, job_id,
                     chosen, step, ",".join(f"{n}:{ms:.3f}" for n, ms in choice.step_ms))
         return choice

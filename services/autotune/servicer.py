@@ -149,7 +149,8 @@ def _shared(key: str, stored: StoredPlan) -> Any:
     _, world, per_node = parse_plan_key(key)
     return pb.SharedPlanSummary(key=key, model_name=stored.model_name, job_id=stored.job_id, world_size=world,
                                 nproc_per_node=per_node, score=stored.score, completed=stored.completed,
-                                buckets=len(stored.plan.buckets))
+                                buckets=len(stored.plan.buckets), saved_at=stored.saved_at, reports=stored.reports,
+                                samples=stored.samples)
 
 
 class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
@@ -315,7 +316,8 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
     @_translate_errors
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> Any:
         return pb.ListModelsResponse(models=[_summary(info, self._facts) for info in self.service.list_models()],
-                                     shared_plans=[_shared(k, p) for k, p in self.service.shared_plans()])
+                                     shared_plans=[_shared(k, p) for k, p in
+                                                   self.service.shared_plans(from_store=True)])
 
     @_translate_errors
     def DescribeModel(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -339,3 +341,8 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
         self.service.report_selection(request.model_name, request.job_id, s.chosen,
                                       [(c.algorithm, c.step_ms) for c in s.candidates], s.reason, int(s.step))
         return pb.ReportAlgorithmSelectionResponse()
+
+    @_translate_errors
+    def ForgetPlans(self, request: Any, context: grpc.ServicerContext) -> Any:
+        removed, warning = self.service.forget(request.match)
+        return pb.ForgetPlansResponse(removed=[_shared(k, p) for k, p in removed], warning=warning)

@@ -14,6 +14,10 @@ while different models proceed concurrently. The protocol:
   hands back).
 * After ``max_samples`` measured plans (or when the planner converged), the best
   measured plan is handed back for good and persisted.
+* A session that starts from another job's shared plan never inherits ``completed``:
+  its first measured plan is that one, its second its own default plan; only when the
+  shared plan was final and the job's own numbers rank it at least as high as the default
+  does the session complete on it, otherwise it tunes on (:mod:`.sharing`).
 
 Every collection here is bounded (layouts, issued plans, decisions, remembered
 iterations); numbers were range-checked on entry (:mod:`.reports`).
@@ -37,21 +41,19 @@ from ...proto.plan import (
     TensorDeclaration,
     split_into_buckets,
 )
-from .bayes import BayesianTuner
 from .choice import AlgorithmChoice
 from .config import ServiceConfig
 from .costmodel import Sample
-from .errors import FailedPreconditionError, InvalidArgumentError
+from .errors import InvalidArgumentError
 from .persistence import StoredPlan
-from .planner import ModelBasedPlanner
-from .proposal import Proposal, Tuner
-from .registration import Registration, layout_key
-from .reports import MAX_TRAIN_ITER, LayoutStats, PlanRef, Spread, check_measurement
+from .proposal import Proposal, Tuner, make_tuner
+from .registration import Registration, canonical_plan, layout_key
+from .reports import MAX_TRAIN_ITER, LayoutStats, PlanRef, SeenIters, Spread, check_measurement
+from .samplelog import sample_record
+from .sharing import outlier
 
 logger = logging.getLogger(__name__)
 
-_MAX_ITERS_PER_RANK = 4096  # remembered train_iters per rank before the oldest half is dropped
-_MAX_ITERS = 65536  # remembered (rank, train_iter) pairs per model before every rank drops its oldest half
 _MAX_DECISIONS = 4096  # cached train_iter -> plan decisions before the oldest are dropped
 
 
@@ -63,6 +65,8 @@ class ModelSession:
         config: limits and how to tune.
         remembered: the plan to start from (the best remembered for the model's shape, loaded by
             the caller outside every lock, or the plan a resumed job runs), or None: the default plan.
+        own: whether ``remembered`` is this job's own plan (a resumed job's, or one it stored itself):
+            then its ``completed`` holds; another job's plan is confirmed first (module docstring).
         first_version: the initial plan's version; later plans count on from it (a job that
             re-registers or resumes keeps its versions increasing).
         persist: takes ``(store key, plan)`` to save; it must only queue the write (the
@@ -76,7 +80,7 @@ class ModelSession:
     """
 
     def __init__(self, registration: Registration, config: ServiceConfig, *, remembered: StoredPlan | None = None,
-                 first_version: int = 0, persist: Callable[[str, StoredPlan], None] | None = None,
+                 own: bool = False, first_version: int = 0, persist: Callable[[str, StoredPlan], None] | None = None,
                  sample_log: Callable[[str, dict[str, Any]], None] | None = None,
                  propose_async: Callable[[Tuner, tuple[Sample, ...]], Future[Proposal]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -97,9 +101,7 @@ class ModelSession:
         self._history: list[Sample] = []
         # Bounded by config.max_layouts / max_plans / _MAX_DECISIONS, oldest (least recently used) first.
         self._stats: OrderedDict[tuple[str, bool], LayoutStats] = OrderedDict()
-        self._seen: dict[int, set[int]] = {}
-        self._seen_floor: dict[int, int] = {}
-        self._seen_total = 0
+        self._seen = SeenIters()
         self._decisions: OrderedDict[int, tuple[BucketPlan, bool]] = OrderedDict()
         self._decided_iters: list[int] = []
         self._issued: OrderedDict[int, BucketPlan] = OrderedDict()
@@ -116,16 +118,20 @@ class ModelSession:
         #: What algorithm="auto" kept (this job's report, else the one stored with the plan it started from).
         self.selection: AlgorithmChoice | None = remembered.selection if remembered is not None else None
 
-        initial = BucketPlan(buckets=split_into_buckets(self._order, config.default_bucket_size,
-                                                        whether_to_bucket=registration.whether_to_bucket),
-                             bucket_size=config.default_bucket_size, version=first_version)
+        initial = dataclasses.replace(self._default_plan(), version=first_version)
         remembered = self._usable(remembered)
+        #: The shared plan this session started from, while its own measurements have not confirmed it
+        #: against the default plan (None: nothing to confirm).
+        self.confirming: StoredPlan | None = None
         if remembered is not None:
             initial = dataclasses.replace(remembered.plan, version=first_version)
-            self.completed = self.completed or remembered.completed
-            logger.info("event=plan_restored model=%s job=%s key=%s completed=%s score=%.4g buckets=%d",
-                        registration.model_name, registration.job_id, registration.store_key, remembered.completed,
-                        remembered.score, len(initial.buckets))
+            if own:
+                self.completed = self.completed or remembered.completed
+            elif not self.completed:
+                self.confirming = remembered
+            logger.info("event=plan_restored model=%s job=%s key=%s from_job=%s completed=%s score=%.4g buckets=%d",
+                        registration.model_name, registration.job_id, registration.store_key, remembered.job_id,
+                        remembered.completed, remembered.score, len(initial.buckets))
         self._current = initial
         self._issued[first_version] = initial
         self._issued_at = self.started_at
@@ -145,10 +151,15 @@ class ModelSession:
     def _persist(self, sample: Sample, completed: bool) -> None:
         if self._persist_fn is None:
             return
-        self._persist_fn(self.registration.store_key, StoredPlan(
-            plan=sample.plan, score=sample.score, completed=completed,
-            model_name=self.registration.model_name, saved_at=time.time(), job_id=self.registration.job_id,
-            selection=self.selection))
+        reg = self.registration
+        if outlier(sample, self._history):  # this job's own plans may use it; no other job's
+            logger.warning("event=plan_not_shared model=%s job=%s reason=outlier score=%.4g samples=%d",
+                           reg.model_name, reg.job_id, sample.score, len(self._history))
+            return
+        self._persist_fn(reg.store_key, StoredPlan(
+            plan=sample.plan, score=sample.score, completed=completed, model_name=reg.model_name,
+            saved_at=time.time(), job_id=reg.job_id, selection=self.selection, reports=sample.reports,
+            samples=len(self._history)))
 
     # -- public API (each takes the lock) ----------------------------------------------------------
     @property
@@ -182,34 +193,6 @@ class ModelSession:
         """Issued plans this session remembers by version (at most ``config.max_plans``)."""
         return len(self._issued)
 
-    def check_same_model(self, other: Registration) -> None:
-        """Raise FailedPreconditionError when ``other`` declares another model under this session's name."""
-        mine = self.registration
-        if other.fingerprint != mine.fingerprint:
-            raise FailedPreconditionError(
-                f"model_name {mine.label} is already registered with a different tensor_list "
-                f"({len(mine.tensors)} tensors, fingerprint {mine.fingerprint}; got {len(other.tensors)} "
-                f"tensors, fingerprint {other.fingerprint}); use a new model_name for a different model")
-        if other.whether_to_bucket != mine.whether_to_bucket:
-            raise FailedPreconditionError(
-                f"model_name {mine.label} is already registered with whether_to_bucket="
-                f"{mine.whether_to_bucket!r}, got {other.whether_to_bucket!r}; use a new model_name")
-
-    def same_shape(self, other: Registration) -> bool:
-        """Whether ``other`` has this session's world size and ranks per node."""
-        mine = self.registration
-        return (other.world_size, other.nproc_per_node) == (mine.world_size, mine.nproc_per_node)
-
-    def check_same_registration(self, other: Registration) -> None:
-        """Raise FailedPreconditionError when ``other`` re-registers this model differently."""
-        mine = self.registration
-        self.check_same_model(other)
-        for name in ("world_size", "nproc_per_node"):
-            if getattr(other, name) != getattr(mine, name):
-                raise FailedPreconditionError(
-                    f"model_name {mine.model_name!r} is already registered with {name}="
-                    f"{getattr(mine, name)!r}, got {getattr(other, name)!r}; use a new model_name per job setup")
-
     def _check_rank_iter(self, rank: int, train_iter: int) -> None:
         if not 0 <= rank < self.registration.world_size:
             raise InvalidArgumentError(
@@ -219,25 +202,7 @@ class ModelSession:
             raise InvalidArgumentError(f"train_iter must be in [0, 2**62], got {train_iter}")
 
     def _canonical(self, plan: BucketPlan) -> BucketPlan:
-        """``plan`` over this model's own declarations (so plans share them); InvalidArgumentError when it
-        names a tensor the model did not register or does not cover every registered one."""
-        buckets = []
-        for bucket in plan.buckets:
-            mine = []
-            for t in bucket:
-                own = self._names.get(t.name)
-                if own != t:
-                    raise InvalidArgumentError(
-                        f"the plan holds tensor {t.to_dict()} which model {self.registration.model_name!r} did "
-                        "not register; report the plan the service handed back")
-                mine.append(own)
-            buckets.append(tuple(mine))
-        covered = sum(len(b) for b in buckets)
-        if covered != len(self._names):
-            raise InvalidArgumentError(
-                f"the plan covers {covered} of the {len(self._names)} registered tensors of model "
-                f"{self.registration.model_name!r}")
-        return dataclasses.replace(plan, buckets=tuple(buckets))
+        return canonical_plan(plan, self._names, self.registration.model_name)
 
     def _resolve_plan(self, ref: PlanRef | None, train_iter: int) -> BucketPlan:
         if ref is None:
@@ -275,17 +240,9 @@ class ModelSession:
                     raise InvalidArgumentError(
                         f"bucket_timings[{i}].bucket_index must be in [0, {len(plan.buckets)}) for the reported "
                         f"plan, got {t.bucket_index}")
-            seen = self._seen.setdefault(rank, set())
-            if train_iter in seen or train_iter <= self._seen_floor.get(rank, -1):
+            if not self._seen.add(rank, train_iter):
                 self.reports_ignored += 1
                 return False
-            seen.add(train_iter)
-            self._seen_total += 1
-            if len(seen) > _MAX_ITERS_PER_RANK:
-                self._forget_oldest(rank)
-            if self._seen_total > _MAX_ITERS:
-                for r in list(self._seen):
-                    self._forget_oldest(r)
             self.reports_accepted += 1
             if self._clock() - self.started_at < self.config.warmup_time_s:
                 return True  # accepted, but start-up speeds are not representative
@@ -339,15 +296,6 @@ class ModelSession:
                 logger.info("event=execution_order model=%s first=%s", self.registration.model_name, first[:3])
 
     # -- internals (lock held) ---------------------------------------------------------------------
-    def _forget_oldest(self, rank: int) -> None:
-        """Keep the newer half of ``rank``'s remembered iterations; older ones count as duplicates."""
-        seen = sorted(self._seen[rank])
-        keep = seen[len(seen) // 2:]
-        self._seen_total -= len(seen) - len(keep)
-        if len(keep) < len(seen):
-            self._seen_floor[rank] = keep[0] - 1
-        self._seen[rank] = set(keep)
-
     def _trim_stats(self) -> None:
         current = self._key_of(self._current)
         best = layout_key(self._best.plan) if self._best is not None else None
@@ -371,19 +319,6 @@ class ModelSession:
         if index < 0:
             return next(iter(self._issued.values()))
         return self._decisions[self._decided_iters[index]][0]
-
-    def _make_tuner(self, sample: Sample) -> Tuner:
-        reg = self.registration
-        kind = self.config.tuner
-        if kind == "auto":
-            kind = "planner" if sample.bucket_timings else "bayes"
-        self.tuner_kind = kind
-        if kind == "planner":
-            return ModelBasedPlanner(self._order, hierarchical_allowed=reg.hierarchical_allowed,
-                                     whether_to_bucket=reg.whether_to_bucket)
-        return BayesianTuner(self._order, hierarchical_allowed=reg.hierarchical_allowed,
-                             whether_to_bucket=reg.whether_to_bucket, min_log2=self.config.min_log2_bucket_size,
-                             max_log2=self.config.max_log2_bucket_size, seed=self.config.seed)
 
     def _issue(self, plan: BucketPlan, reason: str, predicted_ms: float | None = None) -> None:
         current = self._current
@@ -420,7 +355,8 @@ class ModelSession:
                 proposal = self._tuner.propose(self._history) if self._tuner else Proposal(plan=self._current)
             self._conclude(sample, sample_iter, proposal)
             return
-        if self._order_changed:
+        # A shared plan being confirmed is measured as its job cut it (in that job's ready order).
+        if self._order_changed and self.confirming is None:
             self._order_changed = False
             self._issue(BucketPlan(buckets=split_into_buckets(self._order, self._current.bucket_size,
                                                               whether_to_bucket=self.registration.whether_to_bucket),
@@ -442,7 +378,9 @@ class ModelSession:
             self._best = sample
             self._persist(sample, completed=False)
         if self._tuner is None:
-            self._tuner = self._make_tuner(sample)
+            self._tuner, self.tuner_kind = make_tuner(self.config, self.registration, self._order, sample)
+        if self.confirming is not None and self._confirm(sample, train_iter):
+            return
         if len(self._history) >= self.config.max_samples:
             self._conclude(sample, train_iter, Proposal(plan=self._current, converged=True, reason="max-samples"))
         elif self._propose_async is not None:
@@ -452,6 +390,36 @@ class ModelSession:
             self._fresh_reports = 0
         else:
             self._conclude(sample, train_iter, self._tuner.propose(self._history))
+
+    def _default_plan(self) -> BucketPlan:
+        return BucketPlan(buckets=split_into_buckets(self._order, self.config.default_bucket_size,
+                                                     whether_to_bucket=self.registration.whether_to_bucket),
+                          bucket_size=self.config.default_bucket_size)
+
+    def _confirm(self, sample: Sample, train_iter: int) -> bool:
+        """Lock held, after each of the first samples of a session that started from another job's plan:
+        measure the default plan next, then judge the shared plan by this job's own numbers. True when
+        this decided the next plan (the default, or the final one)."""
+        shared = self.confirming
+        assert shared is not None and self._tuner is not None
+        default = self._default_plan()
+        measured = [s for s in self._history if s.plan.same_layout(default) and s.plan.bucket_size ==
+                    default.bucket_size]
+        if not measured and len(self._history) < self.config.max_samples:
+            self._log_sample(sample, train_iter, "confirm-default")
+            self._issue(default, "confirm-default")
+            return True
+        self.confirming = None
+        first = self._history[0]
+        kept = shared.completed and all(first.score >= s.score for s in measured)
+        logger.info("event=shared_plan_%s model=%s job=%s from_job=%s score=%.4g default_score=%s",
+                    "confirmed" if kept else "not_confirmed", self.registration.model_name,
+                    self.registration.job_id, shared.job_id, first.score,
+                    f"{measured[0].score:.4g}" if measured else "-")
+        if kept and self.config.early_stop:  # final: the job's best of what it measured
+            self._conclude(sample, train_iter, Proposal(plan=first.plan, converged=True, reason="confirmed"))
+            return True
+        return False  # tune on from this job's own history
 
     def _conclude(self, sample: Sample, train_iter: int, proposal: Proposal) -> None:
         """Lock held: log the sample, then complete (hand back the final plan) or issue the proposal."""
@@ -471,23 +439,7 @@ class ModelSession:
             self._issue(proposal.plan, proposal.reason, proposal.predicted_ms)
 
     def _log_sample(self, sample: Sample, train_iter: int, next_reason: str) -> None:
-        if self._sample_log is None:
-            return
-        self._sample_log(self.registration.model_name, {
-            "time": time.time(),
-            "model_name": self.registration.model_name,
-            "job_id": self.registration.job_id,
-            "sample": len(self._history),
-            "train_iter": train_iter,
-            "tuner": self.tuner_kind,
-            "plan_version": sample.plan.version,
-            "buckets": sample.plan.tensor_names,
-            "bucket_bytes": sample.plan.bucket_bytes,
-            "bucket_size": sample.plan.bucket_size,
-            "is_hierarchical_reduce": sample.plan.is_hierarchical_reduce,
-            "score": sample.score,
-            "speed": sample.speed,
-            "exposed_ms": sample.exposed_ms,
-            "reports": sample.reports,
-            "next": next_reason,
-        })
+        if self._sample_log is not None:
+            self._sample_log(self.registration.model_name, sample_record(
+                sample, model_name=self.registration.model_name, job_id=self.registration.job_id,
+                index=len(self._history), train_iter=train_iter, tuner=self.tuner_kind, next_reason=next_reason))

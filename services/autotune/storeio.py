@@ -44,7 +44,8 @@ class StoreIO:
         self.dropped = 0
         self._loads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="autotune-store")
         self._cv = threading.Condition()
-        self._saves: collections.OrderedDict[str, StoredPlan] = collections.OrderedDict()
+        # key -> plan to save, or None: delete the key (in queue order, so a forget is not undone by an older save)
+        self._saves: collections.OrderedDict[str, StoredPlan | None] = collections.OrderedDict()
         self._records: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
         self._busy = False
         self._closed = False
@@ -109,8 +110,19 @@ class StoreIO:
             return None
         return stored
 
-    def save(self, key: str, stored: StoredPlan) -> None:
-        """Queue a save (a newer plan for the same key replaces a queued one)."""
+    def keys(self, limit: int) -> list[str]:
+        """At most ``limit`` keys of the store (empty when there is none); raises when it fails (counted)."""
+        if self.store is None:
+            return []
+        keys: list[str] = self._deadlined("keys", self.store.keys, limit)
+        return keys
+
+    def delete(self, key: str) -> None:
+        """Queue the removal of ``key`` (it replaces a queued save of that key)."""
+        self.save(key, None)
+
+    def save(self, key: str, stored: StoredPlan | None) -> None:
+        """Queue a save (a newer plan for the same key replaces a queued one); None queues a delete."""
         if self.store is None:
             return
         with self._cv:
@@ -145,8 +157,12 @@ class StoreIO:
                 record = self._records.popleft() if self._records else None
                 self._busy = True
             if save is not None and self.store is not None:
+                key, stored = save
                 try:
-                    self._deadlined("save", self.store.save, *save)
+                    if stored is None:
+                        self._deadlined("delete", self.store.delete, key)
+                    else:
+                        self._deadlined("save", self.store.save, key, stored)
                 except Exception:  # counted and logged by _deadlined
                     pass
             if record is not None and self.sample_log is not None:

@@ -185,9 +185,9 @@ def test_lightning_two_ranks_tune_match_log_and_second_job(tmp_path: Path) -> No
                   timeout_s=420, env={"GROUP_RANK": "0"})
         with AutotuneClient(target=target) as client:
             # Two fits, two jobs: each its own session; the first (tuned) measured plans, the second started
-            # from its final plan, already final, and measured none.
+            # from its final plan without inheriting its completion: it measured that plan itself.
             models = sorted(client.list_models(), key=lambda m: m.samples)
-            assert len(models) == 2 and models[0].samples == 0 and models[0].completed
+            assert len(models) == 2 and models[0].samples >= 1 and models[1].completed
             assert len({m.job_id for m in models}) == 2 and len({m.model_name for m in models}) == 1
             samples = client.describe_model(models[1].model_name, models[1].job_id).samples
     # Reports are aggregated: one per interval for the job (rank 0, after an all_gather), not one per rank.

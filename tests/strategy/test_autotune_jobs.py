@@ -137,11 +137,11 @@ def test_concurrent_jobs_tune_apart_and_a_third_starts_from_their_best(tmp_path:
             ran = {record[1] for record in results[prefix][0]["records"]}
             assert samples and {s.plan_version for s in samples} <= ran, (samples, ran)
             assert sum(s.reports for s in samples) <= STEPS // INTERVAL
-        # Shared: one best plan for the shape, the better of the two jobs' bests.
+        # Shared: one best plan for the shape, one job's own best (scores of two jobs are never compared).
         (best,) = shared
         assert best.key.endswith("-w2-n2") and best.job_id in (job_a, job_b)
         scores = {j: d.summary.best_score for j, d in described.items()}
-        assert best.score == pytest.approx(max(s for s in scores.values() if s is not None))
+        assert best.score == pytest.approx(scores[best.job_id])
         best_plan = described[best.job_id].best
         assert best_plan is not None
         # A third job of the same model starts on that plan, in its own session.

@@ -209,7 +209,7 @@ class ModelSummary(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., plan_version: _Optional[int] = ..., completed: _Optional[bool] = ..., samples: _Optional[int] = ..., reports_accepted: _Optional[int] = ..., reports_ignored: _Optional[int] = ..., best_score: _Optional[float] = ..., has_best: _Optional[bool] = ..., idle_s: _Optional[float] = ..., tuner: _Optional[str] = ..., layouts_tracked: _Optional[int] = ..., job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., algorithm: _Optional[str] = ...) -> None: ...
 
 class SharedPlanSummary(_message.Message):
-    __slots__ = ("key", "model_name", "job_id", "world_size", "nproc_per_node", "score", "completed", "buckets")
+    __slots__ = ("key", "model_name", "job_id", "world_size", "nproc_per_node", "score", "completed", "buckets", "saved_at", "reports", "samples")
     KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,9 @@ class SharedPlanSummary(_message.Message):
     SCORE_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_AT_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     key: str
     model_name: str
     job_id: str
@@ -226,7 +229,10 @@ class SharedPlanSummary(_message.Message):
     score: float
     completed: bool
     buckets: int
-    def __init__(self, key: _Optional[str] = ..., model_name: _Optional[str] = ..., job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., score: _Optional[float] = ..., completed: _Optional[bool] = ..., buckets: _Optional[int] = ...) -> None: ...
+    saved_at: float
+    reports: int
+    samples: int
+    def __init__(self, key: _Optional[str] = ..., model_name: _Optional[str] = ..., job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., score: _Optional[float] = ..., completed: _Optional[bool] = ..., buckets: _Optional[int] = ..., saved_at: _Optional[float] = ..., reports: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models", "shared_plans")
@@ -235,6 +241,20 @@ class ListModelsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelSummary]
     shared_plans: _containers.RepeatedCompositeFieldContainer[SharedPlanSummary]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ..., shared_plans: _Optional[_Iterable[_Union[SharedPlanSummary, _Mapping]]] = ...) -> None: ...
+
+class ForgetPlansRequest(_message.Message):
+    __slots__ = ("match",)
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    match: str
+    def __init__(self, match: _Optional[str] = ...) -> None: ...
+
+class ForgetPlansResponse(_message.Message):
+    __slots__ = ("removed", "warning")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
+    removed: _containers.RepeatedCompositeFieldContainer[SharedPlanSummary]
+    warning: str
+    def __init__(self, removed: _Optional[_Iterable[_Union[SharedPlanSummary, _Mapping]]] = ..., warning: _Optional[str] = ...) -> None: ...
 
 class DescribeModelRequest(_message.Message):
     __slots__ = ("model_name", "job_id")

@@ -69,6 +69,11 @@ class AutotuneServiceStub:
                 request_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionRequest.SerializeToString,
                 response_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionResponse.FromString,
                 _registered_method=True)
+        self.ForgetPlans = channel.unary_unary(
+                '/bagua_lightning.autotune.v1.AutotuneService/ForgetPlans',
+                request_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ForgetPlansRequest.SerializeToString,
+                response_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ForgetPlansResponse.FromString,
+                _registered_method=True)
 
 
 class AutotuneServiceServicer:
@@ -161,6 +166,17 @@ class AutotuneServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetPlans(self, request, context):
+        """Removes shared best plans (in memory and in the store) so that new jobs
+        of those shapes start from the default plan. Sessions that run keep
+        their plans; one still tuning saves again at its next best.
+        INVALID_ARGUMENT: empty match.
+        NOT_FOUND: no shared plan has that key, model_name or job_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AutotuneServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +214,11 @@ def add_AutotuneServiceServicer_to_server(servicer, server):
                     servicer.ReportAlgorithmSelection,
                     request_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionRequest.FromString,
                     response_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionResponse.SerializeToString,
+            ),
+            'ForgetPlans': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetPlans,
+                    request_deserializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ForgetPlansRequest.FromString,
+                    response_serializer=bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ForgetPlansResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +410,33 @@ class AutotuneService:
             '/bagua_lightning.autotune.v1.AutotuneService/ReportAlgorithmSelection',
             bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionRequest.SerializeToString,
             bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ReportAlgorithmSelectionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetPlans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagua_lightning.autotune.v1.AutotuneService/ForgetPlans',
+            bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ForgetPlansRequest.SerializeToString,
+            bagua__lightning_dot_proto_dot_autotune_dot_v1_dot_autotune__pb2.ForgetPlansResponse.FromString,
             options,
             channel_credentials,
             insecure,
