@@ -147,7 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. A reader that closes stdout early (``bagua-lightning status | head -1``) ends it
     quietly, with the exit status of a process killed by SIGPIPE (141), as ``cat`` or ``yes`` would."""
     try:
-        code = _main(argv)
+        try:
+            code = _main(argv)
+        except SystemExit:  # --help, --version, usage errors: their output too is flushed here
+            sys.stdout.flush()
+            raise
         sys.stdout.flush()  # what is still buffered: a closed pipe shows here, not at interpreter exit
     except BrokenPipeError:
         if not _stdout_closed():
