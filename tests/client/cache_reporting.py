@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +41,9 @@ def outages(port: int, state: str, start_method: str, phases: int = 3) -> None:
         if phases == 1:
             return
         start_cluster(spec)
+        # Back for a while before the next epoch: its new workers, which never met the outage, end it once no
+        # process has failed for twice the longest back-off.
+        time.sleep(2 * fast.retry_max_s + 0.1)
         print("phase: up", file=sys.stderr, flush=True)
         _epochs(ds, 2, start_method)
         stop_cluster(port, Path(state))
