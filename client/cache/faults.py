@@ -9,18 +9,36 @@ Two breakers share one back-off policy:
 * :class:`OutageTracker`, inside a :class:`~.loader.CacheLoader` over a store that does not isolate its nodes
   (a user's :class:`~.store.Store`): one back-off for the whole store.
 
-Both are per process: every DataLoader worker backs off (and warns) on its own.
+Each process backs off on its own (a DataLoader worker too), but an outage is reported once for a training
+process and its DataLoader workers together (:class:`SharedReport`): not once per worker and epoch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
+import multiprocessing.context
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ...core.tls_trust import explain_untrusted
 
 log = logging.getLogger("bagua_lightning.client.cache")
+_quiet = [0]  # > 0: inside quiet_outages()
+
+
+@contextlib.contextmanager
+def quiet_outages() -> Iterator[None]:
+    """Failures met inside are logged at debug level, not reported as an outage: for the flush at exit, whose
+    entries are simply not cached when their store is gone (nothing should print after a job's, or a test
+    session's, last line)."""
+    _quiet[0] += 1
+    try:
+        yield
+    finally:
+        _quiet[0] -= 1
 
 
 @dataclass(kw_only=True)
@@ -57,18 +75,71 @@ class _Backoff:
         self.next_try = now + self.wait
 
 
+class SharedReport:
+    """Whether the current outage of one store has been reported, shared by the process that made the store and
+    its DataLoader workers (inherited through ``fork``, handed over when a worker is spawned), so that the
+    workers of every epoch report one outage once, and the first process that sees the store answer again
+    reports its end. A plain ``pickle`` of the store (not a spawn) starts a report of its own.
+
+    It also keeps when any of these processes last met a failure: a process that never met the outage (a later
+    epoch's worker) ends it when its calls succeed and nobody has failed for a while (``quiet_for``).
+    Claiming is a read then a write of shared memory, without a lock: two workers failing within the same
+    microsecond may both report.
+    """
+
+    def __init__(self) -> None:
+        self._state = multiprocessing.RawArray("d", 2)  # [reported and not ended (0/1), last failure (monotonic)]
+
+    def __getstate__(self) -> dict[str, object]:
+        spawning = multiprocessing.context.get_spawning_popen() is not None
+        return {"_state": self._state if spawning else None}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self._state = state["_state"] or multiprocessing.RawArray("d", 2)
+
+    @property
+    def open(self) -> bool:
+        """An outage is reported and its end is not."""
+        return bool(self._state[0])
+
+    def failed(self, now: float) -> None:
+        """Some process of the family met a failure at ``now`` (``time.monotonic()``, one clock machine-wide)."""
+        self._state[1] = now
+
+    def claim(self) -> bool:
+        """True when no other process has reported the outage (this one reports it now)."""
+        if self._state[0]:
+            return False
+        self._state[0] = 1
+        return True
+
+    def release(self) -> bool:
+        """True when an outage was reported (this process reports its end now)."""
+        if not self._state[0]:
+            return False
+        self._state[0] = 0
+        return True
+
+    def quiet_for(self, seconds: float) -> bool:
+        """No process has met a failure for ``seconds``."""
+        return time.monotonic() - self._state[1] > seconds
+
+
 class NodeBreakers:
     """Per-node circuit breakers of one store, in one process.
 
     ``down`` maps the name of each failing node (``"host:port"``, or :data:`CONNECT` for setting up the
     connection) to its back-off; it is empty while everything answers, which is what the read path checks.
     One outage of the store lasts from the first node that fails until no node is down any more: one warning
-    at its start, one info line at its end.
+    at its start, one info line at its end, for the process that made the store and its DataLoader workers
+    together (``report``). ``hint`` ends the warning (what starts the store's servers).
     """
 
-    def __init__(self, what: str, policy: OutagePolicy | None = None) -> None:
+    def __init__(self, what: str, policy: OutagePolicy | None = None, hint: str = "") -> None:
         self.what = what
         self.policy = policy or OutagePolicy()
+        self.hint = hint
+        self.report = SharedReport()
         self.down: dict[str, _Backoff] = {}
         self.outages = 0
         self._since = 0.0
@@ -86,6 +157,7 @@ class NodeBreakers:
     def failure(self, name: str, exc: BaseException) -> None:
         """Node ``name`` failed: skip it until its next try."""
         now = time.monotonic()
+        self.report.failed(now)
         state = self.down.get(name)
         if state is not None:
             state.again(now, self.policy)
@@ -95,9 +167,13 @@ class NodeBreakers:
             self.outages += 1
             self._since = now
             where = "" if name == CONNECT else f" at {name}"
-            log.warning("%s is unavailable%s (%s: %s); the keys it serves load from the source until it is back "
-                        "(further failures in this outage are logged at debug level)",
-                        self.what, where, type(exc).__name__, exc)
+            if not _quiet[0] and self.report.claim():
+                log.warning("%s is unavailable%s (%s: %s); the keys it serves load from the source until it is "
+                            "back%s (reported once per outage for this process and its DataLoader workers; "
+                            "further failures are logged at debug level)",
+                            self.what, where, type(exc).__name__, exc, self.hint)
+            else:
+                log.debug("%s is unavailable%s (%s: %s); already reported", self.what, where, type(exc).__name__, exc)
         else:
             log.debug("%s: %s is unavailable too (%s: %s)", self.what, name, type(exc).__name__, exc)
         self.down[name] = _Backoff(now, self.policy)
@@ -109,8 +185,8 @@ class NodeBreakers:
 
     def account(self, tried: list[str], failed: list[tuple[str, BaseException]]) -> BaseException | None:
         """After a call to the nodes ``tried``: the ``failed`` ones (name, error) fail, the others answered (only
-        looked at while some node is down: the read path pays nothing for it otherwise). Returns the first
-        error, or None."""
+        looked at while some node is down: otherwise the read path pays one read of shared memory, whether another
+        process reported an outage that is now over). Returns the first error, or None."""
         for name, exc in failed:
             self.failure(name, exc)
         if self.down:
@@ -118,6 +194,8 @@ class NodeBreakers:
             for name in tried:
                 if name not in bad:
                     self.success(name)
+        elif tried and self.report.open and self.report.quiet_for(2 * self.policy.retry_max_s):
+            self._ended(tried[0])  # another process (an earlier epoch's worker) reported the outage; it is over
         return failed[0][1] if failed else None
 
     def keep(self, names: set[str]) -> None:
@@ -127,9 +205,11 @@ class NodeBreakers:
             self._ended(name)
 
     def _ended(self, name: str) -> None:
+        if not self.down and self.report.release():
+            after = f" after {time.monotonic() - self._since:.1f} s" if self._since else ""
+            log.info("%s is back%s (%s answers again); caching resumes", self.what, after, name)
         if not self.down:
-            log.info("%s is back after %.1f s (%s answers again); caching resumes", self.what,
-                     time.monotonic() - self._since, name)
+            self._since = 0.0
 
     @property
     def in_outage(self) -> bool:
@@ -144,12 +224,14 @@ class OutageTracker:
 
     While the store fails, samples come from the source; the store is tried again after a growing wait,
     so an outage costs one failed call per wait instead of one per batch. One warning is logged when an
-    outage starts and one info line when the store answers again.
+    outage starts and one info line when the store answers again, for the process that made it and its
+    DataLoader workers together (:class:`SharedReport`).
     """
 
     def __init__(self, what: str, policy: OutagePolicy | None = None) -> None:
         self.what = what
         self.policy = policy or OutagePolicy()
+        self.report = SharedReport()
         self.in_outage = False
         self.outages = 0
         self._since = 0.0
@@ -162,14 +244,19 @@ class OutageTracker:
 
     def failure(self, exc: BaseException) -> None:
         now = time.monotonic()
+        self.report.failed(now)
         if not self.in_outage:
             self.in_outage = True
             self.outages += 1
             self._since = now
             self._wait = self.policy.retry_initial_s
             exc = explain_untrusted(exc) or exc
-            log.warning("%s is unavailable (%s: %s); loading samples from the source until it is back",
-                        self.what, type(exc).__name__, exc)
+            if not _quiet[0] and self.report.claim():
+                log.warning("%s is unavailable (%s: %s); loading samples from the source until it is back "
+                            "(reported once per outage for this process and its DataLoader workers)",
+                            self.what, type(exc).__name__, exc)
+            else:
+                log.debug("%s is unavailable (%s: %s); already reported", self.what, type(exc).__name__, exc)
         else:
             self._wait = min(self._wait * 2, self.policy.retry_max_s)
         self._next_try = now + self._wait
@@ -177,4 +264,7 @@ class OutageTracker:
     def success(self) -> None:
         if self.in_outage:
             self.in_outage = False
-            log.info("%s is back after %.1f s; caching resumes", self.what, time.monotonic() - self._since)
+            if self.report.release():
+                log.info("%s is back after %.1f s; caching resumes", self.what, time.monotonic() - self._since)
+        elif self.report.open and self.report.quiet_for(2 * self.policy.retry_max_s) and self.report.release():
+            log.info("%s is back; caching resumes", self.what)  # reported by another process (an earlier worker)

@@ -14,7 +14,7 @@ from typing import Any
 from ...core.errors import ConfigurationError
 from ...core.services_file import resolve_cache_key
 from . import codec
-from .faults import OutagePolicy, OutageTracker
+from .faults import OutagePolicy, OutageTracker, quiet_outages
 from .keys import entry_prefix
 from .stats import CacheStats, SharedCounters
 from .store import STORE_ERRORS, RedisStore, Store
@@ -262,11 +262,13 @@ _registered_pid: list[int] = [-1]
 
 
 def _flush_all() -> None:
-    for loader in list(_pending.values()):
-        try:
-            loader.flush()
-        except Exception as exc:
-            log.debug("flush at exit failed: %s", exc)
+    # Best effort: an entry whose store is gone by now is simply not cached (logged at debug level).
+    with quiet_outages():
+        for loader in list(_pending.values()):
+            try:
+                loader.flush()
+            except Exception as exc:
+                log.debug("flush at exit failed: %s", exc)
 
 
 def _register_exit_flush(loader: CacheLoader) -> None:

@@ -42,7 +42,9 @@ from .options import RedisOptions, parse_hosts
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CAPACITY = 100 * 1024**3  # bytes per node, as in Bagua
+DEFAULT_CAPACITY = 100 * 1024**3  # bytes per node, as in Bagua (capped to the machine when not asked for)
+# Ends the outage warning of a store on named servers: the command that starts (and the one that checks) them.
+OUTAGE_HINT = "; `bagua-lightning up` starts the services, `bagua-lightning status` shows which answer"
 Fetched = tuple[list[Any], BaseException | None]  # values: bytes (or memoryview from fetch_views) or None
 Written = tuple[list[bool], BaseException | None]
 
@@ -212,6 +214,14 @@ class ClusterStore(Store):
             s.shutdown()
 
 
+def default_capacity_per_node() -> int:
+    """The local server's ``maxmemory`` when the user names none: Bagua's 100 GiB, or a quarter of this
+    machine's memory where that is less."""
+    from ...core.local_redis import default_capacity
+
+    return min(DEFAULT_CAPACITY, default_capacity())
+
+
 def node_index() -> int:
     """Index of this machine among the job's nodes (``GROUP_RANK``/``NODE_RANK``, else rank // local size)."""
     for name in ("GROUP_RANK", "NODE_RANK"):
@@ -233,6 +243,8 @@ class RedisStore(Store):
         cluster_mode: for independent servers: shard keys over all of them (True) or use host ``n % m`` on
             the n-th node (False). A real Redis Cluster is always used as a cluster.
         capacity_per_node: ``maxmemory`` in bytes of a spawned local server (no effect on existing servers).
+            None: Bagua's 100 GiB, or a quarter of this machine's memory where that is less (no warning);
+            a number larger than the machine's memory is capped to that quarter with a warning.
         outage_policy: back-off of a failing node (and of connecting); default :class:`OutagePolicy()`.
         **options: :class:`RedisOptions` fields (``password``, ``tls_ca``, ``tls_cert``, ``tls_key``,
             ``username``, ``ssl``, timeouts, retries).
@@ -241,11 +253,13 @@ class RedisStore(Store):
     isolates_failures = True
 
     def __init__(self, hosts: Sequence[Any] | None = None, cluster_mode: bool = True,
-                 capacity_per_node: int = DEFAULT_CAPACITY, outage_policy: OutagePolicy | None = None,
+                 capacity_per_node: int | None = None, outage_policy: OutagePolicy | None = None,
                  **options: Any) -> None:
         if outage_policy is not None and not isinstance(outage_policy, OutagePolicy):
             raise ConfigurationError(f"outage_policy={outage_policy!r}; give an OutagePolicy or None.")
-        if not isinstance(capacity_per_node, int) or capacity_per_node <= 0:
+        if capacity_per_node is None:
+            capacity_per_node = default_capacity_per_node()
+        elif isinstance(capacity_per_node, bool) or not isinstance(capacity_per_node, int) or capacity_per_node <= 0:
             raise ConfigurationError(f"capacity_per_node={capacity_per_node!r}; give a positive number of bytes.")
         self.options = RedisOptions.from_kwargs(options)
         self.cluster_mode = bool(cluster_mode)
@@ -273,7 +287,8 @@ class RedisStore(Store):
         if not self.local:  # a node-local server's password came with its address (and it speaks no TLS)
             self.options.resolve_tls(self.hosts)
             self.options.resolve_password(self.hosts)
-        self.breakers = NodeBreakers(f"the sample cache ({self!r})", outage_policy)
+        hint = "" if self.local else OUTAGE_HINT  # a node-local server is started by the jobs themselves
+        self.breakers = NodeBreakers(f"the sample cache ({self!r})", outage_policy, hint=hint)
         self._backend_obj: Backend | None = None
         self._pid = os.getpid()
         self._creator_pid = self._pid

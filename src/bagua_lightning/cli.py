@@ -16,6 +16,8 @@ import argparse
 import importlib
 import logging
 import os
+import select
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -46,8 +48,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _ascii_number(text: str) -> bool:
-    # str.isdigit() accepts "²" and "٣" too; int() then fails or reads another number.
-    return text.strip().isascii() and text.strip().isdigit()
+    # ASCII digits only: int() accepts " 80" and "+80", str.isdigit() accepts "²" and "٣".
+    from .core.services_file import is_ascii_number
+
+    return is_ascii_number(text)
 
 
 def port_arg(text: str) -> int:
@@ -140,6 +144,45 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. A reader that closes stdout early (``bagua-lightning status | head -1``) ends it
+    quietly, with the exit status of a process killed by SIGPIPE (141), as ``cat`` or ``yes`` would."""
+    try:
+        try:
+            code = _main(argv)
+        except SystemExit:  # --help, --version, usage errors: their output too is flushed here
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # what is still buffered: a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        return _closed_stdout()
+    return code
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has gone: a ``BrokenPipeError`` of another pipe (a
+    child's stdin) stays an error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor, or one that cannot be polled
+        return False
+
+
+def _closed_stdout() -> int:
+    # Later writes (the interpreter's last flush of sys.stdout included) go nowhere instead of raising again.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return 128 + signal.SIGPIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_command_words(argv))
     args = parser.parse_args(argv)
@@ -155,13 +198,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError as exc:
+        if _stdout_closed():
+            raise  # the reader of our output has gone: main() ends quietly
+        return _failed(args, exc)
     except Exception as exc:
-        if args.debug:
-            traceback.print_exc()
-        hint = "" if args.debug else " (--debug shows the traceback)"
-        print(f"bagua-lightning {args.command}: error: {_one_line(exc)}"
-              + ("" if isinstance(exc, BaguaLightningError) else hint), file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, ConfigurationError) else EXIT_FAILURE
+        return _failed(args, exc)
+
+
+def _failed(args: argparse.Namespace, exc: Exception) -> int:
+    if args.debug:
+        traceback.print_exception(exc)
+    hint = "" if args.debug else " (--debug shows the traceback)"
+    print(f"bagua-lightning {args.command}: error: {_one_line(exc)}"
+          + ("" if isinstance(exc, BaguaLightningError) else hint), file=sys.stderr)
+    return EXIT_USAGE if isinstance(exc, ConfigurationError) else EXIT_FAILURE
 
 
 if __name__ == "__main__":  # pragma: no cover

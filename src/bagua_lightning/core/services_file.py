@@ -90,9 +90,8 @@ def services_file_path() -> Path:
 
 
 def is_ascii_number(text: str) -> bool:
-    """True for ASCII decimal digits only (``str.isdigit`` also accepts ``²`` and ``٣``, which ``int`` then
-    rejects or reads as another number)."""
-    text = text.strip()
+    """True for ASCII decimal digits only: no sign, no spaces (``int`` would accept ``" 80"``), nothing else
+    (``str.isdigit`` also accepts ``²`` and ``٣``, which ``int`` then rejects or reads as another number)."""
     return bool(text) and text.isascii() and text.isdigit()
 
 

@@ -1,7 +1,7 @@
 """Bagua's ``bagua.torch_api.contrib.utils.redis_store``: :class:`RedisStore` and its server helpers.
 
-``RedisStore(hosts=None, cluster_mode=True, capacity_per_node=107374182400, **options)``: see
-:class:`bagua_lightning.client.cache.store.RedisStore`. :func:`start_redis_server_cli` and
+``RedisStore(hosts=None, cluster_mode=True, capacity_per_node=None, **options)`` (None: Bagua's 100 GiB,
+capped at a quarter of the machine's memory): see :class:`bagua_lightning.client.cache.store.RedisStore`. :func:`start_redis_server_cli` and
 :func:`find_free_port` start a standalone server the way Bagua's tests do, but bound to loopback with
 protected mode on, and with the deployment's password (``BAGUA_LIGHTNING_REDIS_PASSWORD``) when one is set,
 handed over on stdin, never on a command line.
