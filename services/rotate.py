@@ -153,9 +153,10 @@ def finish(report: Report = print) -> None:
 
 def _restart_autotune(info: ServicesInfo, report: Report) -> None:
     """Restart the recorded autotune service (same bind address and port) with the secret files' values."""
-    (rec,) = info.processes.get("autotune") or [None]
-    if rec is None or not info.autotune or not info.state_dir:
+    recs = info.processes.get("autotune") or []
+    if not recs or not info.autotune or not info.state_dir:
         return
+    rec = recs[0]
     argv = psutil.Process(rec.pid).cmdline()  # ours: _healthy_own checked the record
     host = argv[argv.index("--host") + 1].strip("[]")
     port = int(argv[argv.index("--port") + 1])
