@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,9 +56,9 @@ from ..core.services_file import (
     state_dir,
     write_services_file,
 )
+from . import deploy_recovery
 from .deploy_config import (
     AUTOTUNE_LOG,
-    AUTOTUNE_SAMPLES,
     DEFAULT_AUTOTUNE_PORT,
     DEFAULT_HOST,
     DEFAULT_MAXMEMORY,
@@ -73,7 +71,8 @@ from .deploy_config import (
     redis_state_url,
 )
 from .deploy_ports import claim_ports, claimed
-from .health import Health, check_autotune, check_redis, wait_healthy
+from .deploy_state import exclusive, owned, running_services, start_autotune
+from .health import check_autotune, wait_healthy
 from .redis_tls import remove_tls_dir
 
 log = logging.getLogger(__name__)
@@ -88,75 +87,7 @@ __all__ = ["AUTOTUNE_LOG", "DEFAULT_AUTOTUNE_PORT", "DEFAULT_HOST", "DEFAULT_MAX
 _claim_ports = claim_ports  # the name tests and older callers use
 
 
-def start_autotune(cfg: UpConfig, state: str, folder: Path, deployment: str,
-                   secrets: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start the autotune service detached (own session, stdin closed), logging to ``folder/autotune.log``.
-
-    Its token and the Redis password reach it through its environment (readable only by the same user).
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "bagua_lightning.cli",
-            *autotune_service_args(host=cfg.host, port=int(cfg.autotune_port or 0), state=state,
-                                   log_dir=str(folder / AUTOTUNE_SAMPLES))]
-    env = procs.child_env(deployment)
-    for name in ("redis_password", "autotune_token"):
-        env.pop(SECRETS[name][1], None)
-        if name in secrets:
-            env[SECRETS[name][1]] = secrets[name]
-    with open(folder / AUTOTUNE_LOG, "ab") as log_file:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                env=env, cwd=folder, start_new_session=True, close_fds=True)
-
-
 # ------------------------------------------------------------------------------------------ up
-
-
-def running_services(info: ServicesInfo | None, password: str | None = None,
-                     token: str | None = None) -> dict[str, Health]:
-    """Health of each service recorded in ``info`` (``autotune``, ``redis``); empty when none.
-
-    A service whose recorded process is no longer ours (gone, or its pid reused) is unhealthy, even when
-    something else answers on its port. ``password``/``token``: default the recorded secret files.
-    """
-    if info is None:
-        return {}
-    password = password if password is not None else recorded_secret(info, "redis_password")
-    token = token if token is not None else recorded_secret(info, "autotune_token")
-    out: dict[str, Health] = {}
-    if info.autotune:
-        gone = [r.pid for r in info.processes.get("autotune") or [] if not procs.is_running(r)]
-        out["autotune"] = (Health(False, f"process {gone[0]} is gone") if gone
-                           else check_autotune(info.autotune, token=token))
-    if info.redis_hosts:
-        gone = [r.pid for r in info.processes.get("redis") or [] if not procs.is_running(r)]
-        out["redis"] = (Health(False, f"processes {gone} are gone") if gone
-                        else check_redis(info.redis_hosts, info.redis_cluster, password,
-                                         node_ids=info.redis_node_ids or None))
-    return out
-
-
-def recorded_secret(info: ServicesInfo, name: str) -> str | None:
-    """The secret ``name`` from the file ``info`` records; None when none is recorded or it is unreadable."""
-    path = info.secrets.get(name)
-    if not path:
-        return None
-    try:
-        return procs.read_secret(path)
-    except ConfigurationError:
-        return None  # reported as unhealthy by the check that needs it
-
-
-@contextlib.contextmanager
-def _exclusive() -> Iterator[None]:
-    # Two `up`s at once (two shells, the ranks of a job) would race for the same ports: one at a time.
-    path = services_file_path().with_suffix(".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def up(cfg: UpConfig, *, fresh: bool = False, report: Report | None = None) -> ServicesInfo:
@@ -175,13 +106,11 @@ def up(cfg: UpConfig, *, fresh: bool = False, report: Report | None = None) -> S
         ServiceUnavailableError: a service did not become healthy before ``cfg.timeout_s``; everything
             this call started is stopped again.
     """
-    with _exclusive():
+    with exclusive():
         return _up(cfg, fresh, report or log.info)
 
 
 def _up(cfg: UpConfig, fresh: bool, report: Report) -> ServicesInfo:
-    from . import deploy_recovery
-
     existing = read_services_file()
     if existing is not None and fresh:
         _down()
@@ -200,7 +129,7 @@ def _up(cfg: UpConfig, fresh: bool, report: Report) -> ServicesInfo:
         deploy_recovery.report_kept(existing, report)
         return existing
     records = [r for rs in existing.processes.values() for r in rs]
-    if not _owned(existing) or not any(procs.is_running(r) for r in records):
+    if not owned(existing) or not any(procs.is_running(r) for r in records):
         log.info("recorded services are not running (%s); starting afresh",
                  ", ".join(f"{k}: {h.detail}" for k, h in health.items()))
         _down()
@@ -322,7 +251,7 @@ def ensure_up(cfg: UpConfig | None = None, report: Report | None = None) -> Serv
 
     For callers that only need services to exist (the demo), not particular ports.
     """
-    with _exclusive():
+    with exclusive():
         existing = read_services_file()
         health = running_services(existing)
         if existing is not None and health and all(h.healthy for h in health.values()):
@@ -370,7 +299,7 @@ def down(timeout_s: float = 10.0, local: bool = True) -> list[int]:
 def stop_all(timeout_s: float = 10.0, local: bool = True) -> DownReport:
     """:func:`down`, reporting every record removed (a stale one of another run too)."""
     out = DownReport()
-    with _exclusive():
+    with exclusive():
         _down(timeout_s, out)
     if local:
         from ..core.local_redis import local_dir, read_server, stop_server
@@ -387,17 +316,6 @@ def stop_all(timeout_s: float = 10.0, local: bool = True) -> DownReport:
     return out
 
 
-def _owned(info: ServicesInfo) -> bool:
-    """True when the file's state folder proves the recorded processes are ours: its marker names this
-    deployment and this very services file, and every record carries the deployment's id."""
-    root = Path(info.state_dir) if info.state_dir else None
-    marker = procs.read_marker(root) if root is not None else None
-    records = [r for rs in info.processes.values() for r in rs]
-    return (root is not None and marker is not None and marker.get("deployment") == info.deployment
-            and marker.get("services_file") == str(services_file_path().resolve())
-            and all(r.deployment == info.deployment for r in records))
-
-
 def _down(timeout_s: float = 10.0, out: DownReport | None = None) -> list[int]:
     from . import redis_cluster
 
@@ -411,7 +329,7 @@ def _down(timeout_s: float = 10.0, out: DownReport | None = None) -> list[int]:
     # Only a state folder whose marker names this deployment and this very services file proves that the
     # recorded processes are ours to stop. Without that proof (a copied or edited file, a state_dir that
     # points elsewhere or nowhere), nothing is signalled; a file whose processes are all gone is just removed.
-    if not _owned(info) or root is None:
+    if not owned(info) or root is None:
         if any(procs.is_running(r) for r in records):
             raise ConfigurationError(
                 f"services file {path} records deployment {info.deployment} in {root or 'no state folder'}, "

@@ -37,6 +37,7 @@ from ..core.redis_server import (
 from ..core.services_file import ServicesInfo, write_services_file
 from .deploy_config import AUTOTUNE_LOG, UpConfig, redis_state_url
 from .deploy_ports import claim_ports, require_free
+from .deploy_state import previous_redis_password, start_autotune
 from .health import Health, check_autotune, check_redis, wait_healthy
 from .redis_records import ClusterInfo, NodeInfo, read_deployments, write_deployment
 
@@ -183,9 +184,7 @@ def relaunch_node(cluster: ClusterInfo, node: NodeInfo, password: str | None) ->
 
 def _readd_previous_password(node: NodeInfo, password: str | None) -> None:
     # During a password rotation's grace period the other nodes accept the previous password as well.
-    from .rotate import previous_redis_password
-
-    previous = previous_redis_password(node, password)
+    previous = previous_redis_password(password)
     if previous:
         with client_for(node.host, node.port, password) as c:
             c.execute_command("ACL", "SETUSER", "default", f">{previous}")
@@ -227,8 +226,6 @@ def _wait_failover(cluster: ClusterInfo, dead: list[NodeInfo], password: str | N
 
 def _recover_autotune(info: ServicesInfo, cfg: UpConfig, secrets: dict[str, str], deadline: float,
                       report: Callable[[str], None]) -> ProcessRecord:
-    from .deploy import start_autotune
-
     address = str(info.autotune)
     token = secrets.get("autotune_token")
     recs = info.processes.get("autotune") or []

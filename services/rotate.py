@@ -28,35 +28,19 @@ from ..core import procs
 from ..core.errors import ConfigurationError
 from ..core.redis_server import client_for
 from ..core.services_file import ServicesInfo, read_services_file, write_services_file
-from .deploy import _exclusive, _owned, running_services, start_autotune
 from .deploy_config import AUTOTUNE_LOG, SECRETS, UpConfig
+from .deploy_state import exclusive, owned, previous_password_file, running_services, start_autotune
 from .health import check_autotune, wait_healthy
 from .redis_records import PASSWORD_FILE, NodeInfo, read_deployments
 
-PREVIOUS_SUFFIX = ".previous"
 Report = Callable[[str], None]
-
-
-def _previous_file(info: ServicesInfo) -> Path | None:
-    path = info.secrets.get("redis_password")
-    return Path(path + PREVIOUS_SUFFIX) if path else None
-
-
-def previous_redis_password(node: NodeInfo, password: str | None) -> str | None:
-    """The old Redis password while a rotation's grace period runs (None otherwise)."""
-    info = read_services_file()
-    previous = _previous_file(info) if info is not None else None
-    if previous is None or not previous.is_file():
-        return None
-    old = procs.read_secret(previous)
-    return old if old != password else None
 
 
 def _healthy_own() -> ServicesInfo:
     info = read_services_file()
     if info is None:
         raise ConfigurationError("no services are recorded; `bagua-lightning up` starts them.")
-    if not _owned(info):
+    if not owned(info):
         raise ConfigurationError(f"the recorded services (state folder {info.state_dir}) are not this services "
                                  "file's own; nothing was rotated.")
     bad = {k: h.detail for k, h in running_services(info).items() if not h.healthy}
@@ -82,7 +66,7 @@ def rotate(*, redis_password: bool = False, autotune_token: bool = False, cache_
     if not (redis_password or autotune_token or cache_key):
         raise ConfigurationError("name what to rotate: --redis-password, --autotune-token and/or --cache-key "
                                  "(or --finish to end a password rotation).")
-    with _exclusive():
+    with exclusive():
         info = _healthy_own()
         if redis_password:
             _start_password_rotation(info, report)
@@ -107,7 +91,7 @@ def _start_password_rotation(info: ServicesInfo, report: Report) -> None:
     if "redis_password" not in info.secrets:
         raise ConfigurationError("the deployment has no Redis password (--no-auth); nothing to rotate.")
     path = Path(info.secrets["redis_password"])
-    previous = _previous_file(info)
+    previous = previous_password_file(info)
     assert previous is not None
     if previous.exists():
         raise ConfigurationError(f"a password rotation is still open ({previous} exists); end it with "
@@ -135,9 +119,9 @@ def _token() -> str:
 
 def finish(report: Report = print) -> None:
     """End a Redis password rotation: remove the old password from every node and its file."""
-    with _exclusive():
+    with exclusive():
         info = read_services_file()
-        previous = _previous_file(info) if info is not None else None
+        previous = previous_password_file(info) if info is not None else None
         if info is None or previous is None or not previous.is_file():
             raise ConfigurationError("no password rotation is open; nothing to finish.")
         old = procs.read_secret(previous)
