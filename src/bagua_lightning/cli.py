@@ -47,8 +47,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _ascii_number(text: str) -> bool:
-    # str.isdigit() accepts "²" and "٣" too; int() then fails or reads another number.
-    return text.strip().isascii() and text.strip().isdigit()
+    # str.isdigit() accepts "²" and "٣" too; int() then fails or reads another number. No spaces either:
+    # `--redis-port ' 80'` is a typo, not port 80.
+    return text.isascii() and text.isdigit()
 
 
 def port_arg(text: str) -> int:

@@ -90,6 +90,12 @@ def test_a_named_port_whose_bus_port_is_taken_fails_in_one_line(env: dict[str, s
     assert not Path(env["BAGUA_LIGHTNING_SERVICES_FILE"]).exists()
 
 
+@pytest.mark.parametrize("text", [" 80", "80 ", "8 0", "７０００"])
+def test_ports_parse_strictly(env: dict[str, str], text: str) -> None:
+    for command in ("up", "demo"):
+        one_line_error(cli(env, command, "--redis-port", text), 2, repr(text), "not a TCP port")
+
+
 def test_the_demo_starts_its_services_on_free_ports(tmp_path: Path) -> None:
     from bagua_lightning.demo import find_or_start_services
 
