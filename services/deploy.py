@@ -70,7 +70,7 @@ from .deploy_config import (
     autotune_service_args,
     redis_state_url,
 )
-from .deploy_ports import claim_ports, claimed
+from .deploy_ports import all_free, claim_ports, claimed
 from .deploy_state import exclusive, owned, running_services, start_autotune
 from .health import check_autotune, wait_healthy
 from .redis_tls import remove_tls_dir
@@ -118,7 +118,7 @@ def _up(cfg: UpConfig, fresh: bool, report: Report) -> ServicesInfo:
     if existing is None:
         return _start_fresh(cfg, report)
     health = running_services(existing)
-    cfg = _with_recorded_ports(existing, cfg)
+    asked, cfg = cfg, _with_recorded_ports(existing, cfg)
     differences = _differences(existing, cfg)
     if health and all(h.healthy for h in health.values()):
         if differences:
@@ -133,7 +133,9 @@ def _up(cfg: UpConfig, fresh: bool, report: Report) -> ServicesInfo:
         log.info("recorded services are not running (%s); starting afresh",
                  ", ".join(f"{k}: {h.detail}" for k, h in health.items()))
         _down()
-        return _start_fresh(cfg, report)
+        # The recorded ports again when they are all free; else, where none was named, a free block.
+        again = cfg if all_free(cfg, int(cfg.autotune_port or 0), cfg.first_redis_port) else asked
+        return _start_fresh(again, report)
     if differences:
         raise ConfigurationError(
             f"the recorded services run partly, with other settings ({'; '.join(differences)}); run `up` with "

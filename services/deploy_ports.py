@@ -98,7 +98,8 @@ def _candidates(cfg: UpConfig) -> Iterator[tuple[int, int]]:
                 yield port, base
 
 
-def _all_free(cfg: UpConfig, autotune_port: int, redis_port: int) -> bool:
+def all_free(cfg: UpConfig, autotune_port: int, redis_port: int) -> bool:
+    """True when every port of a deployment with these first ports is free (and no two coincide)."""
     wanted = [p for _, p in deployment_ports(cfg, autotune_port, redis_port)]
     return len(set(wanted)) == len(wanted) and all(port_free(cfg.host, p) is None for p in wanted)
 
@@ -119,7 +120,7 @@ def claimed(cfg: UpConfig) -> Iterator[UpConfig]:
             yield chosen
         return
     for autotune_port, redis_port in _candidates(cfg):
-        if not _all_free(cfg, autotune_port, redis_port):
+        if not all_free(cfg, autotune_port, redis_port):
             continue
         chosen = cfg.with_ports(autotune_port, redis_port)
         stack = contextlib.ExitStack()
@@ -128,7 +129,7 @@ def claimed(cfg: UpConfig) -> Iterator[UpConfig]:
         except PortClaimedError:
             continue
         with stack:
-            if not _all_free(chosen, autotune_port, redis_port):  # taken between the check and the claim
+            if not all_free(chosen, autotune_port, redis_port):  # taken between the check and the claim
                 continue
             yield chosen
         return

@@ -5,6 +5,7 @@ IPv6 loopback, a full disk, a stale record; each with real processes in a privat
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -23,7 +24,7 @@ from bagua_lightning.services import deploy
 from bagua_lightning.services.deploy_config import UpConfig, deployment_ports
 from bagua_lightning.services.deploy_ports import claimed
 from bagua_lightning.services.health import Health, wait_healthy
-from tests.procs import free_port
+from tests.procs import free_port, wait_until
 from tests.services.conftest import cli, one_line_error
 from tests.services.test_deploy_cluster import cluster_ports, private_state
 
@@ -36,6 +37,7 @@ def listening(*ports: int, host: str = "127.0.0.1") -> Iterator[None]:
     try:
         for port in ports:
             s = socket.socket(family, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
             s.bind((host, port))
             s.listen()
             held.append(s)
@@ -90,7 +92,31 @@ def test_a_named_port_whose_bus_port_is_taken_fails_in_one_line(env: dict[str, s
     assert not Path(env["BAGUA_LIGHTNING_SERVICES_FILE"]).exists()
 
 
-@pytest.mark.parametrize("text", [" 80", "80 ", "8 0", "７０００"])
+def test_up_after_everything_died_starts_afresh_on_free_ports(env: dict[str, str]) -> None:
+    import signal
+
+    first = cli(env, "up", "--single", "--maxmemory", "32mb")
+    assert first.returncode == 0, first.stderr
+    services = Path(env["BAGUA_LIGHTNING_SERVICES_FILE"])
+    before = read_services_file(services)
+    assert before is not None
+    try:
+        pids = [before.pids["autotune"], *before.pids["redis"]]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not any(procs.pid_alive(p) for p in pids), 30, "the killed services")
+        with listening(before.redis_hosts[0]["port"]):  # someone else took a recorded port meanwhile
+            again = cli(env, "up", "--single", "--maxmemory", "32mb")
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.count(": started (pid") == 2 and "kept" not in again.stdout
+        after = read_services_file(services)
+        assert after is not None and after.deployment != before.deployment
+        assert after.redis_hosts[0]["port"] != before.redis_hosts[0]["port"]
+    finally:
+        assert cli(env, "down").returncode == 0
+
+
+@pytest.mark.parametrize("text", [" 80", "80 ", "8 0", "\uff17\uff10\uff10\uff10"])
 def test_ports_parse_strictly(env: dict[str, str], text: str) -> None:
     for command in ("up", "demo"):
         one_line_error(cli(env, command, "--redis-port", text), 2, repr(text), "not a TCP port")
