@@ -225,6 +225,25 @@ def test_down_says_when_it_removes_a_stale_record_of_another_run(env: dict[str, 
     assert not services.exists()
 
 
+def test_down_says_when_it_removes_a_stale_node_local_record(env: dict[str, str]) -> None:
+    import json
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    folder = Path(env["XDG_STATE_HOME"]) / "bagua-lightning" / "redis-local"
+    procs.private_dir(folder)
+    procs.write_marker(folder, "an-old-run")
+    procs.write_private(folder / "password", "x" * 32)
+    record = ProcessRecord(pid=gone.pid, create_time=1.0, deployment="an-old-run")
+    procs.write_private(folder / "server.json", json.dumps({
+        "host": "127.0.0.1", "port": free_port(), "binds": ["127.0.0.1"], "maxmemory": 0,
+        "process": record.to_json()}))
+    down = cli(env, "down")
+    assert down.returncode == 0, down.stderr
+    assert f"removed the node-local cache server's record {folder} (stale: its process {gone.pid}" in down.stdout
+    assert not folder.exists()
+
+
 # ------------------------------------------------------------------------------- failing fast
 
 
