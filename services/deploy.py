@@ -15,6 +15,7 @@ Authentication is on by default: ``up`` creates a Redis password, an autotune to
 (``$BAGUA_LIGHTNING_REDIS_PASSWORD`` & co. when set, else random) in ``<state_dir>/secrets/`` (0600 files,
 0700 folder). They reach the services through a pipe (Redis) and the environment (autotune), trainers
 through the services file's paths; never through a command line. ``--no-auth`` is refused beyond loopback.
+``up`` never changes the secrets of a live deployment; ``bagua-lightning rotate-secrets`` does (:mod:`.rotate`).
 
 High availability: by default 3 masters with one replica each (replicas on the next ports); a killed
 master's replica takes over within seconds (failover settings in :mod:`bagua_lightning.core.redis_server`,

@@ -5,6 +5,7 @@ IPv6 loopback, a full disk, a stale record; each with real processes in a privat
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import socket
@@ -30,15 +31,22 @@ from tests.services.test_deploy_cluster import cluster_ports, private_state
 
 
 @contextlib.contextmanager
-def listening(*ports: int, host: str = "127.0.0.1") -> Iterator[None]:
-    """Another program's listeners on ``ports`` for the block."""
+def listening(*ports: int, host: str = "127.0.0.1", or_taken: bool = True) -> Iterator[None]:
+    """Another program's listeners on ``ports`` for the block (``or_taken``: a port that some other process
+    of this shared machine took first is just as taken)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     held = []
     try:
         for port in ports:
             s = socket.socket(family, socket.SOCK_STREAM)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
-            s.bind((host, port))
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                s.close()
+                if or_taken and exc.errno == errno.EADDRINUSE:
+                    continue
+                raise
             s.listen()
             held.append(s)
         yield
@@ -105,7 +113,7 @@ def test_up_after_everything_died_starts_afresh_on_free_ports(env: dict[str, str
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         wait_until(lambda: not any(procs.pid_alive(p) for p in pids), 30, "the killed services")
-        with listening(before.redis_hosts[0]["port"]):  # someone else took a recorded port meanwhile
+        with listening(before.redis_hosts[0]["port"]):  # someone else took a recorded port
             again = cli(env, "up", "--single", "--maxmemory", "32mb")
         assert again.returncode == 0, again.stderr
         assert again.stdout.count(": started (pid") == 2 and "kept" not in again.stdout
