@@ -6,12 +6,16 @@ autotune service keeping its persisted plans in the Redis deployment. ``up`` wai
 (gRPC health ``SERVING``; every Redis node answering and, for a cluster, all 16384 slots served), then
 records their addresses, process records and the paths of their secret files in the services file, where
 ``BaguaStrategy(autotune=True)`` and ``CachedDataset`` find them. ``up`` on healthy recorded services does
-nothing; ``down`` stops what ``up`` started and the node-local cache server, and removes the file.
+nothing; on a partly healthy deployment it restarts only what is dead and keeps the secrets, the data and
+the processes of what is alive (:mod:`.deploy_recovery`); ``up --fresh`` starts over. ``down`` stops what
+``up`` started and the node-local cache server, and removes the file. With no port named, ``up`` takes the
+default ports when they are free, else a free block (:mod:`.deploy_ports`).
 
 Authentication is on by default: ``up`` creates a Redis password, an autotune token and a cache key
 (``$BAGUA_LIGHTNING_REDIS_PASSWORD`` & co. when set, else random) in ``<state_dir>/secrets/`` (0600 files,
 0700 folder). They reach the services through a pipe (Redis) and the environment (autotune), trainers
 through the services file's paths; never through a command line. ``--no-auth`` is refused beyond loopback.
+``up`` never changes the secrets of a live deployment; ``bagua-lightning rotate-secrets`` does (:mod:`.rotate`).
 
 High availability: by default 3 masters with one replica each (replicas on the next ports); a killed
 master's replica takes over within seconds (failover settings in :mod:`bagua_lightning.core.redis_server`,
@@ -19,11 +23,6 @@ measured in docs/deployment.md). ``--replicas 0`` gives up failover: a dead mast
 runs again. Only the deployment's nodes join its cluster: the bus and replication run over mutual TLS
 with certificates from a CA that ``up`` makes in ``<state_dir>/secrets/redis-tls`` (its key is deleted once
 the node certificates are signed), and the node ids are recorded so ``status`` names any foreign node.
-
-Secrets only to proven servers: the same CA signs a client certificate for trainers and the autotune
-service's server certificate; Redis serves clients over TLS only and the autotune service listens with TLS
-only. The services file pins the CA, so a client sends the password or the token only after the server
-proved with the handshake that it is the deployment's (a process on a dead node's port gets nothing).
 
 Identity: every process carries the deployment's id; ``down`` signals a recorded process only when pid,
 start time and id match, and only when the state folder's marker names this deployment, this folder and
@@ -38,29 +37,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
-import socket
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core import procs
 from ..core.errors import ConfigurationError
 from ..core.procs import parse_bytes
-from ..core.redis_server import BUS_PORT_OFFSET
 from ..core.services_file import (
-    DEFAULT_AUTOTUNE_ADDRESS,
-    ENV_AUTOTUNE_TOKEN,
-    ENV_CACHE_KEY,
-    ENV_REDIS_PASSWORD,
     ServicesInfo,
-    check_port,
-    format_address,
     is_loopback,
     read_services_file,
     remove_services_file,
@@ -68,373 +57,212 @@ from ..core.services_file import (
     state_dir,
     write_services_file,
 )
-from ..core.tls_trust import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, TLS_ENV
-from .addresses import WILDCARDS, machine_address, resolve_host
-from .health import Health, check_autotune, check_redis, wait_healthy
-from .redis_tls import client_tls, remove_tls_dir, service_certificate
+from . import deploy_recovery
+from .deploy_config import (
+    AUTOTUNE_LOG,
+    DEFAULT_AUTOTUNE_PORT,
+    DEFAULT_HOST,
+    DEFAULT_MAXMEMORY,
+    DEFAULT_REDIS_PORT,
+    REDIS_TLS_DIR,
+    SECRETS,
+    SECRETS_DIR,
+    UpConfig,
+    autotune_service_args,
+    redis_state_url,
+)
+from .deploy_ports import all_free, claim_ports, claimed
+from .deploy_state import exclusive, owned, running_services, start_autotune
+from .health import check_autotune, wait_healthy
+from .redis_tls import client_tls, remove_tls_dir
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_AUTOTUNE_PORT = int(DEFAULT_AUTOTUNE_ADDRESS.rpartition(":")[2])
-DEFAULT_REDIS_PORT = 7000  # first node of the local cluster; the trainer's documented default
-DEFAULT_MAXMEMORY = 1024**3  # bytes per Redis node; docker-compose.yml uses the same default ("1gb")
-AUTOTUNE_LOG = "autotune.log"
-AUTOTUNE_SAMPLES = "autotune-samples"  # folder of the service's per-model sample logs
-SECRETS_DIR = "secrets"
-REDIS_TLS_DIR = "redis-tls"  # under SECRETS_DIR: the bus CA certificate and the node keys and certificates
-# secret name in the services file -> (file name in <state_dir>/secrets, environment variable that overrides it)
-SECRETS = {"redis_password": ("redis-password", ENV_REDIS_PASSWORD),
-           "autotune_token": ("autotune-token", ENV_AUTOTUNE_TOKEN),
-           "cache_key": ("cache-key", ENV_CACHE_KEY)}
+# One line per component and what `up` did with it: "autotune service 127.0.0.1:29600: kept (pid 42)".
+Report = Callable[[str], None]
 
-__all__ = ["DEFAULT_AUTOTUNE_PORT", "DEFAULT_HOST", "DEFAULT_REDIS_PORT", "UpConfig", "autotune_service_args",
-           "down", "ensure_up", "parse_bytes", "redis_state_url", "running_services", "up"]
+__all__ = ["AUTOTUNE_LOG", "DEFAULT_AUTOTUNE_PORT", "DEFAULT_HOST", "DEFAULT_MAXMEMORY", "DEFAULT_REDIS_PORT",
+           "REDIS_TLS_DIR", "SECRETS_DIR", "DownReport", "UpConfig", "autotune_service_args", "down", "ensure_up",
+           "is_loopback", "parse_bytes", "redis_state_url", "running_services", "stop_all", "up"]
+
+_claim_ports = claim_ports  # the name tests and older callers use
 
 
-def autotune_service_args(*, host: str, port: int, state: str, log_dir: str, tls_cert: str | None = None,
-                          tls_key: str | None = None) -> list[str]:
-    """The autotune service's arguments after the program name (``bagua-lightning``).
+# ------------------------------------------------------------------------------------------ up
 
-    The single source of truth for how the service is run: ``up`` prefixes it with
-    ``python -m bagua_lightning.cli``; ``docker-compose.yml`` uses it as the ``command`` of the image
-    whose entrypoint is ``bagua-lightning`` (with ``host="0.0.0.0"``, so that published ports reach it).
+
+def up(cfg: UpConfig, *, fresh: bool = False, report: Report | None = None) -> ServicesInfo:
+    """Start both services, keep the healthy ones that run, restart only what is dead; write the services file.
 
     Args:
-        host: address to bind.
-        port: gRPC port.
-        state: where persisted plans live: a directory or a ``redis://host:port`` URL.
-        log_dir: folder for the per-model JSONL log of every tuning sample.
-        tls_cert: PEM certificate of the service (with ``tls_key``): it listens with TLS only; None: plaintext.
-        tls_key: PEM private key of ``tls_cert``.
-    """
-    tls = ["--tls-cert", tls_cert, "--tls-key", tls_key] if tls_cert and tls_key else []
-    return ["autotune", "serve", "--host", host, "--port", str(port), "--state", state, "--log-dir", log_dir, *tls]
-
-
-def redis_state_url(host: str, port: int) -> str:
-    """The ``--state`` value that keeps the autotune service's plans in the Redis node ``host:port``.
-
-    The password is never part of the URL (it would show in ``ps``); the service reads it from
-    ``BAGUA_LIGHTNING_REDIS_PASSWORD``.
-    """
-    return f"redis://{format_address(host, port)}"
-
-
-@dataclass(kw_only=True)
-class UpConfig:
-    """What ``bagua-lightning up`` starts.
-
-    Attributes:
-        host: address both services bind and that clients are given; loopback by default. A host name
-            (``localhost``) is resolved to its address. For trainers on other machines give this machine's
-            address, or a wildcard (``0.0.0.0``) with ``announce_ip`` (they then need the secrets, see
-            docs/deployment.md).
-        announce_ip: the address clients and the other nodes are given when ``host`` is a wildcard; None:
-            ``host``, or for a wildcard a non-loopback address of this machine (never loopback, which
-            other machines cannot reach).
-        autotune_port: gRPC port of the autotune service.
-        redis_port: first Redis port; cluster node i listens on ``redis_port + i`` (bus: ``+ 10000``,
-            with TLS the node's port is its TLS port; without, TLS is off altogether).
-        nodes: Redis Cluster masters.
-        replicas: replicas per master: 1 fails a dead master over to its replica; 0 means no failover (a
-            dead master's keys miss until the next ``up``). None: 1 for a cluster, 0 with ``single``.
-        bus_tls: TLS with the deployment's own CA: the cluster bus and replication (mutual TLS: only this
-            deployment's nodes can join), Redis' client ports (TLS only, a client certificate required) and
-            the autotune service (TLS only); clients pin the CA through the services file. False: all of it
-            in plaintext, the bus open to any local process (tests only, no command line flag).
-        single: one standalone Redis instead of a cluster (``nodes``/``replicas`` must stay default).
-        maxmemory: bytes per Redis node, 0 for no limit.
-        timeout_s: deadline for both services to become healthy, in seconds.
-        auth: require a Redis password and an autotune token and configure a cache key (created in
-            ``<state_dir>/secrets``); False only on loopback.
-    """
-
-    host: str = DEFAULT_HOST
-    announce_ip: str | None = None
-    autotune_port: int = DEFAULT_AUTOTUNE_PORT
-    redis_port: int = DEFAULT_REDIS_PORT
-    nodes: int = 3
-    replicas: int | None = None
-    bus_tls: bool = True
-    single: bool = False
-    maxmemory: int = DEFAULT_MAXMEMORY
-    timeout_s: float = 60.0
-    auth: bool = True
-
-    def __post_init__(self) -> None:
-        if self.single and self.replicas:
-            raise ConfigurationError(f"--single starts one standalone Redis; drop --replicas {self.replicas}.")
-        if self.replicas is None:
-            self.replicas = 0 if self.single else 1
-        if self.replicas < 0:
-            raise ConfigurationError(f"replicas={self.replicas} is negative; use 1 (failover) or 0 (none).")
-        self.host = resolve_host(self.host, "host")
-        if self.announce_ip is not None:
-            self.announce_ip = resolve_host(self.announce_ip, "announce_ip")
-        if self.host in WILDCARDS:
-            self.announce_ip = self.announce_ip or machine_address()
-            if self.announce_ip in WILDCARDS or is_loopback(self.announce_ip):
-                raise ConfigurationError(
-                    f"--announce-ip {self.announce_ip} with --host {self.host}: other machines cannot reach a "
-                    "loopback or wildcard address; give this machine's address, or bind --host 127.0.0.1.")
-        elif self.announce_ip is not None and self.announce_ip != self.host:
-            raise ConfigurationError(f"--announce-ip {self.announce_ip} with --host {self.host}: clients are "
-                                     "given the bound address; give --announce-ip only with --host 0.0.0.0.")
-        check_port(self.autotune_port, "autotune_port")
-        check_port(self.redis_port, "redis_port")
-        last = self.redis_port + self.redis_node_count - 1 + (0 if self.single else BUS_PORT_OFFSET)
-        if last > 65535:
-            raise ConfigurationError(f"redis_port {self.redis_port}: the Redis ports (cluster bus: port + "
-                                     f"{BUS_PORT_OFFSET}) reach {last} > 65535; pick a lower --redis-port.")
-        if not self.auth and not is_loopback(self.host):
-            raise ConfigurationError(f"--no-auth with --host {self.host}: anyone on the network could use the "
-                                     "services; drop --no-auth or bind 127.0.0.1.")
-        if self.nodes < 1:
-            raise ConfigurationError(f"nodes={self.nodes}: a cluster needs at least one master.")
-        if self.single and self.nodes != 3:
-            raise ConfigurationError(f"--single starts one standalone Redis; drop --nodes {self.nodes}.")
-        redis_ports = range(self.redis_port, self.redis_port + self.redis_node_count)
-        if self.autotune_port in redis_ports:
-            raise ConfigurationError(
-                f"autotune_port {self.autotune_port} collides with the Redis ports {redis_ports.start}.."
-                f"{redis_ports.stop - 1}; pick another --autotune-port or --redis-port."
-            )
-        if self.maxmemory < 0:
-            raise ConfigurationError(f"maxmemory {self.maxmemory} is negative; give bytes, 0 for no limit.")
-        if not self.timeout_s > 0:
-            raise ConfigurationError(f"timeout_s {self.timeout_s} must be > 0 seconds.")
-
-    @property
-    def replicas_per_master(self) -> int:
-        return self.replicas or 0  # set in __post_init__
-
-    @property
-    def redis_node_count(self) -> int:
-        return 1 if self.single else self.nodes * (1 + self.replicas_per_master)
-
-    @property
-    def client_host(self) -> str:
-        """The address clients are given: ``announce_ip`` for a wildcard bind, else ``host``."""
-        return self.announce_ip or self.host
-
-    @property
-    def autotune_address(self) -> str:
-        return format_address(self.client_host, self.autotune_port)
-
-
-def start_autotune(cfg: UpConfig, state: str, folder: Path, deployment: str,
-                   secrets: dict[str, str], tls_dir: Path | None = None) -> subprocess.Popen[bytes]:
-    """Start the autotune service detached (own session, stdin closed), logging to ``folder/autotune.log``.
-
-    Its token and the Redis password reach it through its environment (readable only by the same user).
-    With the certificates of ``tls_dir`` it listens with TLS only and reaches Redis over TLS (their paths in
-    ``$BAGUA_LIGHTNING_TLS_*``).
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    served = service_certificate(tls_dir) if tls_dir is not None else None
-    argv = [sys.executable, "-m", "bagua_lightning.cli",
-            *autotune_service_args(host=cfg.host, port=cfg.autotune_port, state=state,
-                                   log_dir=str(folder / AUTOTUNE_SAMPLES),
-                                   tls_cert=str(served[0]) if served else None,
-                                   tls_key=str(served[1]) if served else None)]
-    env = procs.child_env(deployment)
-    for name in TLS_ENV:
-        env.pop(name, None)
-    tls = client_tls(tls_dir) if tls_dir is not None else None
-    if tls is not None:
-        env.update({ENV_TLS_CA: tls.ca, ENV_TLS_CERT: tls.cert or "", ENV_TLS_KEY: tls.key or ""})
-    for name in ("redis_password", "autotune_token"):
-        env.pop(SECRETS[name][1], None)
-        if name in secrets:
-            env[SECRETS[name][1]] = secrets[name]
-    with open(folder / AUTOTUNE_LOG, "ab") as log_file:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                env=env, cwd=folder, start_new_session=True, close_fds=True)
-
-
-
-# ------------------------------------------------------------------------------------------ up / down
-
-
-def running_services(info: ServicesInfo | None, password: str | None = None,
-                     token: str | None = None) -> dict[str, Health]:
-    """Health of each service recorded in ``info`` (``autotune``, ``redis``); empty when none.
-
-    A service whose recorded process is no longer ours (gone, or its pid reused) is unhealthy, even when
-    something else answers on its port. ``password``/``token``: default the recorded secret files.
-    """
-    if info is None:
-        return {}
-    password = password if password is not None else _recorded_secret(info, "redis_password")
-    token = token if token is not None else _recorded_secret(info, "autotune_token")
-    out: dict[str, Health] = {}
-    if info.autotune:
-        gone = [r.pid for r in info.processes.get("autotune") or [] if not procs.is_running(r)]
-        out["autotune"] = (Health(False, f"process {gone[0]} is gone") if gone
-                           else check_autotune(info.autotune, token=token,
-                                               tls_ca=Path(info.tls.ca) if info.tls else None))
-    if info.redis_hosts:
-        gone = [r.pid for r in info.processes.get("redis") or [] if not procs.is_running(r)]
-        out["redis"] = (Health(False, f"processes {gone} are gone") if gone
-                        else check_redis(info.redis_hosts, info.redis_cluster, password,
-                                         node_ids=info.redis_node_ids or None, tls=info.tls))
-    return out
-
-
-def _recorded_secret(info: ServicesInfo, name: str) -> str | None:
-    path = info.secrets.get(name)
-    if not path:
-        return None
-    try:
-        return procs.read_secret(path)
-    except ConfigurationError:
-        return None  # reported as unhealthy by the check that needs it
-
-
-@contextlib.contextmanager
-def _exclusive() -> Iterator[None]:
-    # Two `up`s at once (two shells, the ranks of a job) would race for the same ports: one at a time.
-    path = services_file_path().with_suffix(".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _claim_ports(ports: list[int]) -> Iterator[None]:
-    """Claim ``ports`` machine-wide while services start on them (also across state folders and users).
-
-    The claim is an abstract Unix socket per port: the kernel frees it when this process ends, however it
-    ends, and a second ``up`` asking for the same port learns at once that it is taken.
-    """
-    held: list[socket.socket] = []
-    try:
-        for port in ports:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.bind(f"\0bagua-lightning-port-{port}")
-            except OSError as exc:
-                s.close()
-                if exc.errno != errno.EADDRINUSE:
-                    raise
-                raise ConfigurationError(
-                    f"port {port} is being claimed by another `bagua-lightning up` right now (another state "
-                    "folder or user); wait for it and run `bagua-lightning status`, or pick other ports."
-                ) from None
-            held.append(s)
-        yield
-    finally:
-        for s in held:
-            s.close()
-
-
-def up(cfg: UpConfig) -> ServicesInfo:
-    """Start both services (or find them already running and healthy) and write the services file.
+        cfg: what to start; ports left None are taken from the record, else picked free.
+        fresh: stop whatever is recorded (new secrets, empty cache) and start over.
+        report: called with one line per component: ``kept``, ``restarted`` or ``started`` (default: logged).
 
     Calls are serialised through a lock file beside the services file.
 
     Raises:
-        ConfigurationError: bad settings, services running with other settings, or a port is taken.
+        ConfigurationError: bad settings, services running with other settings, a port is taken, or a
+            file cannot be written (the message names it; what this call made is removed again).
         ServiceUnavailableError: a service did not become healthy before ``cfg.timeout_s``; everything
             this call started is stopped again.
     """
-    with _exclusive():
-        return _up(cfg)
+    with exclusive():
+        return _up(cfg, fresh, report or log.info)
 
 
-def _healthy_existing() -> ServicesInfo | None:
+def _up(cfg: UpConfig, fresh: bool, report: Report) -> ServicesInfo:
     existing = read_services_file()
-    health = running_services(existing)
-    if existing is not None and health and all(h.healthy for h in health.values()):
-        return existing
-    if existing is not None:
-        log.info("recorded services are not all healthy (%s); restarting them",
-                 ", ".join(f"{k}: {h.detail}" for k, h in health.items()))
+    if existing is not None and fresh:
         _down()
-    return None
-
-
-def _up(cfg: UpConfig) -> ServicesInfo:
-    from . import redis_cluster
-
-    existing = _healthy_existing()
-    if existing is not None:
-        differences = _differences(existing, cfg)
+        existing = None
+    if existing is None:
+        return _start_fresh(cfg, report)
+    health = running_services(existing)
+    asked, cfg = cfg, _with_recorded_ports(existing, cfg)
+    differences = _differences(existing, cfg)
+    if health and all(h.healthy for h in health.values()):
         if differences:
             raise ConfigurationError(
                 f"services are already running with other settings ({'; '.join(differences)}); stop them with "
                 "`bagua-lightning down` first, or run `up` with the same options."
             )
-        log.info("services already running and healthy (%s)", services_file_path())
+        deploy_recovery.report_kept(existing, report)
         return existing
-    ports = _require_free_ports(cfg)
-    with _claim_ports(ports):
-        _require_free_ports(cfg)  # a concurrent `up` may have finished between the check and the claim
-        folder = procs.private_dir(state_dir())
-        deployment = procs.new_deployment_id()
+    records = [r for rs in existing.processes.values() for r in rs]
+    if not owned(existing) or not any(procs.is_running(r) for r in records):
+        log.info("recorded services are not running (%s); starting afresh",
+                 ", ".join(f"{k}: {h.detail}" for k, h in health.items()))
+        _down()
+        # The recorded ports again when they are all free; else, where none was named, a free block.
+        again = cfg if all_free(cfg, int(cfg.autotune_port or 0), cfg.first_redis_port) else asked
+        return _start_fresh(again, report)
+    if differences:
+        raise ConfigurationError(
+            f"the recorded services run partly, with other settings ({'; '.join(differences)}); run `up` with "
+            "their options to restart what is dead, or `up --fresh` to start over with these.")
+    return deploy_recovery.recover(existing, cfg, report)
+
+
+def _with_recorded_ports(info: ServicesInfo, cfg: UpConfig) -> UpConfig:
+    """``cfg`` with the ports it leaves open taken from the record (an `up` with no ports repeats itself)."""
+    if cfg.ports_chosen:
+        return cfg
+    autotune = int(info.autotune.rpartition(":")[2]) if info.autotune else DEFAULT_AUTOTUNE_PORT
+    redis_port = int(info.redis_hosts[0]["port"]) if info.redis_hosts else DEFAULT_REDIS_PORT
+    return cfg.with_ports(cfg.autotune_port or autotune, cfg.redis_port or redis_port)
+
+
+def _start_fresh(cfg: UpConfig, report: Report) -> ServicesInfo:
+    with claimed(cfg) as cfg:
+        folder = state_dir()
+        try:
+            return _start(cfg, folder, report)
+        except OSError as exc:
+            if exc.errno not in _DISK_ERRORS:
+                raise
+            raise ConfigurationError(
+                f"cannot write {exc.filename or folder} ({exc.strerror}); free space there (or point "
+                "XDG_STATE_HOME elsewhere) and run `up` again. Nothing was left running or behind.") from None
+
+
+_DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EMLINK, errno.EACCES,
+                errno.EPERM}
+
+
+def _start(cfg: UpConfig, folder: Path, report: Report) -> ServicesInfo:
+    from . import redis_cluster
+
+    deployment = procs.new_deployment_id()
+    cluster = None
+    proc: subprocess.Popen[bytes] | None = None
+    secret_files: dict[str, str] = {}
+    try:
+        procs.private_dir(folder)
         procs.write_marker(folder, deployment, services_file=str(services_file_path().resolve()))
-        secret_files = _make_secrets(folder) if cfg.auth else {}
+        secret_files = _make_secrets(folder, secret_files) if cfg.auth else {}
         secrets = {name: procs.read_secret(path) for name, path in secret_files.items()}
         deadline = time.monotonic() + cfg.timeout_s
         tls_dir = folder / SECRETS_DIR / REDIS_TLS_DIR
         spec = redis_cluster.ClusterSpec(
-            nodes=1 if cfg.single else cfg.nodes, replicas=cfg.replicas_per_master, port=cfg.redis_port,
+            nodes=1 if cfg.single else cfg.nodes, replicas=cfg.replicas_per_master, port=cfg.first_redis_port,
             host=cfg.host, announce_ip=cfg.announce_ip, maxmemory=cfg.maxmemory,
             password=secrets.get("redis_password", ""), cluster=not cfg.single, bus_tls=cfg.bus_tls,
             client_tls=cfg.bus_tls, service_hosts=[cfg.client_host] if cfg.bus_tls else None,
             tls_dir=tls_dir, state_root=folder, timeout_s=cfg.timeout_s, deployment=deployment,
         )
         cluster = redis_cluster.start_cluster(spec)
-        proc: subprocess.Popen[bytes] | None = None
-        try:
-            tls = client_tls(tls_dir) if cfg.bus_tls else None
-            proc = start_autotune(cfg, redis_state_url(cfg.client_host, cfg.redis_port), folder, deployment, secrets,
-                                  tls_dir if tls is not None else None)
-            autotune = procs.record(proc.pid, deployment)
-            wait_healthy(lambda: check_autotune(cfg.autotune_address, token=secrets.get("autotune_token"),
-                                                tls_ca=Path(tls.ca) if tls else None),
-                         deadline, f"the autotune service on {cfg.autotune_address}", proc, folder / AUTOTUNE_LOG)
-            info = ServicesInfo(
-                autotune=cfg.autotune_address, redis_hosts=cluster.hosts, redis_cluster=cluster.cluster,
-                redis_node_ids=cluster.node_ids, state_dir=str(folder), deployment=deployment, secrets=secret_files,
-                processes={"autotune": [autotune], "redis": cluster.processes}, tls=tls,
-            )
-            write_services_file(info)
-            return info
-        except BaseException:
-            if proc is not None:
-                procs.stop_child(proc)
-            redis_cluster.stop_cluster(cfg.redis_port, folder)
-            raise
+        tls = client_tls(tls_dir) if cfg.bus_tls else None
+        proc = start_autotune(cfg, redis_state_url(cfg.client_host, cfg.first_redis_port), folder, deployment,
+                              secrets, tls_dir if tls is not None else None)
+        autotune = procs.record(proc.pid, deployment)
+        wait_healthy(lambda: check_autotune(cfg.autotune_address, token=secrets.get("autotune_token"),
+                                            tls_ca=Path(tls.ca) if tls else None),
+                     deadline, f"the autotune service on {cfg.autotune_address}", proc, folder / AUTOTUNE_LOG)
+        info = ServicesInfo(
+            autotune=cfg.autotune_address, redis_hosts=cluster.hosts, redis_cluster=cluster.cluster,
+            redis_node_ids=cluster.node_ids, state_dir=str(folder), deployment=deployment, secrets=secret_files,
+            processes={"autotune": [autotune], "redis": cluster.processes}, tls=tls,
+        )
+        write_services_file(info)
+    except BaseException:
+        if proc is not None:
+            procs.stop_child(proc)
+        if cluster is not None:
+            redis_cluster.stop_deployment(cluster, timeout_s=5.0)
+        _remove_files(folder, secret_files, deployment)
+        raise
+    for node in cluster.nodes:
+        report(f"redis node {node.host}:{node.port}: started (pid {node.pid}, {node.role})")
+    report(f"autotune service {info.autotune}: started (pid {autotune.pid})")
+    return info
 
 
-def _make_secrets(folder: Path) -> dict[str, str]:
-    """The secret files of a new deployment: the environment's value when set, else a random one."""
-    out = {}
+def _make_secrets(folder: Path, made: dict[str, str]) -> dict[str, str]:
+    """The secret files of a new deployment: the environment's value when set, else a random one.
+
+    ``made`` is filled as they are written, so a failure half-way leaves the caller the list to remove.
+    """
     for name, (filename, env) in SECRETS.items():
         path = folder / SECRETS_DIR / filename
+        made[name] = str(path)
         value = os.environ.get(env)
         if value:
             procs.write_private(path, value)
         else:
             procs.new_secret_file(path)
-        out[name] = str(path)
-    return out
+    return made
 
 
-def ensure_up(cfg: UpConfig | None = None) -> ServicesInfo:
+def _remove_files(root: Path, secrets: dict[str, str], deployment: str | None) -> list[Path]:
+    """Delete what ``up`` made in ``root`` besides the Redis folders: the secret files, the certificates
+    and the marker (when it is ``deployment``'s, or any with None); return the secret files removed."""
+    removed = []
+    for secret in secrets.values():
+        path = Path(secret)
+        if path.parent == root / SECRETS_DIR and path.exists():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    remove_tls_dir(root / SECRETS_DIR / REDIS_TLS_DIR)
+    with contextlib.suppress(OSError):
+        (root / SECRETS_DIR).rmdir()  # only when empty
+    marker = procs.read_marker(root)
+    if deployment is None or (marker is not None and marker.get("deployment") == deployment):
+        (root / procs.MARKER_FILE).unlink(missing_ok=True)
+    return removed
+
+
+def ensure_up(cfg: UpConfig | None = None, report: Report | None = None) -> ServicesInfo:
     """The recorded services when they are healthy, whatever their settings; else :func:`up` with ``cfg``.
 
     For callers that only need services to exist (the demo), not particular ports.
     """
-    with _exclusive():
-        existing = _healthy_existing()
-        return existing if existing is not None else _up(cfg or UpConfig())
+    with exclusive():
+        existing = read_services_file()
+        health = running_services(existing)
+        if existing is not None and health and all(h.healthy for h in health.values()):
+            return existing
+        return _up(cfg or UpConfig(), False, report or log.info)
 
 
 def _differences(info: ServicesInfo, cfg: UpConfig) -> list[str]:
@@ -452,40 +280,62 @@ def _differences(info: ServicesInfo, cfg: UpConfig) -> list[str]:
     return found
 
 
+# ------------------------------------------------------------------------------------------ down
+
+
+@dataclass
+class DownReport:
+    """What :func:`stop_all` did: the pids it stopped and one line per record it removed."""
+
+    stopped: list[int] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+
 def down(timeout_s: float = 10.0, local: bool = True) -> list[int]:
     """Stop what the services file records (and, with ``local``, the node-local cache server); remove the
-    file; return the pids stopped.
+    file; return the pids stopped. :func:`stop_all` also says which records it removed.
 
     Raises:
         ServicesFileError: the services file is malformed (nothing is stopped or removed).
         ConfigurationError: the file's state folder is a copy or another deployment's (idem).
     """
-    with _exclusive():
-        stopped = _down(timeout_s)
+    return stop_all(timeout_s, local).stopped
+
+
+def stop_all(timeout_s: float = 10.0, local: bool = True) -> DownReport:
+    """:func:`down`, reporting every record removed (a stale one of another run too)."""
+    out = DownReport()
+    with exclusive():
+        _down(timeout_s, out)
     if local:
-        from ..core.local_redis import stop_server
+        from ..core.local_redis import local_dir, read_server, stop_server
 
-        stopped += stop_server(timeout_s=timeout_s)
-    return sorted(set(stopped))
+        server = read_server()
+        if server is not None:
+            stale = not procs.is_running(server.process)
+            stopped = stop_server(timeout_s=timeout_s)
+            out.stopped += stopped
+            out.removed.append(f"removed the node-local cache server's record {local_dir()}" + (
+                f" (stale: its process {server.pid} was already gone)" if stale
+                else f" (stopped pid {', '.join(map(str, stopped))})" if stopped else ""))
+    out.stopped = sorted(set(out.stopped))
+    return out
 
 
-def _down(timeout_s: float = 10.0) -> list[int]:
+def _down(timeout_s: float = 10.0, out: DownReport | None = None) -> list[int]:
     from . import redis_cluster
 
+    out = out if out is not None else DownReport()
     path = services_file_path()
     info = read_services_file()
     if info is None:
         return []
     root = Path(info.state_dir) if info.state_dir else None
-    marker = procs.read_marker(root) if root is not None else None
     records = [r for rs in info.processes.values() for r in rs]
     # Only a state folder whose marker names this deployment and this very services file proves that the
     # recorded processes are ours to stop. Without that proof (a copied or edited file, a state_dir that
     # points elsewhere or nowhere), nothing is signalled; a file whose processes are all gone is just removed.
-    own = (root is not None and marker is not None and marker.get("deployment") == info.deployment
-           and marker.get("services_file") == str(path.resolve())
-           and all(r.deployment == info.deployment for r in records))
-    if not own or root is None:
+    if not owned(info) or root is None:
         if any(procs.is_running(r) for r in records):
             raise ConfigurationError(
                 f"services file {path} records deployment {info.deployment} in {root or 'no state folder'}, "
@@ -493,40 +343,24 @@ def _down(timeout_s: float = 10.0) -> list[int]:
                 f"stopped. If its services are gone, delete {path}."
             )
         remove_services_file(path)
+        out.removed.append(f"removed {path}: a stale record of deployment {info.deployment[:12]} (its processes "
+                           "were already gone; nothing stopped)")
         return []
-    stopped = [r.pid for r in records if procs.stop(r, timeout_s)]
+    clusters = []
     if info.redis_hosts:
         port = int(info.redis_hosts[0]["port"])
-        for cluster in redis_cluster.read_deployments(root, port):
-            if cluster.deployment == info.deployment:
-                stopped += redis_cluster.stop_deployment(cluster, timeout_s=timeout_s)
+        clusters = [c for c in redis_cluster.read_deployments(root, port) if c.deployment == info.deployment]
+    # Every process at once: SIGTERM all, then wait for all (a node waits for no other to stop first).
+    stopped = procs.stop_many(records + [n.process for c in clusters for n in c.nodes], timeout_s)
+    for cluster in clusters:
+        redis_cluster.stop_deployment(cluster, timeout_s=timeout_s)
+        out.removed.append(f"removed the Redis deployment's folder {cluster.state_dir}")
     remove_services_file(path)
-    for secret in info.secrets.values():
-        if Path(secret).parent == root / SECRETS_DIR:
-            Path(secret).unlink(missing_ok=True)
-    remove_tls_dir(root / SECRETS_DIR / REDIS_TLS_DIR)
-    (root / procs.MARKER_FILE).unlink(missing_ok=True)
+    gone = len(set(r.pid for r in records) - set(stopped))
+    out.removed.append(f"removed {path} (deployment {info.deployment[:12]}"
+                       + (f"; {gone} of its processes were already gone)" if gone else ")"))
+    secrets = _remove_files(root, info.secrets, info.deployment)
+    if secrets:
+        out.removed.append(f"removed {len(secrets)} secret file(s) and the certificates in {root / SECRETS_DIR}")
+    out.stopped += stopped
     return sorted(set(stopped))
-
-
-def _require_free_ports(cfg: UpConfig) -> list[int]:
-    """Fail early, naming the port and the flag, instead of finding a foreign server healthy."""
-    wanted = [("--autotune-port", cfg.autotune_port)]
-    for i in range(cfg.redis_node_count):
-        wanted.append(("--redis-port", cfg.redis_port + i))
-        if not cfg.single:
-            wanted.append((f"--redis-port (cluster bus, port + {BUS_PORT_OFFSET})",
-                           cfg.redis_port + i + BUS_PORT_OFFSET))
-    for flag, port in wanted:
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            # Like the servers themselves: a port in TIME_WAIT is free, a listening one is not.
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((cfg.host, port))
-            except OSError as exc:
-                raise ConfigurationError(
-                    f"port {port} on {cfg.host} is not free ({exc.strerror}); stop what uses it "
-                    f"(`bagua-lightning down`, `bagua-lightning redis down`) or pick another {flag}."
-                ) from exc
-    return [port for _, port in wanted]

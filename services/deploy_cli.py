@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
+from ..core.errors import ConfigurationError
 from ..core.services_file import (
     ENV_AUTOTUNE,
     ENV_REDIS_HOSTS,
@@ -51,19 +52,33 @@ def _cmd_up(args: argparse.Namespace) -> int:
                           redis_port=args.redis_port,
                           nodes=args.nodes, replicas=args.replicas, single=args.single, maxmemory=args.maxmemory,
                           timeout_s=args.timeout, auth=not args.no_auth)
-    _print_info(deploy.up(cfg))
+    _print_info(deploy.up(cfg, fresh=args.fresh, report=lambda line: print(line, flush=True)))
     return 0
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
     path = services_file_path()
-    had_file = path.exists()
-    stopped = deploy.down(timeout_s=args.timeout, local=not args.keep_local)
-    if not had_file and not stopped:
+    report = deploy.stop_all(timeout_s=args.timeout, local=not args.keep_local)
+    if not report.removed and not report.stopped:
         print(f"nothing to stop: no services file at {path} and no node-local cache server")
         return 0
-    what = f"stopped {len(stopped)} process(es){': ' + ' '.join(map(str, stopped)) if stopped else ''}"
-    print(f"{what}; removed {path}" if had_file else f"{what} (the node-local cache server); no services file")
+    if report.stopped:
+        print(f"stopped {len(report.stopped)} process(es): {' '.join(map(str, report.stopped))}")
+    for line in report.removed:
+        print(line)
+    return 0
+
+
+def _cmd_rotate(args: argparse.Namespace) -> int:
+    from . import rotate
+
+    if args.finish:
+        if args.redis_password or args.autotune_token or args.cache_key or args.grace is not None:
+            raise ConfigurationError("--finish ends an open password rotation; give it alone.")
+        rotate.finish()
+    else:
+        rotate.rotate(redis_password=args.redis_password, autotune_token=args.autotune_token,
+                      cache_key=args.cache_key, grace_s=args.grace)
     return 0
 
 
@@ -128,7 +143,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``up``, ``down`` and ``status`` to the ``bagua-lightning`` command line."""
+    """Add ``up``, ``down``, ``status`` and ``rotate-secrets`` to the ``bagua-lightning`` command line."""
     p = subparsers.add_parser("up", help="start the autotune service and a local Redis Cluster in the background",
                               description=(deploy.__doc__ or "").split("\n\n")[0] or None)
     p.add_argument("--host", default=deploy.DEFAULT_HOST,
@@ -136,9 +151,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--announce-ip", default=None, metavar="ADDRESS",
                    help="with --host 0.0.0.0: the address clients and Redis nodes are given (default: a "
                         "non-loopback address of this machine)")
-    p.add_argument("--autotune-port", type=port_arg, default=deploy.DEFAULT_AUTOTUNE_PORT, help="default %(default)s")
-    p.add_argument("--redis-port", type=port_arg, default=deploy.DEFAULT_REDIS_PORT,
-                   help="first Redis port; node i uses port + i (default %(default)s)")
+    p.add_argument("--autotune-port", type=port_arg, default=None,
+                   help=f"default: the recorded one, else {deploy.DEFAULT_AUTOTUNE_PORT} when free, else a free one")
+    p.add_argument("--redis-port", type=port_arg, default=None,
+                   help="first Redis port; node i uses port + i (TLS only) and its bus port + 10000 "
+                        f"(default: the recorded one, else {deploy.DEFAULT_REDIS_PORT} when all are free, else a "
+                        "free block)")
     p.add_argument("--nodes", type=positive_int_arg, default=3, help="Redis Cluster masters (default %(default)s)")
     p.add_argument("--replicas", type=non_negative_int_arg, default=None,
                    help="replicas per master: 1 (default) fails a dead master over; 0: no failover")
@@ -149,6 +167,9 @@ def register(subparsers: Any) -> None:
                    help="seconds to wait for health (default %(default)s)")
     p.add_argument("--no-auth", action="store_true",
                    help="no Redis password, autotune token or cache key (loopback only)")
+    p.add_argument("--fresh", action="store_true",
+                   help="stop whatever is recorded and start over: new secrets, an empty cache (default: keep "
+                        "what is alive, restart only what is dead)")
     p.set_defaults(func=_cmd_up)
 
     p = subparsers.add_parser("down", help="stop what `bagua-lightning up` started and the node-local cache server")
@@ -168,3 +189,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=positive_float_arg, default=2.0, help="seconds per check (default %(default)s)")
     p.set_defaults(func=_cmd_status)
+
+    p = subparsers.add_parser("rotate-secrets", help="new secrets for the running services (online for the "
+                                                     "Redis password; docs/deployment.md)")
+    p.add_argument("--redis-password", action="store_true",
+                   help="add a new Redis password beside the old one (both work until --finish or --grace)")
+    p.add_argument("--autotune-token", action="store_true", help="a new token; restarts the autotune service")
+    p.add_argument("--cache-key", action="store_true", help="a new cache key (cached entries become misses)")
+    p.add_argument("--grace", type=positive_float_arg, default=None, metavar="SECONDS",
+                   help="with --redis-password: wait this long, then remove the old password")
+    p.add_argument("--finish", action="store_true", help="remove the old Redis password of an open rotation")
+    p.set_defaults(func=_cmd_rotate)

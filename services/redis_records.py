@@ -180,7 +180,7 @@ def node_status(node: NodeInfo, password: str | None, tls: ClientTLS | None = No
             status["keys"] = int(c.dbsize())
             status["used_memory"] = int(c.info("memory").get("used_memory", 0))
             if node.role != "standalone":
-                status["role"] = {"slave": "replica"}.get(c.info("replication").get("role"), node.role)
+                status["role"] = {"slave": "replica", "master": "master"}.get(c.info("replication").get("role"), node.role)
             status["up"] = True
     except (redis.RedisError, OSError) as exc:
         status["up"] = False

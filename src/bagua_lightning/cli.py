@@ -34,6 +34,7 @@ _COMMANDS: dict[str, str] = {
     "up": "bagua_lightning.services.deploy_cli",  # up | down | status
     "down": "bagua_lightning.services.deploy_cli",
     "status": "bagua_lightning.services.deploy_cli",
+    "rotate-secrets": "bagua_lightning.services.deploy_cli",
     "demo": "bagua_lightning.demo",  # demo
 }
 EXIT_FAILURE = 1

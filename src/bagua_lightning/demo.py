@@ -1,9 +1,10 @@
 """``bagua-lightning demo``: the main job in one command.
 
 1. Finds the services (``BAGUA_LIGHTNING_AUTOTUNE_SERVICE``/``BAGUA_LIGHTNING_REDIS_HOSTS``, else the
-   services file, else ``--autotune-port``/``--redis-port`` on this machine, e.g. ``docker compose up``);
-   when none answer and none are named in the environment, starts them like ``bagua-lightning up`` and
-   leaves them running (``bagua-lightning down`` stops them).
+   services file, else ``--autotune-port``/``--redis-port`` or the default ports on this machine, e.g.
+   ``docker compose up``); when none answer and none are named in the environment, starts them like
+   ``bagua-lightning up`` (on free ports when none are named: another deployment on the default ports is
+   no obstacle) and leaves them running (``bagua-lightning down`` stops them).
 2. Removes the samples earlier demo runs cached (unless ``--keep-cache``), so that the first job computes
    every sample and the second one shows the cache at work.
 3. Runs :mod:`bagua_lightning.examples.demo` ``--jobs`` times, one job after the other (2 CPU processes,
@@ -108,7 +109,8 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
 
     Args:
         cfg: a :class:`bagua_lightning.services.deploy.UpConfig`: where to look when neither the
-            environment nor the services file name the services, and what to start when nothing answers.
+            environment nor the services file name the services (its ports, else the default ones), and what
+            to start when nothing answers (on free ports where it names none).
         timeout_s: deadline of each health check, in seconds.
 
     Raises:
@@ -122,7 +124,7 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
     autotune = resolve_autotune_address(None if named or recorded else cfg.autotune_address)
     resolved = resolve_redis_hosts()
     hosts, cluster = resolved if resolved is not None else (
-        [{"host": cfg.host, "port": cfg.redis_port + i} for i in range(cfg.nodes)], True)
+        [{"host": cfg.host, "port": cfg.first_redis_port + i} for i in range(cfg.nodes)], True)
     secrets = _secrets(autotune, hosts)
     from .core.services_file import resolve_autotune_tls, resolve_redis_tls
 
@@ -289,11 +291,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default ./%(default)s)")
     p.add_argument("--keep-cache", action="store_true",
                    help="keep samples earlier demo runs cached (the first job then reads them too)")
-    p.add_argument("--autotune-port", type=port_arg, default=DEFAULT_AUTOTUNE_PORT,
+    p.add_argument("--autotune-port", type=port_arg, default=None,
                    help="where to look for / start the autotune service when the environment and the services "
-                        "file name none (default %(default)s)")
-    p.add_argument("--redis-port", type=port_arg, default=DEFAULT_REDIS_PORT,
-                   help="first port of the Redis Cluster, likewise (default %(default)s)")
+                        f"file name none (default: look on {DEFAULT_AUTOTUNE_PORT}, start on a free port)")
+    p.add_argument("--redis-port", type=port_arg, default=None,
+                   help=f"first port of the Redis Cluster, likewise (default: look on {DEFAULT_REDIS_PORT}.., "
+                        "start on a free block: client ports and bus ports + 10000)")
     p.add_argument("--services-timeout", type=float, default=90.0,
                    help="seconds for started services to become healthy (default %(default)s)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per job (default %(default)s)")

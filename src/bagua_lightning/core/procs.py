@@ -127,20 +127,44 @@ def stop(rec: ProcessRecord, timeout_s: float = 10.0) -> bool:
         True when it was running and is now stopped; False when ``rec`` matches no live process (then
         nothing is signalled).
     """
-    proc = _process(rec)
-    if proc is None:
-        reap(rec.pid)
-        return False
-    with contextlib.suppress(psutil.NoSuchProcess):
-        proc.terminate()
-    _, alive = psutil.wait_procs([proc], timeout=timeout_s)
-    if alive:
-        log.warning("pid %d did not stop within %.0f s of SIGTERM; sending SIGKILL", rec.pid, timeout_s)
+    return bool(stop_many([rec], timeout_s))
+
+
+def stop_many(records: list[ProcessRecord], timeout_s: float = 10.0) -> list[int]:
+    """:func:`stop` for several processes at once: SIGTERM all that are still ours, wait for them together
+    (polling every few milliseconds), SIGKILL what is left after ``timeout_s``; return the pids stopped."""
+    live = [(rec, proc) for rec in records if (proc := _process(rec)) is not None]
+    for rec in records:
+        if all(rec is not r for r, _ in live):
+            reap(rec.pid)
+    for _, proc in live:
         with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-        psutil.wait_procs([proc], timeout=timeout_s)
-    reap(rec.pid)
-    return True
+            proc.terminate()
+
+    def gone() -> bool:
+        for rec, _ in live:
+            reap(rec.pid)
+        return not any(_running(proc) for _, proc in live)
+    try:
+        poll(gone, timeout_s, "processes to stop", max_interval_s=0.05)
+    except PollTimeoutError:
+        for rec, proc in live:
+            if _running(proc):
+                log.warning("pid %d did not stop within %.0f s of SIGTERM; sending SIGKILL", rec.pid, timeout_s)
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
+        with contextlib.suppress(PollTimeoutError):
+            poll(gone, timeout_s, "processes to be killed", max_interval_s=0.05)
+    return [rec.pid for rec, _ in live]
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True
 
 
 def stop_child(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
@@ -181,6 +205,8 @@ def poll(predicate: Callable[[], T | None], timeout_s: float, what: str,
             if result:
                 return result
         except retry_on as exc:
+            if isinstance(exc, ServiceUnavailableError):
+                raise  # a ConnectionError by type, but a verdict (e.g. the process exited), not a "not yet"
             last = exc
         if time.monotonic() > deadline:
             raise PollTimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}"
@@ -228,8 +254,10 @@ def write_private(path: Path, text: str) -> Path:
             handle.write(text)
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # a failed write() names no file: name it
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     return path
 

@@ -1,0 +1,204 @@
+"""What ``bagua-lightning up`` starts: its settings (:class:`UpConfig`), the ports a deployment listens on, the
+files it keeps in its state folder, and the autotune service's command line.
+
+No processes, no network here: :mod:`.deploy` starts and stops, :mod:`.deploy_ports` claims the ports,
+:mod:`.deploy_recovery` restarts what died.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..core.errors import ConfigurationError
+from ..core.redis_server import BUS_PORT_OFFSET
+from ..core.services_file import (
+    DEFAULT_AUTOTUNE_ADDRESS,
+    ENV_AUTOTUNE_TOKEN,
+    ENV_CACHE_KEY,
+    ENV_REDIS_PASSWORD,
+    check_port,
+    format_address,
+    is_loopback,
+)
+from .addresses import WILDCARDS, machine_address, resolve_host
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_AUTOTUNE_PORT = int(DEFAULT_AUTOTUNE_ADDRESS.rpartition(":")[2])
+DEFAULT_REDIS_PORT = 7000  # first node of the local cluster, when it is free; the trainer's documented default
+DEFAULT_MAXMEMORY = 1024**3  # bytes per Redis node; docker-compose.yml uses the same default ("1gb")
+AUTOTUNE_LOG = "autotune.log"
+AUTOTUNE_SAMPLES = "autotune-samples"  # folder of the service's per-model sample logs
+AUTOTUNE_PLANS = "autotune-plans"  # folder mirroring the plans kept in Redis (survives a node restarted empty)
+SECRETS_DIR = "secrets"
+REDIS_TLS_DIR = "redis-tls"  # under SECRETS_DIR: the bus CA certificate and the node keys and certificates
+# secret name in the services file -> (file name in <state_dir>/secrets, environment variable that overrides it)
+SECRETS = {"redis_password": ("redis-password", ENV_REDIS_PASSWORD),
+           "autotune_token": ("autotune-token", ENV_AUTOTUNE_TOKEN),
+           "cache_key": ("cache-key", ENV_CACHE_KEY)}
+
+
+def autotune_service_args(*, host: str, port: int, state: str, log_dir: str, mirror: str | None = None,
+                          tls_cert: str | None = None, tls_key: str | None = None) -> list[str]:
+    """The autotune service's arguments after the program name (``bagua-lightning``).
+
+    The single source of truth for how the service is run: ``up`` prefixes it with
+    ``python -m bagua_lightning.cli``; ``docker-compose.yml`` uses it as the ``command`` of the image
+    whose entrypoint is ``bagua-lightning`` (with ``host="0.0.0.0"``, so that published ports reach it).
+
+    Args:
+        host: address to bind (an IPv6 address is given in brackets, as gRPC reads ``host:port``).
+        port: gRPC port.
+        state: where persisted plans live: a directory or a ``redis://host:port`` URL.
+        log_dir: folder for the per-model JSONL log of every tuning sample.
+        mirror: a second ``--state`` (a directory) that every plan is also written to; None: ``state`` only.
+        tls_cert: PEM certificate of the service (with ``tls_key``): it listens with TLS only; None: plaintext.
+        tls_key: PEM private key of ``tls_cert``.
+    """
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    tls = ["--tls-cert", tls_cert, "--tls-key", tls_key] if tls_cert and tls_key else []
+    states = ["--state", state, *(["--state", mirror] if mirror else [])]
+    return ["autotune", "serve", "--host", host, "--port", str(port), *states, "--log-dir", log_dir, *tls]
+
+
+def redis_state_url(host: str, port: int) -> str:
+    """The ``--state`` value that keeps the autotune service's plans in the Redis node ``host:port``.
+
+    The password is never part of the URL (it would show in ``ps``); the service reads it from
+    ``BAGUA_LIGHTNING_REDIS_PASSWORD``.
+    """
+    return f"redis://{format_address(host, port)}"
+
+
+@dataclass(kw_only=True)
+class UpConfig:
+    """What ``bagua-lightning up`` starts.
+
+    Attributes:
+        host: address both services bind and that clients are given; loopback by default. A host name
+            (``localhost``) is resolved to its address. For trainers on other machines give this machine's
+            address, or a wildcard (``0.0.0.0``) with ``announce_ip`` (they then need the secrets, see
+            docs/deployment.md).
+        announce_ip: the address clients and the other nodes are given when ``host`` is a wildcard; None:
+            ``host``, or for a wildcard a non-loopback address of this machine (never loopback, which
+            other machines cannot reach).
+        autotune_port: gRPC port of the autotune service; None: the recorded one, else 29600 when free, else
+            a free one (:mod:`.deploy_ports`).
+        redis_port: first Redis port; cluster node i listens on ``redis_port + i`` (bus: ``+ 10000``; with
+            TLS the node's port is its TLS port; without, TLS is off altogether). None: the recorded one,
+            else 7000 when all of its ports are free, else the first free block.
+        nodes: Redis Cluster masters.
+        replicas: replicas per master: 1 fails a dead master over to its replica; 0 means no failover (a
+            dead master's keys miss until the next ``up``). None: 1 for a cluster, 0 with ``single``.
+        bus_tls: TLS with the deployment's own CA: the cluster bus and replication (mutual TLS: only this
+            deployment's nodes can join), Redis' client ports (TLS only, a client certificate required) and
+            the autotune service (TLS only); clients pin the CA through the services file. False: all of it
+            in plaintext, the bus open to any local process (tests only, no command line flag).
+        single: one standalone Redis instead of a cluster (``nodes``/``replicas`` must stay default).
+        maxmemory: bytes per Redis node, 0 for no limit.
+        timeout_s: deadline for both services to become healthy, in seconds.
+        auth: require a Redis password and an autotune token and configure a cache key (created in
+            ``<state_dir>/secrets``); False only on loopback.
+    """
+
+    host: str = DEFAULT_HOST
+    announce_ip: str | None = None
+    autotune_port: int | None = None
+    redis_port: int | None = None
+    nodes: int = 3
+    replicas: int | None = None
+    bus_tls: bool = True
+    single: bool = False
+    maxmemory: int = DEFAULT_MAXMEMORY
+    timeout_s: float = 60.0
+    auth: bool = True
+
+    def __post_init__(self) -> None:
+        if self.single and self.replicas:
+            raise ConfigurationError(f"--single starts one standalone Redis; drop --replicas {self.replicas}.")
+        if self.replicas is None:
+            self.replicas = 0 if self.single else 1
+        if self.replicas < 0:
+            raise ConfigurationError(f"replicas={self.replicas} is negative; use 1 (failover) or 0 (none).")
+        self.host = resolve_host(self.host, "host")
+        if self.announce_ip is not None:
+            self.announce_ip = resolve_host(self.announce_ip, "announce_ip")
+        if self.host in WILDCARDS:
+            self.announce_ip = self.announce_ip or machine_address()
+            if self.announce_ip in WILDCARDS or is_loopback(self.announce_ip):
+                raise ConfigurationError(
+                    f"--announce-ip {self.announce_ip} with --host {self.host}: other machines cannot reach a "
+                    "loopback or wildcard address; give this machine's address, or bind --host 127.0.0.1.")
+        elif self.announce_ip is not None and self.announce_ip != self.host:
+            raise ConfigurationError(f"--announce-ip {self.announce_ip} with --host {self.host}: clients are "
+                                     "given the bound address; give --announce-ip only with --host 0.0.0.0.")
+        if self.autotune_port is not None:
+            check_port(self.autotune_port, "autotune_port")
+        if self.redis_port is not None:
+            check_port(self.redis_port, "redis_port")
+            last = self.redis_port + self.redis_node_count - 1 + (0 if self.single else BUS_PORT_OFFSET)
+            if last > 65535:
+                raise ConfigurationError(f"redis_port {self.redis_port}: the Redis ports (cluster bus: port + "
+                                         f"{BUS_PORT_OFFSET}) reach {last} > 65535; pick a lower --redis-port.")
+        if not self.auth and not is_loopback(self.host):
+            raise ConfigurationError(f"--no-auth with --host {self.host}: anyone on the network could use the "
+                                     "services; drop --no-auth or bind 127.0.0.1.")
+        if self.nodes < 1:
+            raise ConfigurationError(f"nodes={self.nodes}: a cluster needs at least one master.")
+        if self.single and self.nodes != 3:
+            raise ConfigurationError(f"--single starts one standalone Redis; drop --nodes {self.nodes}.")
+        if self.autotune_port is not None and self.redis_port is not None:
+            redis_ports = range(self.redis_port, self.redis_port + self.redis_node_count)
+            if self.autotune_port in redis_ports:
+                raise ConfigurationError(
+                    f"autotune_port {self.autotune_port} collides with the Redis ports {redis_ports.start}.."
+                    f"{redis_ports.stop - 1}; pick another --autotune-port or --redis-port."
+                )
+        if self.maxmemory < 0:
+            raise ConfigurationError(f"maxmemory {self.maxmemory} is negative; give bytes, 0 for no limit.")
+        if not self.timeout_s > 0:
+            raise ConfigurationError(f"timeout_s {self.timeout_s} must be > 0 seconds.")
+
+    @property
+    def replicas_per_master(self) -> int:
+        return self.replicas or 0  # set in __post_init__
+
+    @property
+    def redis_node_count(self) -> int:
+        return 1 if self.single else self.nodes * (1 + self.replicas_per_master)
+
+    @property
+    def client_host(self) -> str:
+        """The address clients are given: ``announce_ip`` for a wildcard bind, else ``host``."""
+        return self.announce_ip or self.host
+
+    @property
+    def ports_chosen(self) -> bool:
+        """True once both ports are set (named, recorded or picked)."""
+        return self.autotune_port is not None and self.redis_port is not None
+
+    @property
+    def autotune_address(self) -> str:
+        """``host:port`` clients are given; before a port is chosen, the default port's."""
+        return format_address(self.client_host, self.autotune_port or DEFAULT_AUTOTUNE_PORT)
+
+    @property
+    def first_redis_port(self) -> int:
+        """The first Redis port; before one is chosen, the default."""
+        return self.redis_port or DEFAULT_REDIS_PORT
+
+    def with_ports(self, autotune_port: int, redis_port: int) -> UpConfig:
+        """A copy with both ports set (validated again)."""
+        return dataclasses.replace(self, autotune_port=autotune_port, redis_port=redis_port)
+
+
+def deployment_ports(cfg: UpConfig, autotune_port: int, redis_port: int) -> list[tuple[str, int]]:
+    """Every port a deployment with these first ports listens on, each with the flag that moves it:
+    the autotune port, the Redis client ports (TLS ports too when TLS is on) and, for a cluster, their bus
+    ports (+10000)."""
+    wanted = [("--autotune-port", autotune_port)]
+    for i in range(cfg.redis_node_count):
+        wanted.append(("--redis-port", redis_port + i))
+        if not cfg.single:
+            wanted.append((f"--redis-port (cluster bus, port + {BUS_PORT_OFFSET})", redis_port + i + BUS_PORT_OFFSET))
+    return wanted
