@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..cli import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
+from ..core.args import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
 from ..core.errors import ConfigurationError
 from ..core.services_file import (
     ENV_AUTOTUNE,

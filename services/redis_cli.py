@@ -16,8 +16,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from ..cli import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
 from ..core import procs
+from ..core.args import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
 from ..core.errors import ConfigurationError
 from ..core.redis_server import DEFAULT_NODE_TIMEOUT_MS
 from ..core.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, check_host, is_loopback

@@ -1,7 +1,9 @@
 """The import graph of the package, built from the modules' import statements: no circles, front doors apart.
 
 Every ``import``/``from ... import`` counts, also inside functions and under ``TYPE_CHECKING``: a lazy
-import hides a circle from Python, not from a reader. ``from package import name`` is an edge to the
+import hides a circle from Python, not from a reader. So does ``importlib.import_module``: in a module that
+calls it, every string literal naming a module of the package is an edge to that module (a command table
+such as the CLI's names its modules as strings). ``from package import name`` is an edge to the
 submodule ``package.name`` when there is one, else to ``package``; the parent packages Python imports
 on the way are not edges (they are always loaded first).
 """
@@ -64,8 +66,22 @@ def import_graph(modules: Mapping[str, tuple[Path, bool]]) -> dict[str, set[str]
             else:
                 continue
             targets.update(t for t in found if t is not None and t != name)
+        targets.update(_named_by_string(path, modules) - {name})
         graph[name] = targets
     return graph
+
+
+def _named_by_string(path: Path, modules: Mapping[str, object]) -> set[str]:
+    """The package's modules named by string literals in ``path``, when it imports modules by name."""
+    tree = ast.parse(path.read_text(), str(path))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and (getattr(n.func, "attr", None) == "import_module" or getattr(n.func, "id", None) == "import_module")]
+    if not calls:
+        return set()
+    # Literals given to import_module, or held in a container (a command table); not e.g. a logger's name.
+    held = [n for n in ast.walk(tree) if isinstance(n, (ast.Dict, ast.List, ast.Tuple, ast.Set))]
+    literals = [c for n in [*calls, *held] for c in ast.iter_child_nodes(n)]
+    return {c.value for c in literals if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value in modules}
 
 
 def circles(graph: Mapping[str, set[str]]) -> list[frozenset[str]]:
@@ -165,3 +181,18 @@ def test_the_graph_sees_circles_through_lazy_and_relative_imports(tmp_path: Path
     graph = import_graph(package_modules(tmp_path))
     assert graph["pkg.c"] == {"pkg.sub.a", "pkg.b"}
     assert circles(graph) == [frozenset({"pkg.sub.a", "pkg.b"})]
+
+
+def test_the_graph_sees_circles_through_importlib(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools]\npackage-dir = { "" = "src", "pkg" = "pkg" }\n')
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "main.py").write_text('import importlib\nCOMMANDS = {"x": "pkg.cmd"}\nHELPER = 1\n\n'
+                                 'def run(name):\n    return importlib.import_module(COMMANDS[name])\n')
+    (pkg / "cmd.py").write_text("from .main import HELPER\n")
+    (pkg / "other.py").write_text('LOGGER = "pkg.cmd"  # a string alone, without import_module, is no edge\n')
+    graph = import_graph(package_modules(tmp_path))
+    assert graph["pkg.main"] == {"pkg.cmd"}
+    assert graph["pkg.other"] == set()
+    assert circles(graph) == [frozenset({"pkg.main", "pkg.cmd"})]

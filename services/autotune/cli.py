@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...cli import bind_port_arg
+from ...core.args import bind_port_arg
 from ...core.errors import ConfigurationError
 from ...core.services_file import ENV_AUTOTUNE_TOKEN
 from ...proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration

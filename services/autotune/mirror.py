@@ -12,11 +12,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from .persistence import PlanStore, StoredPlan
+from .persistence import (
+    REDIS_SCHEMES,
+    DirectoryPlanStore,
+    Location,
+    PlanStore,
+    RedisPlanStore,
+    StoredPlan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,3 +107,26 @@ class MirroredPlanStore:
 
     def __repr__(self) -> str:
         return f"MirroredPlanStore({', '.join(repr(s) for s in self.stores)})"
+
+
+def open_store(location: Location | Sequence[Location] | None, *, timeout_s: float = 1.0) -> PlanStore | None:
+    """A Redis store for ``redis://``, ``rediss://`` and ``unix://`` URLs, a directory store otherwise.
+
+    Several locations make a :class:`MirroredPlanStore` that writes every plan to each (so a
+    plan outlives the loss of any one of them). None, an empty string or an empty list keeps plans in
+    memory only.
+    """
+    if location is None or isinstance(location, (str, os.PathLike)):
+        locations = [] if location is None or str(location) == "" else [location]
+    else:
+        locations = [loc for loc in location if str(loc) != ""]
+    stores: list[PlanStore] = []
+    for loc in locations:
+        text = str(loc)
+        stores.append(RedisPlanStore(text, timeout_s=timeout_s) if text.startswith(REDIS_SCHEMES)
+                      else DirectoryPlanStore(text))
+    if not stores:
+        return None
+    if len(stores) == 1:
+        return stores[0]
+    return MirroredPlanStore(stores)

@@ -17,7 +17,6 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -281,28 +280,3 @@ class RedisPlanStore:
 
 
 Location = str | os.PathLike[str]
-
-
-def open_store(location: Location | Sequence[Location] | None, *, timeout_s: float = 1.0) -> PlanStore | None:
-    """A Redis store for ``redis://``, ``rediss://`` and ``unix://`` URLs, a directory store otherwise.
-
-    Several locations make a :class:`~.mirror.MirroredPlanStore` that writes every plan to each (so a
-    plan outlives the loss of any one of them). None, an empty string or an empty list keeps plans in
-    memory only.
-    """
-    if location is None or isinstance(location, (str, os.PathLike)):
-        locations = [] if location is None or str(location) == "" else [location]
-    else:
-        locations = [loc for loc in location if str(loc) != ""]
-    stores: list[PlanStore] = []
-    for loc in locations:
-        text = str(loc)
-        stores.append(RedisPlanStore(text, timeout_s=timeout_s) if text.startswith(REDIS_SCHEMES)
-                      else DirectoryPlanStore(text))
-    if not stores:
-        return None
-    if len(stores) == 1:
-        return stores[0]
-    from .mirror import MirroredPlanStore
-
-    return MirroredPlanStore(stores)

@@ -9,12 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ...proto.plan import BucketPlan, TensorDeclaration
+from ...proto.plan import BucketPlan
 from .costmodel import Sample
 
 if TYPE_CHECKING:
-    from .config import ServiceConfig
-    from .registration import Registration
+    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,21 +58,3 @@ def exit_with_parent(parent_pid: int, period_s: float = 1.0) -> None:
 def propose_in_worker(tuner: Tuner, history: Sequence[Sample]) -> Proposal:
     """``tuner.propose(history)``: the function a tuning worker process runs (tuners are pure)."""
     return tuner.propose(history)
-
-
-def make_tuner(config: ServiceConfig, registration: Registration, order: Sequence[TensorDeclaration],
-               sample: Sample) -> tuple[Tuner, str]:
-    """The tuner ``config.tuner`` names for a model whose tensors are ready in ``order``, and its kind
-    ("auto": the model-based planner when the first ``sample`` carries bucket timings, else Bayesian)."""
-    from .bayes import BayesianTuner
-    from .planner import ModelBasedPlanner
-
-    kind = config.tuner
-    if kind == "auto":
-        kind = "planner" if sample.bucket_timings else "bayes"
-    if kind == "planner":
-        return ModelBasedPlanner(order, hierarchical_allowed=registration.hierarchical_allowed,
-                                 whether_to_bucket=registration.whether_to_bucket), kind
-    return BayesianTuner(order, hierarchical_allowed=registration.hierarchical_allowed,
-                         whether_to_bucket=registration.whether_to_bucket, min_log2=config.min_log2_bucket_size,
-                         max_log2=config.max_log2_bucket_size, seed=config.seed), kind

@@ -34,7 +34,7 @@ from . import wire
 from .aio_server import create_aio_server, set_readiness
 from .config import ServiceConfig
 from .metrics import RpcMetrics, make_registry
-from .persistence import open_store
+from .mirror import open_store
 from .readiness import LIVENESS, OPEN_PREFIX, SERVICE_NAME, ReadinessMonitor
 from .samplelog import SampleLog
 from .service import AutotuneService

@@ -46,11 +46,12 @@ from .config import ServiceConfig
 from .costmodel import Sample
 from .errors import InvalidArgumentError
 from .persistence import StoredPlan
-from .proposal import Proposal, Tuner, make_tuner
+from .proposal import Proposal, Tuner
 from .registration import Registration, canonical_plan, layout_key
 from .reports import MAX_TRAIN_ITER, LayoutStats, PlanRef, SeenIters, Spread, check_measurement
 from .samplelog import sample_record
 from .sharing import outlier
+from .tuners import make_tuner
 
 logger = logging.getLogger(__name__)
 

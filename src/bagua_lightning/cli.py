@@ -48,62 +48,6 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
-def _ascii_number(text: str) -> bool:
-    # ASCII digits only: int() accepts " 80" and "+80", str.isdigit() accepts "²" and "٣".
-    from .core.services_file import is_ascii_number
-
-    return is_ascii_number(text)
-
-
-def port_arg(text: str) -> int:
-    """argparse type: a TCP port in 1..65535."""
-    if not _ascii_number(text) or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; give a number in 1..65535")
-    return int(text)
-
-
-def bind_port_arg(text: str) -> int:
-    """argparse type: a TCP port to bind, 0..65535 (0: the system picks a free one)."""
-    if not _ascii_number(text) or not 0 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; give a number in 0..65535 (0 picks one)")
-    return int(text)
-
-
-def size_arg(text: str) -> int:
-    """argparse type: a byte size such as ``1073741824``, ``512mb``, ``4gb`` or ``0``."""
-    from .core.procs import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ConfigurationError as exc:
-        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
-
-
-def positive_float_arg(text: str) -> float:
-    """argparse type: a number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
-def non_negative_int_arg(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    if not _ascii_number(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
-    return int(text)
-
-
-def positive_int_arg(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    if not _ascii_number(text) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
-
-
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The parser; given ``argv`` naming a command, only that command's module is imported (some import
     the whole autotune service, which takes seconds), else every command's (for ``--help``)."""

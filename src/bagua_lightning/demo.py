@@ -265,7 +265,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``demo`` to the ``bagua-lightning`` command line."""
-    from .cli import port_arg
+    from .core.args import (
+        non_negative_float_arg,
+        non_negative_int_arg,
+        port_arg,
+        positive_float_arg,
+        positive_int_arg,
+    )
     from .services.deploy import DEFAULT_AUTOTUNE_PORT, DEFAULT_REDIS_PORT
 
     p = subparsers.add_parser(
@@ -275,19 +281,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "twice, and summarise what the autotuner and the cache did (a PNG plot included).")
     p.add_argument("--quick", action="store_true",
                    help=f"small jobs ({QUICK.samples} samples, {QUICK.epochs} epochs): a smoke run")
-    p.add_argument("--jobs", type=int, default=2, help="jobs to run one after the other (default %(default)s)")
-    p.add_argument("--epochs", type=int, default=None, help=f"epochs per job (default {FULL.epochs})")
-    p.add_argument("--samples", type=int, default=None, help=f"dataset size (default {FULL.samples})")
-    p.add_argument("--batch-size", type=int, default=32, help="per process (default %(default)s)")
-    p.add_argument("--devices", "--processes", dest="devices", type=int, default=None,
+    p.add_argument("--jobs", type=positive_int_arg, default=2, help="jobs to run one after the other (default %(default)s)")
+    p.add_argument("--epochs", type=positive_int_arg, default=None, help=f"epochs per job (default {FULL.epochs})")
+    p.add_argument("--samples", type=positive_int_arg, default=None, help=f"dataset size (default {FULL.samples})")
+    p.add_argument("--batch-size", type=positive_int_arg, default=32, help="per process (default %(default)s)")
+    p.add_argument("--devices", "--processes", dest="devices", type=positive_int_arg, default=None,
                    help="training processes (default: every GPU, else 2 CPU processes)")
-    p.add_argument("--transform-ms", type=float, default=None,
+    p.add_argument("--transform-ms", type=non_negative_float_arg, default=None,
                    help=f"slow transform per sample, ms (default {FULL.transform_ms})")
-    p.add_argument("--autotune-interval", type=int, default=None,
+    p.add_argument("--autotune-interval", type=positive_int_arg, default=None,
                    help=f"steps between autotune step boundaries (default {FULL.autotune_interval})")
     p.add_argument("--algorithm", choices=("gradient_allreduce", "bytegrad"), default="gradient_allreduce",
                    help="(default %(default)s)")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader workers per process (default 0)")
+    p.add_argument("--workers", type=non_negative_int_arg, default=0, help="DataLoader workers per process (default 0)")
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default ./%(default)s)")
     p.add_argument("--keep-cache", action="store_true",
                    help="keep samples earlier demo runs cached (the first job then reads them too)")
@@ -297,7 +303,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-port", type=port_arg, default=None,
                    help=f"first port of the Redis Cluster, likewise (default: look on {DEFAULT_REDIS_PORT}.., "
                         "start on a free block: client ports and bus ports + 10000)")
-    p.add_argument("--services-timeout", type=float, default=90.0,
+    p.add_argument("--services-timeout", type=positive_float_arg, default=90.0,
                    help="seconds for started services to become healthy (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per job (default %(default)s)")
+    p.add_argument("--timeout", type=positive_float_arg, default=1800.0, help="seconds per job (default %(default)s)")
     p.set_defaults(func=_cmd_demo)

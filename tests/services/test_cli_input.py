@@ -25,6 +25,11 @@ SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`
     (["redis", "down", "--port"], "7000\n"),
     (["autotune", "serve", "--port"], "\t29600"),
     (["up", "--replicas"], " 1"),
+    (["demo", "--jobs"], " 2"),
+    (["demo", "--epochs"], "0"),
+    (["demo", "--workers"], "-1"),
+    (["demo", "--transform-ms"], "nan"),
+    (["demo", "--timeout"], "0"),
 ])
 def test_ports_and_counts_with_spaces_or_signs_are_refused_in_one_line(env: dict[str, str], args: list[str],
                                                                       value: str) -> None:

@@ -39,6 +39,12 @@ def _secrets(info: ServicesInfo) -> dict[str, str]:
     return {name: procs.read_secret(path) for name, path in info.secrets.items()}
 
 
+def _tls(info: ServicesInfo) -> dict[str, object]:
+    """redis-py's TLS arguments for the deployment's client ports (they speak TLS only)."""
+    assert info.tls is not None
+    return info.tls.redis_kwargs()
+
+
 def _redis_pids(info: ServicesInfo) -> dict[int, int]:
     """``{port: pid}`` of every Redis node, from the Redis deployment's own record."""
     from bagua_lightning.services.redis_records import read_deployments
@@ -72,11 +78,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[
         first = info.redis_hosts[0]
         keys = {f"cached:{i}": os.urandom(16) for i in range(KEYS)}
         with RedisCluster(host=first["host"], port=first["port"], password=_secrets(info)["redis_password"],
-                          socket_timeout=10) as rc:
+                          socket_timeout=10, **_tls(info)) as rc:
             for key, value in keys.items():
                 rc.set(key, value)
         for host in info.redis_hosts:  # every write on every replica too, before anything is killed
-            with client_for(host["host"], host["port"], _secrets(info)["redis_password"], timeout_s=10) as c:
+            with client_for(host["host"], host["port"], _secrets(info)["redis_password"], timeout_s=10,
+                            tls=info.tls) as c:
                 assert c.execute_command("WAIT", 1, 5000) == 1
         yield args, keys
 
@@ -99,7 +106,7 @@ def _token_works(address: str, token: str) -> None:
 def _check_keys(info: ServicesInfo, keys: dict[str, bytes]) -> None:
     first = info.redis_hosts[0]
     with RedisCluster(host=first["host"], port=first["port"], password=_secrets(info)["redis_password"],
-                      socket_timeout=10) as rc:
+                      socket_timeout=10, **_tls(info)) as rc:
         assert {k: rc.get(k) for k in keys} == keys
 
 
@@ -121,7 +128,8 @@ def test_up_after_the_autotune_service_was_killed_restarts_only_it(
     assert _redis_pids(after) == redis_pids and after.pids["redis"] == before.pids["redis"]
     assert _secrets(after) == secrets
     assert after.pids["autotune"] != before.pids["autotune"]
-    assert check_autotune(str(after.autotune), token=secrets["autotune_token"]).healthy
+    assert after.tls is not None  # `up` serves clients over TLS only
+    assert check_autotune(str(after.autotune), token=secrets["autotune_token"], tls_ca=Path(after.tls.ca)).healthy
     _token_works(str(after.autotune), secrets["autotune_token"])
     _check_keys(after, keys)
 
@@ -149,11 +157,11 @@ def test_up_after_a_master_was_killed_restarts_only_that_node(
     password = secrets["redis_password"]
 
     def rejoined_as_replica() -> bool:
-        with client_for("127.0.0.1", victim, password) as c:
+        with client_for("127.0.0.1", victim, password, tls=after.tls) as c:
             repl = c.info("replication")
             return repl["role"] == "slave" and repl["master_link_status"] == "up"
     wait_until(rejoined_as_replica, 60, f"node {victim} to rejoin as the replica of its successor")
-    with client_for("127.0.0.1", victim, password) as c:
+    with client_for("127.0.0.1", victim, password, tls=after.tls) as c:
         fields = cluster_info(c)
         assert fields["cluster_state"] == "ok" and int(fields["cluster_slots_ok"]) == CLUSTER_SLOTS
     _check_keys(after, keys)  # the surviving shards, and the failed-over one through its replica
@@ -175,16 +183,16 @@ def test_rotate_the_redis_password_online(deployment: tuple[list[str], dict[str,
     assert new != old and old not in Path(os.environ["BAGUA_LIGHTNING_SERVICES_FILE"]).read_text()
     for port in ports:  # both work during the grace period
         for password in (old, new):
-            with client_for("127.0.0.1", port, password) as c:
+            with client_for("127.0.0.1", port, password, tls=info.tls) as c:
                 assert c.ping()
     assert all(h.healthy for h in deploy.running_services(info).values())
 
     result = _cli("rotate-secrets", "--finish")
     assert result.returncode == 0, result.stderr
     for port in ports:
-        with client_for("127.0.0.1", port, old) as c, pytest.raises(redis.AuthenticationError):
+        with client_for("127.0.0.1", port, old, tls=info.tls) as c, pytest.raises(redis.AuthenticationError):
             c.ping()
-        with client_for("127.0.0.1", port, new) as c:
+        with client_for("127.0.0.1", port, new, tls=info.tls) as c:
             repl = c.info("replication")  # replication keeps authenticating (masterauth follows)
             if repl["role"] == "slave":
                 assert repl["master_link_status"] == "up"

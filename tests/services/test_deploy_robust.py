@@ -163,7 +163,9 @@ def test_up_on_ipv6_loopback_works_end_to_end(env: dict[str, str]) -> None:
         info = read_services_file(services)
         assert info is not None and info.redis_hosts[0]["host"] == "::1"
         password = procs.read_secret(info.secrets["redis_password"])
-        with redis.Redis(host="::1", port=info.redis_hosts[0]["port"], password=password) as r:
+        assert info.tls is not None
+        with redis.Redis(host="::1", port=info.redis_hosts[0]["port"], password=password,
+                         **info.tls.redis_kwargs()) as r:
             r.set("v6", b"ok")
             assert r.get("v6") == b"ok"
     finally:

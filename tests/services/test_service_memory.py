@@ -28,7 +28,7 @@ from bagua_lightning.services.autotune.config import ServiceConfig
 from bagua_lightning.services.autotune.errors import InvalidArgumentError, ResourceExhaustedError
 from bagua_lightning.services.autotune.memory import Held, choose_evictions, registration_bytes
 from bagua_lightning.services.autotune.metrics import ServiceCollector
-from bagua_lightning.services.autotune.persistence import open_store
+from bagua_lightning.services.autotune.mirror import open_store
 from bagua_lightning.services.autotune.server import create_server
 from bagua_lightning.services.autotune.service import AutotuneService
 from bagua_lightning.services.autotune.validation import check_name

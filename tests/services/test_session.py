@@ -17,12 +17,8 @@ from bagua_lightning.services.autotune.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from bagua_lightning.services.autotune.persistence import (
-    DirectoryPlanStore,
-    RedisPlanStore,
-    StoredPlan,
-    open_store,
-)
+from bagua_lightning.services.autotune.mirror import open_store
+from bagua_lightning.services.autotune.persistence import DirectoryPlanStore, RedisPlanStore, StoredPlan
 from bagua_lightning.services.autotune.reports import PlanRef
 from bagua_lightning.services.autotune.service import AutotuneService, Span
 from tests.procs import free_port, running, wait_until

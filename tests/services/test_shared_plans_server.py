@@ -10,7 +10,8 @@ import redis
 
 from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
-from bagua_lightning.services.autotune.persistence import REDIS_PREFIX, RedisPlanStore, StoredPlan, open_store
+from bagua_lightning.services.autotune.mirror import open_store
+from bagua_lightning.services.autotune.persistence import REDIS_PREFIX, RedisPlanStore, StoredPlan
 from bagua_lightning.services.redis_cluster import ClusterSpec, start_cluster, stop_cluster
 from tests.client.conftest import free_port_block
 from tests.procs import free_port, running, wait_until
