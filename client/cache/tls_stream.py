@@ -38,12 +38,14 @@ class TLSStream:
     (``suppress_ragged_eofs``, as redis-py's ``SSLSocket`` has it).
     """
 
-    __slots__ = ("_in", "_obj", "_out", "_raw", "_raw_view", "_sock")
+    __slots__ = ("_in", "_obj", "_out", "_raw", "_raw_view", "_read", "_sock")
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str | None) -> None:
         self._sock = sock
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._obj = context.wrap_bio(self._in, self._out, server_side=False, server_hostname=server_hostname)
+        # The C object's read: ssl.SSLObject.read is a Python wrapper around it, a call per record.
+        self._read = getattr(self._obj, "_sslobj", self._obj).read
         self._raw = bytearray(CHUNK)  # ciphertext lands here, then goes to the BIO
         self._raw_view = memoryview(self._raw)
         while True:
@@ -73,7 +75,7 @@ class TLSStream:
             raise ValueError(f"flags={flags} is not supported on a TLS stream (neither is it on an SSLSocket)")
         view = buffer if type(buffer) is memoryview else memoryview(buffer)
         want = nbytes if 0 < nbytes <= len(view) else len(view)
-        read = self._obj.read
+        read = self._read
         got = 0
         while got < want:
             try:
