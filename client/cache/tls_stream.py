@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 from redis.connection import SSLConnection
@@ -45,7 +46,8 @@ class TLSStream:
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._obj = context.wrap_bio(self._in, self._out, server_side=False, server_hostname=server_hostname)
         # The C object's read: ssl.SSLObject.read is a Python wrapper around it, a call per record.
-        self._read = getattr(self._obj, "_sslobj", self._obj).read
+        obj: Any = getattr(self._obj, "_sslobj", self._obj)
+        self._read: Callable[[int, Any], int] = obj.read  # with a buffer: the bytes written
         self._raw = bytearray(CHUNK)  # ciphertext lands here, then goes to the BIO
         self._raw_view = memoryview(self._raw)
         while True:
