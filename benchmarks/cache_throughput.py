@@ -15,7 +15,10 @@ both run, k/c is also measured batch by batch (../shared/MEASURING.md): every ro
 in a shuffled order, and k/c = median batch time of (c) / that of (k), with a 95 % bootstrap interval; the same
 again with the reading thread's CPU time instead of the clock ("client CPU"): what the reader itself spends,
 which a loaded machine does not blur with waits for the redis-servers to be scheduled, and the bound on k/c
-where the reader is the bottleneck (redis-servers on other cores). The same for t/c with (t) run.
+where the reader is the bottleneck (redis-servers on other cores). The same for t/c with (t) run, and then
+also (t)'s limit: each batch's reply bytes decrypted from memory by an SSLObject (tls_floor.py), timed in the
+same shuffled rounds; a batch over TLS costs at least (c) plus that, so t/c can be at most
+median(c) / median(c + floor), and median(c + floor) / median(t) says how close (t) comes (1: at the limit).
 
     python benchmarks/cache_throughput.py [--samples 4096] [--batch-size 64] [--transform-ms 2] [--variants c,k]
 
@@ -56,6 +59,7 @@ from bagua_lightning.services.redis_tls import client_tls
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleaved import bootstrap_ratio  # a sibling module of the benchmarks
+from tls_floor import DecryptFloor
 
 hiredis: Any
 try:
@@ -262,14 +266,27 @@ def main() -> None:
                 k_over_c.append(round_rate["k"] / round_rate["c"])
             if "c" in round_rate and "t" in round_rate:
                 t_over_c.append(round_rate["t"] / round_rate["c"])
-        batch_times: dict[str, list[float]] = {"c": [], "k": [], "t": []}
-        batch_cpu: dict[str, list[float]] = {"c": [], "k": [], "t": []}
-        readers = [(name, reader) for name, reader in (("c", ds), ("k", keyed), ("t", tls_ds)) if name in run]
+        batch_times: dict[str, list[float]] = {"c": [], "k": [], "t": [], "x": []}
+        batch_cpu: dict[str, list[float]] = {"c": [], "k": [], "t": [], "x": []}
+        readers: list[tuple[str, Any]] = [(name, reader) for name, reader in (("c", ds), ("k", keyed), ("t", tls_ds))
+                                          if name in run]
+        # The limit of (t): (c) plus decrypting the batch's reply bytes from memory (tls_floor.py), timed beside.
+        floor = DecryptFloor() if "t" in run and "c" in run else None
+        store = ds.cache_loader.store
+        batch_bytes = [sum(len(v) + len(b"$%d\r\n\r\n" % len(v)) for v in store.mget(keys) if v is not None)
+                       for keys in key_batches] if floor is not None else []
+        if floor is not None:
+            readers.append(("x", None))
         if "c" in run and len(readers) > 1:  # k/c and t/c batch by batch, the variants of a batch moments apart
             pick = random.Random(0)
             for _ in range(args.repeats):
-                for batch in batches:
+                for j, batch in enumerate(batches):
                     for name, reader in pick.sample(readers, len(readers)):
+                        if reader is None:  # the decrypt floor of this batch's bytes
+                            clock, spent = floor.time(batch_bytes[j])  # type: ignore[union-attr]
+                            batch_times[name].append(clock)
+                            batch_cpu[name].append(spent)
+                            continue
                         t, cpu = time.perf_counter(), time.thread_time()
                         reader.__getitems__(batch)
                         batch_times[name].append(time.perf_counter() - t)
@@ -279,7 +296,10 @@ def main() -> None:
         paired = 1 + ("k" in run or "t" in run)
         assert stats.misses == 0 and stats.hits == n * args.repeats * ("c" in run) * paired, stats
         assert keyed.stats.corrupt == 0, keyed.stats
+        tls_cipher = "-"
         if tls_ds is not None:
+            held = tls_ds.cache_loader.store.backend.held._local.held.conns.values()
+            tls_cipher = ", ".join(sorted({f"{type(conn._sock).__name__} {conn._sock.cipher()[0]}" for _, conn in held}))
             assert tls_ds.stats.misses == 0 and tls_ds.stats.hits == n * args.repeats * paired, tls_ds.stats
             tls_ds.cache_loader.cleanup()
         for sock, _ in socks.values():
@@ -329,6 +349,19 @@ def main() -> None:
         print(f"t/c per batch, client CPU = {mid:.3f} [{low:.3f}, {high:.3f}] (median CPU per sample (c) "
               f"{1e6 * sorted(batch_cpu['c'])[len(batch_cpu['c']) // 2] / bs:.2f} us, (t) "
               f"{1e6 * sorted(batch_cpu['t'])[len(batch_cpu['t']) // 2] / bs:.2f} us)")
+    if batch_times["x"]:
+        limit = [c + x for c, x in zip(batch_times["c"], batch_times["x"], strict=True)]
+        limit_cpu = [c + x for c, x in zip(batch_cpu["c"], batch_cpu["x"], strict=True)]
+        x_mid = sorted(batch_times["x"])[len(batch_times["x"]) // 2]
+        print(f"decrypt floor ({floor.cipher if floor else '?'} from memory): median {1e6 * x_mid:.0f} us per batch of "
+              f"{sum(batch_bytes) / len(batch_bytes) / 1e3:.0f} KB ({sum(batch_bytes) / len(batch_bytes) / x_mid / 1e9:.2f}"
+              f" GB/s); t/c can be at most {bootstrap_ratio(batch_times['c'], limit)[0]:.3f} (clock), "
+              f"{bootstrap_ratio(batch_cpu['c'], limit_cpu)[0]:.3f} (client CPU); reads over TLS: {tls_cipher}")
+        mid, low, high = bootstrap_ratio(limit, batch_times["t"])
+        print(f"t against that limit, median(c + floor) / median(t) = {mid:.3f} [{low:.3f}, {high:.3f}] (clock; 1: at "
+              f"the limit)")
+        mid, low, high = bootstrap_ratio(limit_cpu, batch_cpu["t"])
+        print(f"t against that limit, client CPU = {mid:.3f} [{low:.3f}, {high:.3f}]")
     if batch_times["k"]:
         mid, low, high = bootstrap_ratio(batch_times["c"], batch_times["k"])
         print(f"k/c per batch = {mid:.3f} [{low:.3f}, {high:.3f}] (95 % interval; median batch time (c) "

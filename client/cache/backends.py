@@ -25,6 +25,7 @@ from .faults import NodeBreakers
 from .hashing import RendezvousHash
 from .options import RedisOptions
 from .resp import BufferPool, Receiver, Replies, _raw_socket, pack_gets, read_replies
+from .tls_stream import take_connection
 
 __all__ = ["STORE_ERRORS", "Backend", "BufferPool", "HeldConnections", "NodesBackend", "Receiver", "Replies",
            "Value", "pack_gets", "probe_is_cluster", "read_replies"]
@@ -178,7 +179,8 @@ class HeldConnections:
     """One connection per node and thread, kept out of the node's connection pool from one fetch to the next.
 
     A fetch then skips the pool's checkout and return (a lock, a liveness poll of the socket, bookkeeping,
-    metrics): about a tenth of the cost of reading a batch. Every fetch reads all the replies it asked for or
+    metrics): about a tenth of the cost of reading a batch. Over TLS the held connection is a
+    :class:`~.tls_stream.MemoryTLSConnection` (records decrypted from memory, many per call). Every fetch reads all the replies it asked for or
     drops the connection (:meth:`drop`), so a held connection never carries a stray reply into the next fetch;
     the reader also refuses bytes beyond the replies it expects. A forked child (a DataLoader worker) forgets the
     connections of its parent without touching them and holds its own.
@@ -205,7 +207,7 @@ class HeldConnections:
         mine = self._mine()
         entry = mine.get(id(client))
         if entry is None or entry[0] is not client:
-            entry = mine[id(client)] = (client, client.connection_pool.get_connection())
+            entry = mine[id(client)] = (client, take_connection(client.connection_pool))  # TLS: decrypted from memory
         conn = entry[1]
         try:
             retry.call_with_retry(lambda: conn.send_packed_command([packed]), lambda _err: conn.disconnect())

@@ -1,0 +1,195 @@
+"""TLS for the cache's read connections, decrypted from memory: one system call per large chunk of the stream.
+
+CPython's ``SSLSocket.recv_into`` returns at most one TLS record (<= 16 KB of plaintext) per call, and OpenSSL,
+reading the socket itself without read-ahead, spends two ``recv`` system calls on each record (its 5-byte
+header, then its body): a batch of 64 CIFAR samples from three nodes took ~110 calls into ``_ssl`` and ~220
+system calls where plaintext took 5 reads. :class:`TLSStream` reads the TCP stream in large chunks (one
+``recv_into`` for whatever has arrived, up to :data:`CHUNK`) into an ``ssl.MemoryBIO`` and decrypts with
+``SSLObject.read`` straight into the caller's buffer, every complete record that has arrived in one call.
+
+Nothing about trust changes: the handshake, the certificate chain and host name checks are OpenSSL's own, run
+by ``SSLContext.wrap_bio`` exactly as ``wrap_socket`` runs them, and a server that fails them receives the
+ClientHello and nothing else. With a CA given (the deployment's pinned CA), that CA is the only trusted root
+(redis-py's own ``SSLConnection`` adds the system's roots beside it).
+
+:func:`take_connection` gives the held read connections of a TLS pool a :class:`MemoryTLSConnection` (the
+same settings as the pool's ``SSLConnection``s); other connections of the pool (administration, writes
+through redis-py pipelines) are redis-py's.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from redis.connection import SSLConnection
+
+CHUNK = 256 * 1024  # bytes of ciphertext per system call at most (a batch from one node is a few hundred KB)
+
+
+class TLSStream:
+    """The socket-like object a :class:`MemoryTLSConnection` reads and writes: TLS over a connected TCP socket,
+    through an ``SSLObject`` and two memory BIOs (the handshake runs in the constructor).
+
+    ``recv_into`` fills the caller's buffer with every record already received (reading the socket only when
+    none is, and then once, as much as has arrived); ``sendall`` encrypts and sends. Timeouts are the TCP
+    socket's (``settimeout``), as with ``SSLSocket``; EOF, clean or not, reads as 0 bytes
+    (``suppress_ragged_eofs``, as redis-py's ``SSLSocket`` has it).
+    """
+
+    __slots__ = ("_in", "_obj", "_out", "_raw", "_raw_view", "_read", "_sock")
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str | None) -> None:
+        self._sock = sock
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._obj = context.wrap_bio(self._in, self._out, server_side=False, server_hostname=server_hostname)
+        # The C object's read: ssl.SSLObject.read is a Python wrapper around it, a call per record.
+        obj: Any = getattr(self._obj, "_sslobj", self._obj)
+        self._read: Callable[[int, Any], int] = obj.read  # with a buffer: the bytes written
+        self._raw = bytearray(CHUNK)  # ciphertext lands here, then goes to the BIO
+        self._raw_view = memoryview(self._raw)
+        while True:
+            try:
+                self._obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._flush()
+                self._fill()
+        self._flush()  # the client's Finished (and certificate): TLS 1.3 completes the client's side first
+
+    # -- reading -----------------------------------------------------------------------------------------------
+    def _fill(self) -> None:
+        """Receive once (blocking, with the socket's timeout) what has arrived, into the incoming BIO."""
+        if self._out.pending:  # a post-handshake reply (key update) goes out before waiting for more
+            self._flush()
+        n = self._sock.recv_into(self._raw)
+        if n:
+            self._in.write(self._raw_view[:n])
+        else:
+            self._in.write_eof()  # OpenSSL then says whether the close was clean (close_notify) or not
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        """Decrypt into ``buffer`` (up to ``nbytes``, 0: all of it) every record received so far; if none is,
+        receive once first. Returns the bytes written, 0 at end of stream."""
+        if flags:
+            raise ValueError(f"flags={flags} is not supported on a TLS stream (neither is it on an SSLSocket)")
+        view = buffer if type(buffer) is memoryview else memoryview(buffer)
+        want = nbytes if 0 < nbytes <= len(view) else len(view)
+        read = self._read
+        got = 0
+        while got < want:
+            try:
+                got += read(want - got, view[got:] if got else view)
+            except ssl.SSLWantReadError:
+                if got:
+                    break  # what has arrived; the caller asks again if it needs more
+                self._fill()
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                break
+        return got
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        buf = bytearray(bufsize)
+        n = self.recv_into(buf, bufsize, flags)
+        del buf[n:]
+        return bytes(buf)
+
+    def pending(self) -> int:
+        """Bytes already taken from the socket and not yet read (decrypted or not): what ``poll`` cannot see."""
+        return self._obj.pending() + self._in.pending
+
+    # -- writing -----------------------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        out = self._out
+        while out.pending:
+            self._sock.sendall(out.read())
+
+    def sendall(self, data: Any) -> None:
+        self._obj.write(data)  # a memory BIO takes it all: one record per 16 KB
+        self._flush()
+
+    def send(self, data: Any) -> int:
+        self.sendall(data)
+        return len(memoryview(data).cast("B"))
+
+    # -- the socket's own --------------------------------------------------------------------------------------
+    def settimeout(self, value: float | None) -> None:
+        self._sock.settimeout(value)
+
+    def gettimeout(self) -> float | None:
+        return self._sock.gettimeout()
+
+    def setblocking(self, flag: bool) -> None:
+        self._sock.setblocking(flag)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def setsockopt(self, *args: Any) -> None:
+        self._sock.setsockopt(*args)
+
+    def getsockopt(self, *args: Any) -> Any:
+        return self._sock.getsockopt(*args)
+
+    def getsockname(self) -> Any:
+        return self._sock.getsockname()
+
+    def getpeername(self) -> Any:
+        return self._sock.getpeername()
+
+    def shutdown(self, how: int) -> None:
+        self._sock.shutdown(how)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    # -- what was negotiated -----------------------------------------------------------------------------------
+    def getpeercert(self, binary_form: bool = False) -> Any:
+        return self._obj.getpeercert(binary_form)
+
+    def version(self) -> str | None:
+        return self._obj.version()
+
+    def cipher(self) -> tuple[str, str, int] | None:
+        return self._obj.cipher()
+
+
+def client_context(conn: SSLConnection) -> ssl.SSLContext:
+    """The ``SSLContext`` of ``conn``'s settings, as redis-py builds it, except that a given CA (file, folder or
+    data) is the only trusted root."""
+    pinned = conn.ca_certs is not None or conn.ca_path is not None or conn.ca_data is not None
+    context = (ssl.create_default_context(cafile=conn.ca_certs, capath=conn.ca_path, cadata=conn.ca_data)
+               if pinned else ssl.create_default_context())
+    context.check_hostname = bool(conn.check_hostname)
+    context.verify_mode = conn.cert_reqs
+    for flag in conn.ssl_include_verify_flags or ():
+        context.verify_flags |= flag
+    for flag in conn.ssl_exclude_verify_flags or ():
+        context.verify_flags &= ~flag
+    if conn.certfile or conn.keyfile:
+        context.load_cert_chain(certfile=conn.certfile, keyfile=conn.keyfile, password=conn.certificate_password)
+    if conn.ssl_min_version is not None:
+        context.minimum_version = conn.ssl_min_version
+    if conn.ssl_ciphers:
+        context.set_ciphers(conn.ssl_ciphers)
+    return context
+
+
+class MemoryTLSConnection(SSLConnection):
+    """redis-py's ``SSLConnection`` (same arguments, same errors) whose socket is a :class:`TLSStream`."""
+
+    def _wrap_socket_with_ssl(self, sock: Any) -> Any:
+        if self.ssl_validate_ocsp or self.ssl_validate_ocsp_stapled:  # redis-py's own checks need its SSLSocket
+            return super()._wrap_socket_with_ssl(sock)
+        return TLSStream(sock, client_context(self), self.host)
+
+
+def take_connection(pool: Any) -> Any:
+    """A connection to hold for reads: a :class:`MemoryTLSConnection` of the pool's settings where the pool
+    makes redis-py ``SSLConnection``s (outside the pool: it never hands it to anyone else; giving it back to
+    the pool is a no-op), else one from the pool."""
+    if pool.connection_class is SSLConnection and getattr(pool, "cache", None) is None:
+        return MemoryTLSConnection(**pool.connection_kwargs)
+    return pool.get_connection()

@@ -1,0 +1,156 @@
+"""Cache reads over TLS decrypted from memory (client/cache/tls_stream.py), against real redis-servers that serve
+clients over TLS only (the deployment's CA, a client certificate, a password), as ``up`` deploys them."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bagua_lightning.client import CachedDataset, RedisStore
+from bagua_lightning.client.cache.tls_stream import MemoryTLSConnection, TLSStream
+from bagua_lightning.core.errors import UntrustedServerError
+from bagua_lightning.core.tls_trust import ClientTLS
+from bagua_lightning.services.redis_cluster import ClusterInfo
+from bagua_lightning.services.redis_tls import client_tls, make_node_certificates
+from tests.client.cache_datasets import Source
+from tests.client.conftest import TEST_PASSWORD, deployment
+from tests.client.test_cache_faults import check_batch
+
+
+@pytest.fixture(scope="module", params=["servers", "cluster"])
+def tls_deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[tuple[ClusterInfo, ClientTLS]]:
+    """Three standalone servers, or a 3-master cluster, serving clients over TLS only."""
+    cluster = request.param == "cluster"
+    yield from ((info, _tls(info)) for info in deployment(
+        tmp_path_factory.mktemp(f"tls-{request.param}"), nodes=3, cluster=cluster, bus_tls=True, client_tls=True,
+        password=TEST_PASSWORD))
+
+
+def _tls(info: ClusterInfo) -> ClientTLS:
+    tls = client_tls(Path(str(info.tls_dir)))
+    assert tls is not None
+    return tls
+
+
+def _held(ds: CachedDataset) -> list[Any]:
+    backend: Any = ds.cache_loader.store.backend  # type: ignore[attr-defined]
+    return [conn for _, conn in backend.held._local.held.conns.values()]
+
+
+def test_batches_read_over_tls_are_right_and_come_through_memory_decryption(
+        tls_deployment: tuple[ClusterInfo, ClientTLS]) -> None:
+    info, tls = tls_deployment
+    source = Source(96)  # small samples: many replies per TLS record, replies across records
+    ds = CachedDataset(source, dataset_name="tls-stream", hosts=info.hosts, password=TEST_PASSWORD,
+                       tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key, writer_buffer_size=16)
+    try:
+        batches = [list(range(s, s + 32)) for s in range(0, 96, 32)]
+        for b in batches:
+            check_batch(ds, b)
+        ds.flush()
+        for _ in range(3):
+            for b in reversed(batches):
+                check_batch(ds, b)
+        assert ds.stats.hits == 3 * 96 and ds.stats.corrupt == 0 and ds.stats.errors == 0
+        held = _held(ds)
+        assert held and all(type(c) is MemoryTLSConnection and isinstance(c._sock, TLSStream) for c in held)
+        assert all(c._sock.version() == "TLSv1.3" for c in held)
+        assert all(c._sock.pending() == 0 for c in held)  # every reply read, nothing left behind
+    finally:
+        ds.cache_loader.cleanup()
+
+
+def test_values_larger_than_the_chunk_and_of_every_size_round_trip(tls_deployment: tuple[ClusterInfo, ClientTLS]
+                                                                   ) -> None:
+    info, tls = tls_deployment
+    store = RedisStore(hosts=info.hosts, password=TEST_PASSWORD, tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key)
+    try:
+        g = torch.Generator().manual_seed(1)
+        sizes = [0, 1, 5, 16383, 16384, 16385, 65536, 300_000, 1 << 20]  # around a record, a chunk, beyond
+        values = {f"tls-size:{n}": bytes(torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).tolist())
+                  for n in sizes}
+        store.mset(values)
+        for _ in range(2):
+            assert store.mget([*values, "tls-size:missing"]) == [*values.values(), None]
+    finally:
+        store.clear()
+        store.shutdown()
+
+
+@contextlib.contextmanager
+def _other_ca_server(tmp: Path, received: bytearray) -> Iterator[int]:
+    """A TLS server with a certificate of another CA, recording every byte it decrypts."""
+    make_node_certificates(tmp, [1], ["127.0.0.1"])
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp / "node-1.crt", tmp / "node-1.key")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with contextlib.suppress(OSError), conn:
+                conn.settimeout(5)
+                with context.wrap_socket(conn, server_side=True) as tls_conn:
+                    while data := tls_conn.recv(65536):
+                        received.extend(data)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield int(listener.getsockname()[1])
+    finally:
+        listener.close()
+        thread.join(10)
+
+
+def test_a_server_of_another_ca_fails_the_handshake_and_gets_no_password(
+        tls_deployment: tuple[ClusterInfo, ClientTLS], tmp_path: Path) -> None:
+    _, tls = tls_deployment
+    received = bytearray()
+    with _other_ca_server(tmp_path / "other", received) as port:
+        conn = MemoryTLSConnection(host="127.0.0.1", port=port, password="never-sent", ssl_ca_certs=tls.ca,
+                                   ssl_certfile=tls.cert, ssl_keyfile=tls.key, socket_timeout=5,
+                                   socket_connect_timeout=5)
+        with pytest.raises(Exception) as excinfo:
+            conn.connect()
+        conn.disconnect()
+        # The error redis-py's SSLSocket gives, so the store names the server as not the deployment's.
+        assert isinstance(excinfo.value.__context__, ssl.SSLCertVerificationError), repr(excinfo.value)
+        store = RedisStore(hosts=[f"127.0.0.1:{port}"], password="never-sent", tls_ca=tls.ca, tls_cert=tls.cert,
+                           tls_key=tls.key, retries=0)
+        try:
+            with pytest.raises(UntrustedServerError, match=f"127.0.0.1:{port} is not this deployment's"):
+                store.mget(["k"])
+        finally:
+            store.shutdown()
+    assert bytes(received) == b""
+
+
+def test_the_pinned_ca_is_the_only_root(tmp_path: Path) -> None:
+    make_node_certificates(tmp_path, [1], ["127.0.0.1"])
+    conn = MemoryTLSConnection(host="127.0.0.1", port=1, ssl_ca_certs=str(tmp_path / "ca.crt"))
+    from bagua_lightning.client.cache.tls_stream import client_context
+
+    context = client_context(conn)
+    assert [c["subject"] for c in context.get_ca_certs()] == [c["subject"] for c in
+                                                             _loaded(str(tmp_path / "ca.crt")).get_ca_certs()]
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+
+
+def _loaded(ca: str) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(ca)
+    return context
