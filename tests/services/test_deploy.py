@@ -82,9 +82,9 @@ def test_autotune_args_are_the_cli_the_service_parses() -> None:
     from bagua_lightning.cli import build_parser
 
     argv = deploy.autotune_service_args(host="127.0.0.1", port=29601, state=deploy.redis_state_url("::1", 7000),
-                                        log_dir="/tmp/samples")
+                                        log_dir="/tmp/samples", mirror="/tmp/plans")
     args = build_parser().parse_args(argv)
-    assert (args.host, args.port, args.state, args.log_dir) == ("127.0.0.1", 29601, "redis://[::1]:7000",
+    assert (args.host, args.port, args.state, args.log_dir) == ("127.0.0.1", 29601, ["redis://[::1]:7000", "/tmp/plans"],
                                                                  "/tmp/samples")
 
 

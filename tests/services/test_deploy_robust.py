@@ -68,7 +68,7 @@ def _ipv6_loopback() -> bool:
 
 
 def test_no_port_named_takes_another_free_block_when_the_first_is_taken() -> None:
-    cfg = UpConfig()  # a cluster of 6 nodes with a TLS bus: client, bus and TLS ports
+    cfg = UpConfig()  # a cluster of 6 nodes with TLS: client (TLS) and bus ports
     with claimed(cfg) as first:
         assert first.autotune_port and first.redis_port
     taken_bus = first.redis_port + 3 + 10000
@@ -76,7 +76,7 @@ def test_no_port_named_takes_another_free_block_when_the_first_is_taken() -> Non
         assert second.autotune_port and second.redis_port
         ports = [p for _, p in deployment_ports(second, second.autotune_port, second.redis_port)]
         assert taken_bus not in ports and first.autotune_port not in ports
-        assert len(ports) == 1 + 6 * 3
+        assert len(ports) == 1 + 6 * 2
         assert second.redis_port + 6 - 1 + 10000 <= 65535
 
 
