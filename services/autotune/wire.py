@@ -4,7 +4,7 @@ A plan of 100,000 tensors encodes to megabytes, and protobuf encodes while holdi
 the GIL: with grpc's own serializer every ``DescribeModel`` / ``AskHyperparameters``
 would re-encode it, stalling every other thread (the health check's included) for
 the whole encoding. Protobuf's wire format lets a message be built by concatenating
-its fields, so a plan is encoded once (:class:`AutotuneServicer` caches it) and each
+its fields, so a plan is encoded once (:mod:`.plancache` caches it) and each
 response is the small part encoded now plus the cached plan bytes (a memcpy).
 
 Handlers may therefore return a message or ready ``bytes``; :func:`add_to_server`
