@@ -9,14 +9,8 @@ import torch
 from torch import nn
 
 from bagua_lightning.core.errors import PlanMismatchError
-from bagua_lightning.engine.buckets import (
-    Bucket,
-    BucketEngine,
-    check_plan,
-    declare,
-    default_plan,
-    trainable_parameters,
-)
+from bagua_lightning.engine.buckets import Bucket, BucketEngine
+from bagua_lightning.engine.parameters import check_plan, declare, default_plan, trainable_parameters
 from bagua_lightning.proto.plan import BucketPlan
 from bagua_lightning.strategy import QAdamOptimizer
 
