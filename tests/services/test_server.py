@@ -18,7 +18,8 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from bagua_lightning.client.autotune import AutotuneClient, PlanAnswer
+from bagua_lightning.client.autotune import AutotuneClient
+from bagua_lightning.client.autotune_records import PlanAnswer
 from bagua_lightning.core.errors import AutotuneError
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
