@@ -12,8 +12,7 @@ import pytest
 
 from bagua_lightning.core.errors import ConfigurationError
 from tests.procs import free_port
-from tests.ranks import run_commands
-from tests.strategy.conftest import backend_params
+from tests.ranks import backend_params, run_commands
 
 WORKER = str(Path(__file__).with_name("lightning_workers.py"))
 

@@ -1,4 +1,4 @@
-"""Worker for tests/strategy/test_gradient_algorithms.py: run under torchrun, one JSON per rank.
+"""Worker for tests/engine/test_gradient_algorithms.py: run under torchrun, one JSON per rank.
 
 ``python -m torch.distributed.run --nproc_per_node N gradient_workers.py OUT_DIR [--local-size L]
 [--backend gloo|nccl]`` runs every scenario and writes ``OUT_DIR/rank{r}.json`` with the
