@@ -108,7 +108,7 @@ def _worker(target: str, clients: list[tuple[str, int]], world: int, aggregated:
 
 def handler_cost_us(world: int, calls: int = 3000) -> dict[str, float]:
     """CPU time of the service's own handling per call (no network), in microseconds, single thread."""
-    from bagua_lightning.client.autotune import timing_to_proto
+    from bagua_lightning.client.autotune_records import timing_to_proto
     from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
     from bagua_lightning.proto.plan import plan_from_proto, plan_to_proto
     from bagua_lightning.services.autotune.config import ServiceConfig

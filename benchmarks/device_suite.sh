@@ -42,7 +42,7 @@ rc=0
 for what in "$@"; do
   case "$what" in
     tests)
-      python3 -m pytest -m gpu -q -p no:cacheprovider tests/strategy tests/torch_api tests/contrib -rs ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine tests/strategy tests/torch_api tests/contrib -rs ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
         | tee "$out/nccl_tests.log" || rc=1
       # The launched jobs' own logs say where a failed or stuck rank was.
       for f in /tmp/pytest-of-*/pytest-*/*/cmd*.log; do

@@ -2,7 +2,7 @@
 
 Every call has a deadline and is retried with exponential backoff while the
 service answers UNAVAILABLE or DEADLINE_EXCEEDED (starting, restarting, busy).
-Results are the shared plan dataclasses and small typed records, never proto
+Results are the shared plan dataclasses and small typed records (:mod:`.autotune_records`), never proto
 messages; refusals raise the project's errors (:mod:`bagua_lightning.core.errors`):
 :class:`ModelNotRegisteredError` for NOT_FOUND, :class:`AutotuneRequestRejectedError`
 for INVALID_ARGUMENT / FAILED_PRECONDITION / RESOURCE_EXHAUSTED,
@@ -24,7 +24,6 @@ import ipaddress
 import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,20 @@ from ..proto.plan import (
     TensorDeclaration,
     plan_from_proto,
     plan_to_proto,
+)
+from .autotune_records import (
+    ModelDescription,
+    ModelSummary,
+    PlanAnswer,
+    SampleSummary,
+    SharedPlan,
+    plan_of,
+    selection_of,
+    shared_plan_of,
+    span_to_proto,
+    summary_of,
+    tensor_to_proto,
+    timing_to_proto,
 )
 from .retry import ExponentialBackoff, Retry
 
@@ -109,166 +122,6 @@ def parse_target(target: str) -> tuple[str, int]:
     except ValueError as exc:
         raise ValueError(f"the autotune service address {target!r} is not 'host:port': {exc}") from None
     return host, int(port)
-
-
-@dataclass(frozen=True, slots=True)
-class AlgorithmSelection:
-    """What ``algorithm="auto"`` measured and kept (``AlgorithmSelection`` in the proto).
-
-    Attributes:
-        chosen: the candidate kept.
-        step_ms: each candidate's step time in milliseconds (median, slowest rank), in measured order.
-        reason: one line saying why.
-        step: the training step every rank switched at.
-        job_id: the job that measured it.
-    """
-
-    chosen: str
-    step_ms: tuple[tuple[str, float], ...]
-    reason: str
-    step: int
-    job_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class PlanAnswer:
-    """The service's answer to AskHyperparameters.
-
-    Attributes:
-        plan: the plan to use from the asked iteration on (identical for every rank).
-        completed: True once tuning finished; the plan is then final.
-        selection: (registrations) what ``algorithm="auto"`` measured for this model and placement, by this
-            job or the one whose plan it starts from; None when none.
-    """
-
-    plan: BucketPlan
-    completed: bool
-    selection: AlgorithmSelection | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSummary:
-    """One model the service holds (see ``ModelSummary`` in the proto; scores in samples/s or -ms)."""
-
-    model_name: str
-    tensors: int
-    total_bytes: int
-    world_size: int
-    nproc_per_node: int
-    plan_version: int
-    completed: bool
-    samples: int
-    reports_accepted: int
-    reports_ignored: int
-    best_score: float | None
-    idle_s: float
-    tuner: str
-    layouts_tracked: int
-    job_id: str = ""
-    fingerprint: str = ""
-    algorithm: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class SharedPlan:
-    """The best plan the service knows for one shape of a model (``SharedPlanSummary`` in the proto)."""
-
-    key: str
-    model_name: str
-    job_id: str
-    world_size: int
-    nproc_per_node: int
-    score: float
-    completed: bool
-    buckets: int
-    saved_at: float = 0.0
-    reports: int = 0
-    samples: int = 0
-
-
-def _shared_plan(p: Any) -> SharedPlan:
-    return SharedPlan(**{name: getattr(p, name) for name in SharedPlan.__dataclass_fields__})
-
-
-@dataclass(frozen=True, slots=True)
-class SampleSummary:
-    """One measured plan: its layout in bytes per bucket and what it scored (speed in samples/s per rank)."""
-
-    index: int
-    plan_version: int
-    bucket_size: int
-    is_hierarchical_reduce: bool
-    bucket_bytes: tuple[int, ...]
-    speed: float
-    score: float
-    exposed_ms: float
-    reports: int
-    train_iter: int
-
-
-@dataclass(frozen=True, slots=True)
-class ModelDescription:
-    """DescribeModel's answer: the summary, the current and best plans, every measured plan, the selection."""
-
-    summary: ModelSummary
-    current: BucketPlan
-    best: BucketPlan | None
-    samples: tuple[SampleSummary, ...]
-    selection: AlgorithmSelection | None = None
-
-
-def _summary(m: Any) -> ModelSummary:
-    return ModelSummary(model_name=m.model_name, tensors=m.tensors, total_bytes=m.total_bytes,
-                        world_size=m.world_size, nproc_per_node=m.nproc_per_node, plan_version=m.plan_version,
-                        completed=m.completed, samples=m.samples, reports_accepted=m.reports_accepted,
-                        reports_ignored=m.reports_ignored, best_score=m.best_score if m.has_best else None,
-                        idle_s=m.idle_s, tuner=m.tuner, layouts_tracked=m.layouts_tracked, job_id=m.job_id,
-                        fingerprint=m.fingerprint, algorithm=m.algorithm)
-
-
-def _selection_of(reply: Any) -> AlgorithmSelection | None:
-    """The reply's ``algorithm_selection`` (None when unset)."""
-    if not reply.HasField("algorithm_selection"):
-        return None
-    a = reply.algorithm_selection
-    return AlgorithmSelection(chosen=a.chosen, step_ms=tuple((c.algorithm, c.step_ms) for c in a.candidates),
-                              reason=a.reason, step=a.step, job_id=a.job_id)
-
-
-def tensor_to_proto(value: TensorDeclaration | Mapping[str, Any]) -> Any:
-    """A ``TensorDeclaration`` message from the dataclass or a dict in Bagua's shape."""
-    t = TensorDeclaration.coerce(value)
-    return pb.TensorDeclaration(name=t.name, num_elements=t.num_elements, dtype=t.dtype)
-
-
-def plan_of(value: BucketPlan | Mapping[str, Any]) -> BucketPlan:
-    """A plan from the dataclass or a dict in Bagua's shape (:meth:`BucketPlan.to_dict`)."""
-    if isinstance(value, BucketPlan):
-        return value
-    if isinstance(value, Mapping):
-        return BucketPlan.from_dict(value)
-    raise TypeError(f"hyperparameters must be a BucketPlan or a dict in Bagua's shape, got {type(value).__name__}")
-
-
-def timing_to_proto(value: BucketTimingRecord | Mapping[str, Any]) -> Any:
-    """A ``BucketTiming`` message from a ``BucketTimingRecord`` or a dict of its fields."""
-    if isinstance(value, BucketTimingRecord):
-        value = value.to_dict()
-    if isinstance(value, Mapping):
-        unknown = set(value) - {"bucket_index", "bytes", "ready_ms", "comm_ms", "wait_ms", "comm_ms_max",
-                                "wait_ms_max"}
-        if unknown:
-            raise ValueError(f"unknown keys {sorted(unknown)} in bucket timing {dict(value)!r}; expected "
-                             "bucket_index, bytes, ready_ms, comm_ms, wait_ms (comm_ms_max, wait_ms_max)")
-        return pb.BucketTiming(**value)
-    raise TypeError(f"a bucket timing must be a BucketTimingRecord or a dict, got {type(value).__name__}")
-
-
-def span_to_proto(value: Mapping[str, Any]) -> Any:
-    """An ``ExecutionSpan`` message from a dict (Bagua's span shape)."""
-    if isinstance(value, Mapping):
-        return pb.ExecutionSpan(**value)
-    raise TypeError(f"a span must be a dict, got {type(value).__name__}")
 
 
 def _error(method: str, target: str, exc: grpc.RpcError) -> AutotuneError:
@@ -433,7 +286,7 @@ class AutotuneClient:
             raise AutotuneError(f"the autotune service at {self.target} answered {method} with a malformed "
                                 f"plan: {exc}", "INTERNAL") from exc
         return PlanAnswer(plan=plan, completed=bool(reply.is_autotune_completed),
-                          selection=_selection_of(reply) if method == "RegisterTensors" else None)
+                          selection=selection_of(reply) if method == "RegisterTensors" else None)
 
     def report_metrics(self, model_name: str, rank: int, train_iter: int,
                        hyperparameters: BucketPlan | Mapping[str, Any] | None, speed: float,
@@ -474,14 +327,14 @@ class AutotuneClient:
     def list_jobs(self) -> tuple[list[ModelSummary], list[SharedPlan]]:
         """Every session the service holds, and the best plan per model shape that jobs share."""
         reply = self._call("ListModels", pb.ListModelsRequest())
-        return [_summary(m) for m in reply.models], [_shared_plan(p) for p in reply.shared_plans]
+        return [summary_of(m) for m in reply.models], [shared_plan_of(p) for p in reply.shared_plans]
 
     def forget_plans(self, match: str) -> tuple[list[SharedPlan], str]:
         """Remove every shared plan whose shape key, model name or job id is ``match``; returns them and a
         warning ("" unless the service's store failed to drop them). ModelNotRegisteredError when none
         matches."""
         reply = self._call("ForgetPlans", pb.ForgetPlansRequest(match=match))
-        return [_shared_plan(p) for p in reply.removed], reply.warning
+        return [shared_plan_of(p) for p in reply.removed], reply.warning
 
     def describe_model(self, model_name: str, job_id: str = "") -> ModelDescription:
         """One session's plans and samples; ModelNotRegisteredError when the service does not hold it
@@ -492,9 +345,9 @@ class AutotuneClient:
                                       bucket_bytes=tuple(s.bucket_bytes), speed=s.speed, score=s.score,
                                       exposed_ms=s.exposed_ms, reports=s.reports, train_iter=s.train_iter)
                         for s in reply.samples)
-        return ModelDescription(summary=_summary(reply.summary), current=plan_from_proto(reply.current),
+        return ModelDescription(summary=summary_of(reply.summary), current=plan_from_proto(reply.current),
                                 best=plan_from_proto(reply.best) if reply.HasField("best") else None,
-                                samples=samples, selection=_selection_of(reply))
+                                samples=samples, selection=selection_of(reply))
 
     def report_algorithm_selection(self, model_name: str, chosen: str, step_ms: Mapping[str, float], reason: str,
                                    step: int, job_id: str = "") -> None:

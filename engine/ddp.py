@@ -37,7 +37,8 @@ from torch.utils._pytree import tree_flatten
 from ..core.errors import ConfigurationError
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
 from .algorithms.base import Algorithm
-from .buckets import (
+from .comm import CommContext
+from .parameters import (
     IGNORE_ATTRIBUTE,
     average_module_parameters,
     check_plan,
@@ -45,7 +46,6 @@ from .buckets import (
     is_communicated,
     trainable_parameters,
 )
-from .comm import CommContext
 
 
 def _broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, src: int) -> None:

@@ -32,30 +32,27 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from ..core.errors import ConfigurationError
-from ..core.services_file import resolve_autotune_address
-from ..engine.algorithms.auto import AutoAlgorithm, auto_settings
+from ..engine.algorithms.auto import AutoAlgorithm
 from ..engine.algorithms.base import (
     Algorithm,
     AlgorithmOptimizerError,
     algorithm_classes,
-    get_algorithm_class,
 )
 from ..engine.autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
 from ..engine.autotune import (
     AutotuneController,
-    AutotuneSettings,
     AutotuneState,
     AutotuneSummary,
     BoundaryReport,
     batch_size_of,
 )
 from ..engine.autotune.advice import algorithm_advice
-from ..engine.autotune.selection import AutoSettings, Selection
+from ..engine.autotune.selection import Selection
 from ..engine.comm import CommContext
 from ..engine.ddp import BaguaDistributedDataParallel
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
 from .logged_metrics import cached_datasets, training_metrics
+from .settings import BaguaSettings
 
 log = logging.getLogger(__name__)
 
@@ -70,41 +67,18 @@ class BaguaStrategy(DDPStrategy):
     """Distributed training with one of Bagua's algorithms.
 
     Args:
-        algorithm: ``"gradient_allreduce"``, ``"bytegrad"``, ``"decentralized"``,
-            ``"low_precision_decentralized"``, ``"qadam"`` or ``"async"``; or ``"auto"``: measure
-            ``auto_candidates`` while training and keep the fastest (engine algorithm ``auto``; what it
-            times: :mod:`bagua_lightning.engine.autotune.selection`).
-        flatten: communicate flat buckets with gradients as views of them (no copy).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
-            as for ``DDPStrategy``.
-        autotune: tune the bucket plan with the autotune service while training
-            (:mod:`bagua_lightning.engine.autotune`); only for algorithms that
-            communicate gradients in buckets (gradient_allreduce, bytegrad, qadam).
-        start_method: ``"popen"`` (scripts, torchrun), ``"spawn"``, ``"fork"``: as ``DDPStrategy``.
-        process_group_backend: ``"nccl"``/``"gloo"``; None picks by device.
-        timeout: collective timeout.
-        bucket_size: bytes per bucket of the default plan (Bagua's default: 10 MiB).
-        autotune_service: ``host:port`` of the autotune service; None: the environment
-            variable ``BAGUA_LIGHTNING_AUTOTUNE_SERVICE``, else the file
-            ``bagua-lightning up`` writes, else ``127.0.0.1:29600``.
-        autotune_interval: steps between two autotune step boundaries (report, ask, apply).
-        autotune_token: bearer token of the autotune service; None: ``BAGUA_LIGHTNING_AUTOTUNE_TOKEN``
-            (or the services file's token when the service is the one that file records), else no token.
-        autotune_tls: True: talk TLS with the system's root certificates; a path: TLS with
-            that PEM file as the CA of the service's certificate; False: plaintext.
-        autotune_model_name: the name the model is tuned under on the service (printable, at
-            most 200 characters); None: the LightningModule's class name and a fingerprint of
-            its parameters. Each job has its own tuning session whatever the name (keyed by the
-            launcher's run id); jobs of the same model and world size share their best plans.
-        auto_candidates: with ``algorithm="auto"``: the algorithms to measure (any registered one that needs
-            no optimizer of its own); None: gradient_allreduce and bytegrad. Add decentralized,
-            low_precision_decentralized or async to widen the search.
-        auto_warmup_steps: with ``algorithm="auto"``: untimed steps after each switch.
-        auto_trial_steps: with ``algorithm="auto"``: timed steps per candidate (forward start to optimizer
-            step end, spread over two mirrored rounds; their median counts).
-        **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``,
-            ``average``, ``peer_selection_mode``, ``sync_interval_ms``); unknown ones
-            raise :class:`~bagua_lightning.core.errors.ConfigurationError` listing the accepted ones.
+        algorithm: a registered algorithm (``"gradient_allreduce"``, ``"bytegrad"``, ``"decentralized"``,
+            ``"low_precision_decentralized"``, ``"qadam"``, ``"async"``) or ``"auto"`` (measure
+            ``auto_candidates`` while training and keep the fastest: :mod:`bagua_lightning.engine.autotune.selection`).
+        flatten, autotune, bucket_size, autotune_service, autotune_interval, autotune_token, autotune_tls,
+            autotune_model_name, auto_candidates, auto_warmup_steps, auto_trial_steps: the strategy's settings,
+            each documented in :class:`~bagua_lightning.strategy.settings.BaguaSettings`, which validates them
+            (:class:`~bagua_lightning.core.errors.ConfigurationError` naming a bad value and the fix).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, start_method,
+            process_group_backend, timeout: as for ``DDPStrategy`` (``process_group_backend`` None: by device).
+        **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``, ``average``,
+            ``peer_selection_mode``, ``sync_interval_ms``); unknown ones raise ``ConfigurationError`` listing
+            the accepted ones.
     """
 
     strategy_name = "bagua"
@@ -134,40 +108,11 @@ class BaguaStrategy(DDPStrategy):
         auto_trial_steps: int = 10,
         **bagua_kwargs: Any,
     ) -> None:
-        if not isinstance(flatten, bool):
-            raise ConfigurationError(f"flatten must be a bool, got {flatten!r}")
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
-            raise ConfigurationError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
-        self._auto: AutoSettings | None = None
-        if algorithm == "auto":  # the algorithm's keyword arguments go to every candidate
-            self._auto = auto_settings(auto_candidates, auto_warmup_steps, auto_trial_steps, prefix="auto_",
-                                       candidate_kwargs=bagua_kwargs)
-        elif auto_candidates is not None:
-            raise ConfigurationError(f"auto_candidates={list(auto_candidates)} needs algorithm='auto' "
-                                     f"(algorithm={algorithm!r} is fixed).")
-        names = self._auto.candidates if self._auto is not None else (algorithm,)
-        self._algorithm_classes = [get_algorithm_class(name) for name in names]
-        self._algorithm_class = self._algorithm_classes[0]
-        self._algorithm_class.from_kwargs(**bagua_kwargs)  # validate now, not at fit
-        if not isinstance(autotune, bool):
-            raise ConfigurationError(f"autotune must be a bool, got {autotune!r}")
-        self._autotune_settings: AutotuneSettings | None = None
-        if not isinstance(autotune_tls, bool | str | Path):
-            raise ConfigurationError(f"autotune_tls must be a bool or a CA certificate path, got {autotune_tls!r}")
-        tls_roots = None if isinstance(autotune_tls, bool) else autotune_tls
-        if (autotune_service is not None or autotune_model_name is not None) and not autotune:
-            # Bad values fail now, naming them.
-            AutotuneSettings(address=autotune_service or "127.0.0.1:1", model_name=autotune_model_name)
-        if autotune:
-            if self._auto is None and not self._algorithm_class.uses_gradient_buckets:
-                raise ConfigurationError(
-                    f"autotune=True needs an algorithm that communicates gradients in buckets; {algorithm!r} "
-                    "averages weights outside backward, so there is no bucket plan to tune. Use "
-                    "gradient_allreduce, bytegrad or qadam, or drop autotune=True")
-            self._autotune_settings = AutotuneSettings(
-                address=resolve_autotune_address(autotune_service), interval=autotune_interval,
-                token=autotune_token, tls=autotune_tls is not False, root_certificates=tls_roots,
-                model_name=autotune_model_name)
+        self.settings = BaguaSettings(
+            algorithm=algorithm, flatten=flatten, autotune=autotune, bucket_size=bucket_size,
+            autotune_service=autotune_service, autotune_interval=autotune_interval, autotune_token=autotune_token,
+            autotune_tls=autotune_tls, autotune_model_name=autotune_model_name, auto_candidates=auto_candidates,
+            auto_warmup_steps=auto_warmup_steps, auto_trial_steps=auto_trial_steps, bagua_kwargs=dict(bagua_kwargs))
         self._autotune: AutotuneController | None = None
         self._autotune_state: AutotuneState | None = None  # the latest state (kept after the fit for checkpoints)
         self._resume_autotune: AutotuneState | None = None  # from the checkpoint a fit resumes
@@ -185,11 +130,9 @@ class BaguaStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self._algorithm_name = names[0]
         self.flatten = flatten
         self.autotune = autotune
         self.bucket_size = bucket_size
-        self._bagua_kwargs = dict(bagua_kwargs)
         self._comm: CommContext | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -218,7 +161,7 @@ class BaguaStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         precision = getattr(self.precision_plugin, "precision", None)
-        for cls in self._algorithm_classes:
+        for cls in self.settings.algorithm_classes:
             refused = cls.unsupported_precisions.get(str(precision))
             if trainer.state.fn == TrainerFn.FITTING and refused is not None:
                 raise MisconfigurationException(
@@ -232,9 +175,9 @@ class BaguaStrategy(DDPStrategy):
             except AlgorithmOptimizerError as exc:
                 raise MisconfigurationException(str(exc)) from exc
             fitting = trainer.state.fn == TrainerFn.FITTING
-            if self._auto is not None and fitting:
-                rank_zero_info(self._auto.plan_line())
-            elif self._autotune_settings is not None and fitting:
+            if self.settings.auto is not None and fitting:
+                rank_zero_info(self.settings.auto.plan_line())
+            elif self.settings.autotune_settings is not None and fitting:
                 self._start_autotune(wrapper)
 
     @staticmethod
@@ -246,9 +189,9 @@ class BaguaStrategy(DDPStrategy):
         assert isinstance(self.model, pl.LightningModule)
         if self._comm is None:
             raise RuntimeError("BaguaStrategy: the process group is not set up; setup_environment must run first")
-        algorithm: Algorithm = self._algorithm_class.from_kwargs(**self._bagua_kwargs)
-        if self._auto is not None:  # the one ``auto``: the registered engine algorithm
-            algorithm = self._auto_algorithm = AutoAlgorithm.of(self._auto, self._bagua_kwargs)
+        algorithm: Algorithm = self.settings.algorithm_class.from_kwargs(**self.settings.bagua_kwargs)
+        if self.settings.auto is not None:  # the one ``auto``: the registered engine algorithm
+            algorithm = self._auto_algorithm = AutoAlgorithm.of(self.settings.auto, self.settings.bagua_kwargs)
             self._auto_reported = False
         self.model = BaguaDistributedDataParallel(
             self.model, algorithm, self._comm, flatten=self.flatten, bucket_size=self.bucket_size
@@ -271,7 +214,7 @@ class BaguaStrategy(DDPStrategy):
         algorithm, chosen = self.algorithm, self.selection.chosen if self.selection is not None else None
         if algorithm is not None:
             return algorithm.current_name if isinstance(algorithm, AutoAlgorithm) else algorithm.name
-        return chosen or self._algorithm_name
+        return chosen or self.settings.algorithm_names[0]
 
     @property
     def selection(self) -> Selection | None:
@@ -312,18 +255,18 @@ class BaguaStrategy(DDPStrategy):
             for logger in trainer.loggers:
                 logger.log_metrics(selection.metrics(), step=trainer.global_step)
         wrapper = self.bagua_module
-        if self._autotune_settings is not None and wrapper is not None:
+        if self.settings.autotune_settings is not None and wrapper is not None:
             if wrapper.algorithm.uses_gradient_buckets:
                 self._start_autotune(wrapper)
             else:
                 rank_zero_info(f"autotune: {selection.chosen} communicates no gradient buckets; nothing left to tune")
 
     def _start_autotune(self, wrapper: BaguaDistributedDataParallel) -> None:
-        assert self._autotune_settings is not None and self._comm is not None
+        assert self.settings.autotune_settings is not None and self._comm is not None
         self._stop_autotune()
         resume, self._resume_autotune = self._resume_autotune, None
         self._autotune = AutotuneController(
-            self._autotune_settings, wrapper, wrapper.module, model_prefix=type(wrapper.module).__name__,
+            self.settings.autotune_settings, wrapper, wrapper.module, model_prefix=type(wrapper.module).__name__,
             nproc_per_node=self._comm.local_size, group=self._comm.group,
             device=self.root_device if self._comm.is_nccl else torch.device("cpu"), resume=resume,
             selection=self.selection)
@@ -434,7 +377,7 @@ class BaguaStrategy(DDPStrategy):
                       if _LOAD_TAKES_WEIGHTS_ONLY else super().load_checkpoint(checkpoint_path))
         saved = checkpoint.get(AUTOTUNE_CHECKPOINT_KEY)
         self._resume_autotune = None
-        if saved is not None and self._autotune_settings is not None:
+        if saved is not None and self.settings.autotune_settings is not None:
             try:
                 self._resume_autotune = AutotuneState.from_dict(saved)
             except ValueError as exc:

@@ -2,7 +2,8 @@
 
 * :func:`run_ranks`: ``world_size`` copies of a script (one process per rank, no agent: fast);
 * :func:`run_function`: a module-level function on every rank of a Gloo group, results returned by rank;
-* :func:`run_commands`: whole launcher commands (torchrun, Lightning's launcher) side by side.
+* :func:`run_commands`: whole launcher commands (torchrun, Lightning's launcher) side by side;
+* :func:`backend_params`: the backends a multi-rank test runs on (Gloo; NCCL where GPUs allow).
 
 Every job is waited for with one deadline and its processes stopped whatever happens; a failed rank
 fails the test with every rank's log.
@@ -19,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.procs import free_port, stop_process
 
@@ -163,3 +166,19 @@ def run_commands(commands: Sequence[Sequence[str]], *, log_dir: Path, timeout_s:
 
 if __name__ == "__main__":
     _function_rank(Path(sys.argv[1]))
+
+
+def backend_params(world_size: int) -> list[object]:
+    """``gloo`` and a ``gpu``-marked ``nccl`` that skips without ``world_size`` CUDA devices."""
+    import torch
+
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    return [
+        pytest.param("gloo", id="gloo"),
+        pytest.param(
+            "nccl",
+            id="nccl",
+            marks=[pytest.mark.gpu,
+                   pytest.mark.skipif(not enough, reason=f"needs {world_size} CUDA devices and NCCL")],
+        ),
+    ]

@@ -25,7 +25,7 @@ import torch
 
 from ...core.errors import ConfigurationError
 from ..autotune.selection import DEFAULT_CANDIDATES, AlgorithmSelector, AutoSettings, Selection
-from ..buckets import average_module_parameters
+from ..parameters import average_module_parameters
 from .base import ALGORITHMS, Algorithm, get_algorithm_class, register_algorithm, switchable_algorithms
 
 if TYPE_CHECKING:  # pragma: no cover

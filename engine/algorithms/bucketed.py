@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch.distributed as dist
 
-from ..buckets import Bucket, BucketEngine, trainable_parameters
+from ..buckets import Bucket, BucketEngine
+from ..parameters import trainable_parameters
 from .base import Algorithm
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ...core.errors import ConfigurationError
-from ..buckets import Bucket, BucketEngine, trainable_parameters
+from ..buckets import Bucket, BucketEngine
 from ..comm import CommContext, all_reduce_, hierarchical_all_reduce_
 from ..compressed_comm import ExchangeBuffers, compressed_all_reduce_
+from ..parameters import trainable_parameters
 from .base import Algorithm, AlgorithmOptimizerError, register_algorithm
 from .bucketed import thread_comm
 

@@ -23,8 +23,8 @@ from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
 from ...proto.plan import BucketPlan
-from ..buckets import trainable_parameters
 from ..comm import CommContext
+from ..parameters import trainable_parameters
 
 
 class WeightBuckets:

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 
 from ...core.errors import ConfigurationError, ServiceUnavailableError
 from ...proto.plan import BucketPlan, StepTimings, TensorDeclaration, tensor_list_fingerprint
-from ..buckets import declare, trainable_parameters
+from ..parameters import declare, trainable_parameters
 from .jobstate import (
     MAX_JOB_ID_CHARS,
     MAX_MODEL_NAME_CHARS,

@@ -33,10 +33,9 @@ from .servicer import AutotuneServicer
 
 BIG_MODEL_TENSORS = 5_000  # above it a model's reports and asks run in a worker (their plans cost milliseconds)
 WORKER_THREADS = 4  # big requests at once; more queue (the loop and small requests do not)
+# Requests whose work grows with a model whatever its size (the others: with the tensors of the model they
+# name; a request that names no model runs in a worker). The RPCs themselves come from the proto (wire.METHODS).
 _HEAVY = frozenset({"RegisterTensors", "DescribeModel", "ListModels", "ReportTensorExecutionOrder", "ForgetPlans"})
-
-_METHODS = ("RegisterTensors", "ReportMetrics", "AskHyperparameters", "ReportTensorExecutionOrder", "ListModels",
-            "DescribeModel", "ReportAlgorithmSelection", "ForgetPlans")
 
 
 class _Aborted(Exception):
@@ -54,9 +53,10 @@ class _RecordingContext:
 
 def _is_big(sync: AutotuneServicer, name: str, request: Any) -> bool:
     """Whether ``request``'s work grows with a large model (then it runs in a worker thread)."""
-    if name in _HEAVY:
+    model_name = getattr(request, "model_name", None)
+    if name in _HEAVY or model_name is None:
         return True
-    return sync.service.tensor_count(request.model_name, getattr(request, "job_id", "")) > BIG_MODEL_TENSORS
+    return sync.service.tensor_count(model_name, getattr(request, "job_id", "")) > BIG_MODEL_TENSORS
 
 
 def _handler(sync: AutotuneServicer, name: str, workers: ThreadPoolExecutor) -> Callable[[Any, Any], Awaitable[Any]]:
@@ -79,7 +79,7 @@ class _AioServicer(pb_grpc.AutotuneServiceServicer):
         # GIL back every switch interval (serve() sets 1 ms), and the long C calls (encoding plans) are
         # done once per plan (:mod:`.wire`).
         self.workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="autotune-big")
-        for name in _METHODS:
+        for name in wire.METHODS:
             setattr(self, name, _handler(sync, name, self.workers))
 
 

@@ -23,8 +23,9 @@ from .costmodel import Sample
 from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from .memory import MemoryAccount, check_fits, registration_bytes
 from .persistence import PlanStore, StoredPlan
+from .plancache import EncodedPlans
 from .proposal import Proposal, Tuner, exit_with_parent, propose_in_worker
-from .registration import Registration
+from .registration import Registration, RegistrationFacts
 from .reports import PlanRef, Spread
 from .samplelog import SampleLog
 from .session import ModelSession
@@ -58,6 +59,8 @@ class ModelInfo:
     """One model's state, for ListModels / DescribeModel (``samples`` empty in listings)."""
 
     registration: Registration
+    total_bytes: int  # of every tensor the registration declared
+    fingerprint: str  # of its tensor list
     current: BucketPlan
     completed: bool
     best: Sample | None
@@ -102,7 +105,9 @@ class AutotuneService:
         self.evicted = 0
         self.memory = MemoryAccount(config.max_memory)  # bytes held per session, guarded by self._lock
         self._retired_plans = 0  # plans issued by sessions since evicted (for the running total)
-        self._evict_listeners: list[Callable[[SessionKey], None]] = []
+        # Plans encoded for the wire, counted in their sessions' footprints (see :mod:`.plancache`).
+        self.plans = EncodedPlans(self._account_cached)
+        self._facts = RegistrationFacts()
         self._tuning_pool: ProcessPoolExecutor | None = None
         if config.tuning_processes:
             # Spawned, not forked: the server process runs gRPC threads, which fork does not copy safely.
@@ -299,14 +304,9 @@ class AutotuneService:
             key = min(self._sessions, key=lambda k: self._sessions[k].last_used)
             self._evict(key, "max-models")
 
-    def on_evict(self, listener: Callable[[SessionKey], None]) -> None:
-        """Call ``listener(key)`` for each session evicted, with the table lock held (it must not call back)."""
-        self._evict_listeners.append(listener)
-
-    def account_cached(self, job_id: str, model_name: str, nbytes: int) -> bool:
-        """Count ``nbytes`` of the (job, model)'s plans cached encoded (by the servicer) in its session's
-        footprint, evicting others when over budget; False when that session is not held (drop them)."""
-        key = (job_id, model_name)
+    def _account_cached(self, key: SessionKey, nbytes: int) -> bool:
+        """Count ``nbytes`` of the session ``key``'s plans cached encoded (:attr:`plans`) in its footprint,
+        evicting others when over budget; False when that session is not held (drop them)."""
         with self._lock:
             if key not in self._sessions:
                 return False
@@ -317,8 +317,7 @@ class AutotuneService:
     def _evict(self, key: SessionKey, reason: str) -> None:
         """Lock held: drop one session (its best plan is in the store already: sessions persist each new best)."""
         old = self._sessions.pop(key)
-        for listener in self._evict_listeners:
-            listener(key)
+        self.plans.evicted(key)
         freed = self.memory.bytes_of(key)
         self.memory.forget(key)
         self._retired_plans += old.plans_issued
@@ -408,7 +407,9 @@ class AutotuneService:
     # -- inspection ----------------------------------------------------------------------------------
     def _info(self, session: ModelSession, with_samples: bool) -> ModelInfo:
         samples = session.samples
-        return ModelInfo(registration=session.registration, current=session.current_plan,
+        total_bytes, fingerprint = self._facts.of(session.registration)
+        return ModelInfo(registration=session.registration, total_bytes=total_bytes, fingerprint=fingerprint,
+                         current=session.current_plan,
                          completed=session.completed, best=session.best,
                          samples=tuple(samples) if with_samples else (), sample_count=len(samples),
                          reports_accepted=session.reports_accepted, reports_ignored=session.reports_ignored,

@@ -8,11 +8,8 @@ server keeps serving.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,7 +17,7 @@ import grpc
 
 from ...proto.autotune.v1 import autotune_pb2 as pb
 from ...proto.autotune.v1 import autotune_pb2_grpc as pb_grpc
-from ...proto.plan import BucketPlan, BucketTimingRecord, plan_from_proto, plan_to_proto
+from ...proto.plan import BucketPlan, BucketTimingRecord, plan_from_proto
 from . import wire
 from .choice import AlgorithmChoice
 from .errors import (
@@ -32,15 +29,11 @@ from .errors import (
 )
 from .metrics import RpcMetrics
 from .persistence import StoredPlan, parse_plan_key
+from .plancache import digest_of
 from .reports import PlanRef, Spread
 from .service import AutotuneService, ModelInfo, Span
 
 logger = logging.getLogger(__name__)
-
-_MAX_ENCODED = 1024  # encoded plans kept
-_MAX_ENCODED_TENSORS = 2_000_000  # tensors in all encoded plans kept (one tensor: ~50-1000 bytes)
-_MAX_ENCODED_PER_MODEL = 4  # the current, the best and the plans reports still name
-_ENTRY_BYTES = 256  # an entry's tuple, key, digest and bytes object headers
 
 _STATUS: tuple[tuple[type[AutotuneRequestError], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -88,54 +81,19 @@ def _translate_errors(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _tensor_count(plan: BucketPlan) -> int:
-    return sum(len(b) for b in plan.buckets)
-
-
-def _entry_bytes(entry: tuple[BucketPlan, bytes, bytes]) -> int:
-    """Bytes one cached encoding holds (the plan itself is the session's, counted there)."""
-    return _ENTRY_BYTES + len(entry[1])
-
-
 def _digest(message: Any) -> bytes:
-    return _digest_of(message.SerializeToString(deterministic=True))
+    return digest_of(message.SerializeToString(deterministic=True))
 
 
-def _digest_of(encoded: bytes) -> bytes:
-    return hashlib.blake2b(encoded, digest_size=16).digest()
-
-
-class _RegistrationFacts:
-    """Sums over every tensor of a registration (total bytes, fingerprint), computed once per registration:
-    for 100,000 tensors each costs tens of milliseconds of GIL-holding work per ListModels/DescribeModel."""
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self._facts: OrderedDict[int, tuple[Any, int, str]] = OrderedDict()  # id(registration) -> (it, facts)
-        self._capacity = capacity
-        self._lock = threading.Lock()
-
-    def of(self, reg: Any) -> tuple[int, str]:
-        hit = self._facts.get(id(reg))
-        if hit is not None and hit[0] is reg:
-            return hit[1], hit[2]
-        total, fingerprint = sum(t.nbytes for t in reg.tensors), reg.fingerprint
-        with self._lock:
-            self._facts[id(reg)] = (reg, total, fingerprint)  # the registration is kept: its id stays its own
-            while len(self._facts) > self._capacity:
-                self._facts.popitem(last=False)
-        return total, fingerprint
-
-
-def _summary(info: ModelInfo, facts: _RegistrationFacts) -> Any:
+def _summary(info: ModelInfo) -> Any:
     reg = info.registration
-    total_bytes, fingerprint = facts.of(reg)
     return pb.ModelSummary(
-        model_name=reg.model_name, tensors=len(reg.tensors), total_bytes=total_bytes,
+        model_name=reg.model_name, tensors=len(reg.tensors), total_bytes=info.total_bytes,
         world_size=reg.world_size, nproc_per_node=reg.nproc_per_node, plan_version=info.current.version,
         completed=info.completed, samples=info.sample_count, reports_accepted=info.reports_accepted,
         reports_ignored=info.reports_ignored, best_score=info.best.score if info.best else 0.0,
         has_best=info.best is not None, idle_s=info.idle_s, tuner=info.tuner, layouts_tracked=info.layouts_tracked,
-        job_id=reg.job_id, fingerprint=fingerprint,
+        job_id=reg.job_id, fingerprint=info.fingerprint,
         algorithm=info.selection.chosen if info.selection and info.selection.job_id == reg.job_id else "")
 
 
@@ -167,100 +125,18 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
     def __init__(self, service: AutotuneService, metrics: RpcMetrics | None = None) -> None:
         self.service = service
         self.metrics = metrics
-        # Encoding a plan of many tensors costs far more than the rest of a call: encode each issued plan
-        # once, with the digest of its full layout. Keyed by (job, model, version); the plan object is kept to
-        # check the entry is still that plan. Bounded: the least recently used entries go first.
-        # Responses carrying the plan are assembled from its encoded bytes (:mod:`.wire`): encoding a plan
-        # of many tensors holds the GIL for milliseconds, which every other request would wait for.
-        self._encoded: OrderedDict[tuple[str, str, int], tuple[BucketPlan, bytes, bytes]] = OrderedDict()
-        self._encoded_lock = threading.Lock()
-        self._encoded_tensors = 0
-        self._model_bytes: dict[tuple[str, str], int] = {}  # cached bytes per (job, model)
-        self._dropped: list[tuple[str, str]] = []  # evicted models whose encodings are still cached
-        service.on_evict(self._evicted)
-        self._facts = _RegistrationFacts()
-
-    def _entry(self, job_id: str, model_name: str, plan: BucketPlan) -> tuple[BucketPlan, bytes, bytes]:
-        """(plan, its encoded Hyperparameters, their digest), cached.
-
-        Each model's cached bytes count in its session's footprint (the service's --max-memory budget,
-        :meth:`AutotuneService.account_cached`): caching may evict other models, and an evicted model's
-        encodings are dropped here (the service tells :meth:`_evicted`).
-        """
-        key = (job_id, model_name, plan.version)
-        cached = self._encoded.get(key)
-        if cached is not None and cached[0] is plan:
-            return cached
-        encoded = plan_to_proto(plan).SerializeToString(deterministic=True)
-        entry = (plan, encoded, _digest_of(encoded))
-        model = (job_id, model_name)
-        with self._encoded_lock:
-            self._drop(key)
-            self._encoded[key] = entry
-            self._encoded_tensors += _tensor_count(plan)
-            self._model_bytes[model] = self._model_bytes.get(model, 0) + _entry_bytes(entry)
-            changed = {model}
-            mine = [k for k in self._encoded if k[:2] == model]
-            for k in mine[:max(0, len(mine) - _MAX_ENCODED_PER_MODEL)]:  # its least recently used
-                self._drop(k)
-            while len(self._encoded) > 1 and (len(self._encoded) > _MAX_ENCODED
-                                              or self._encoded_tensors > _MAX_ENCODED_TENSORS):
-                changed.add(next(iter(self._encoded))[:2])
-                self._drop(next(iter(self._encoded)))
-            # Under this lock, so counts reach the service in the order they were made (the service's
-            # eviction callback never waits for this lock: no deadlock the other way round).
-            for job, name in changed:
-                if not self.service.account_cached(job, name, self._model_bytes.get((job, name), 0)):
-                    self._dropped.append((job, name))  # not held (evicted meanwhile): keep nothing of it
-            self._drop_evicted()
-        return entry
-
-    def _drop_evicted(self) -> None:
-        """Lock held: drop the encodings of the models the service evicted."""
-        while self._dropped:
-            evicted = self._dropped.pop()
-            for k in [k for k in self._encoded if k[:2] == evicted]:
-                self._drop(k)
-
-    def _drop(self, key: tuple[str, str, int]) -> None:
-        """Lock held: forget one cached encoding."""
-        old = self._encoded.pop(key, None)
-        if old is None:
-            return
-        self._encoded_tensors -= _tensor_count(old[0])
-        model = key[:2]
-        left = self._model_bytes.get(model, 0) - _entry_bytes(old)
-        if left > 0:
-            self._model_bytes[model] = left
-        else:
-            self._model_bytes.pop(model, None)
-
-    def _evicted(self, model: tuple[str, str]) -> None:
-        """The service evicted ``model`` (its table lock held): drop its encodings now, or, while another
-        thread (or this one, in :meth:`_entry`) holds the cache's lock, when that one is done with it."""
-        self._dropped.append(model)
-        if self._encoded_lock.acquire(blocking=False):  # never wait: the service's lock is held
-            try:
-                self._drop_evicted()
-            finally:
-                self._encoded_lock.release()
-
-    def cached_bytes(self) -> int:
-        """Bytes of every encoded plan cached now (as counted in the memory budget)."""
-        with self._encoded_lock:
-            return sum(self._model_bytes.values())
+        self.plans = service.plans  # each plan encoded once (see :mod:`.plancache`)
 
     def _ask_response(self, job_id: str, model_name: str, plan: BucketPlan, completed: bool) -> bytes:
         """The encoded ``AskHyperparametersResponse`` carrying ``plan`` (see :mod:`.wire`)."""
-        encoded = self._entry(job_id, model_name, plan)[1]
-        return wire.ask_response(encoded, completed)
+        return wire.ask_response(self.plans.encoded(job_id, model_name, plan), completed)
 
     def _plan_ref(self, job_id: str, model_name: str, message: Any) -> PlanRef | None:
         if not message.buckets:
             return None
         digest = _digest(message)
         return PlanRef(version=int(message.plan_version),
-                       matches=lambda issued: self._entry(job_id, model_name, issued)[2] == digest,
+                       matches=lambda issued: self.plans.digest(job_id, model_name, issued) == digest,
                        decode=lambda: plan_from_proto(message))
 
     @_translate_errors
@@ -282,7 +158,7 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
             resume_completed=bool(request.resume_completed),
         )
         plan, completed, selection = session.current_plan, session.completed, session.selection
-        encoded = self._entry(request.job_id, request.model_name, plan)[1]
+        encoded = self.plans.encoded(request.job_id, request.model_name, plan)
         return wire.register_response(encoded, completed,
                                       _selection(selection).SerializeToString() if selection is not None else None)
 
@@ -315,14 +191,14 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
 
     @_translate_errors
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return pb.ListModelsResponse(models=[_summary(info, self._facts) for info in self.service.list_models()],
+        return pb.ListModelsResponse(models=[_summary(info) for info in self.service.list_models()],
                                      shared_plans=[_shared(k, p) for k, p in
                                                    self.service.shared_plans(from_store=True)])
 
     @_translate_errors
     def DescribeModel(self, request: Any, context: grpc.ServicerContext) -> Any:
         info = self.service.describe(request.model_name, request.job_id)
-        reply = pb.DescribeModelResponse(summary=_summary(info, self._facts))
+        reply = pb.DescribeModelResponse(summary=_summary(info))
         if info.selection is not None:
             reply.algorithm_selection.CopyFrom(_selection(info.selection))
         reply.samples.extend(
@@ -332,8 +208,8 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                             train_iter=s.train_iter)
             for i, s in enumerate(info.samples))
         job = info.registration.job_id
-        best = self._entry(job, request.model_name, info.best.plan)[1] if info.best is not None else None
-        return wire.describe_response(reply, self._entry(job, request.model_name, info.current)[1], best)
+        best = self.plans.encoded(job, request.model_name, info.best.plan) if info.best is not None else None
+        return wire.describe_response(reply, self.plans.encoded(job, request.model_name, info.current), best)
 
     @_translate_errors
     def ReportAlgorithmSelection(self, request: Any, context: grpc.ServicerContext) -> Any:

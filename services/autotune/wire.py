@@ -4,7 +4,7 @@ A plan of 100,000 tensors encodes to megabytes, and protobuf encodes while holdi
 the GIL: with grpc's own serializer every ``DescribeModel`` / ``AskHyperparameters``
 would re-encode it, stalling every other thread (the health check's included) for
 the whole encoding. Protobuf's wire format lets a message be built by concatenating
-its fields, so a plan is encoded once (:class:`AutotuneServicer` caches it) and each
+its fields, so a plan is encoded once (:mod:`.plancache` caches it) and each
 response is the small part encoded now plus the cached plan bytes (a memcpy).
 
 Handlers may therefore return a message or ready ``bytes``; :func:`add_to_server`
@@ -20,7 +20,11 @@ import grpc
 
 from ...proto.autotune.v1 import autotune_pb2 as pb
 
-SERVICE = "bagua_lightning.autotune.v1.AutotuneService"
+_DESCRIPTOR = pb.DESCRIPTOR.services_by_name["AutotuneService"]
+SERVICE: str = _DESCRIPTOR.full_name  # "bagua_lightning.autotune.v1.AutotuneService"
+
+#: The service's RPC names, read from the proto descriptor: the one table both servers register.
+METHODS: tuple[str, ...] = tuple(method.name for method in _DESCRIPTOR.methods)
 
 # Field numbers in autotune.proto (never reused, so fixed here).
 _REGISTER_PLAN = 1  # RegisterTensorsResponse.recommended_hyperparameters
@@ -76,7 +80,7 @@ def _serialize(response: Any) -> bytes:
 def add_to_server(servicer: Any, server: Any) -> None:
     """Register ``servicer``'s methods (returning messages or encoded bytes) on a grpc or grpc.aio server."""
     handlers = {}
-    for method in pb.DESCRIPTOR.services_by_name["AutotuneService"].methods:
+    for method in _DESCRIPTOR.methods:
         request_type = getattr(pb, method.input_type.name)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name), request_deserializer=request_type.FromString,

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from bagua_lightning.client import AutotuneClient
-from bagua_lightning.client.autotune import PlanAnswer
+from bagua_lightning.client.autotune_records import PlanAnswer
 from bagua_lightning.client.retry import ExponentialBackoff, Retry
 from bagua_lightning.core.errors import (
     AutotuneAuthenticationError,

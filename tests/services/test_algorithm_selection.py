@@ -16,7 +16,7 @@ from bagua_lightning.engine.autotune.selection import Selection
 from bagua_lightning.engine.autotune.worker import AutotuneWorker, Job
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from tests.procs import free_port
-from tests.services import ranks
+from tests.services import simulated_trainers
 from tests.services.conftest import FAST, raw_stub
 
 STEP_MS = {"gradient_allreduce": 170.0, "bytegrad": 48.125}
@@ -24,7 +24,7 @@ REASON = "bytegrad: 48.1 ms/step (kept); gradient_allreduce: 170.0 ms/step (3.53
 
 
 def _tune_to_completion(client: AutotuneClient, tensors: list[dict[str, object]], job_id: str) -> None:
-    job = ranks.sim_job(0)
+    job = simulated_trainers.sim_job(0)
     answer = client.ask_hyperparameters("net", 0, 0, job_id=job_id)
     for it in range(1, 12):
         if answer.completed:
@@ -43,7 +43,7 @@ def _show(target: str) -> str:
 
 
 def test_the_choice_is_shown_exported_and_survives_a_restart(start_service, tmp_path: Path) -> None:
-    tensors = [t.to_dict() for t in ranks.sim_job(0).tensors]
+    tensors = [t.to_dict() for t in simulated_trainers.sim_job(0).tensors]
     metrics_port = free_port()
     args = (*FAST, "--max-samples", "3", "--state", str(tmp_path / "plans"))
     with start_service(*args, "--metrics-port", str(metrics_port)) as (target, _), \
@@ -80,7 +80,7 @@ def test_the_choice_is_shown_exported_and_survives_a_restart(start_service, tmp_
         assert "algorithm: bytegrad (algorithm='auto', chosen at step 52)" in _show(target)
         # Another job of the shape starts from that plan and says whose measurement the choice is; a trainer's
         # worker (rank 0) keeps it for the end-of-fit advice of a fixed algorithm.
-        worker = AutotuneWorker(Job(address=target, model_name="net", tensors=ranks.sim_job(0).tensors, rank=0,
+        worker = AutotuneWorker(Job(address=target, model_name="net", tensors=simulated_trainers.sim_job(0).tensors, rank=0,
                                     world_size=2, nproc_per_node=2, job_id="run-2"),
                                 lambda: AutotuneClient(target=target))
         try:
@@ -119,7 +119,7 @@ BAD = [
 @pytest.mark.parametrize(("case", "selection", "message"), BAD, ids=[b[0] for b in BAD])
 def test_bad_selections_are_invalid_arguments(shared_service: str, case: str, selection: pb.AlgorithmSelection,
                                               message: str) -> None:
-    tensors = [t.to_dict() for t in ranks.abcde()]
+    tensors = [t.to_dict() for t in simulated_trainers.abcde()]
     with AutotuneClient(target=shared_service) as client:
         client.register_job("selected", tensors, job_id="bad-input", world_size=4)
     channel, stub = raw_stub(shared_service)

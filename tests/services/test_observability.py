@@ -17,14 +17,14 @@ from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.core.errors import AutotuneAuthenticationError, ModelNotRegisteredError
 from bagua_lightning.services.autotune.samplelog import log_file_name
 from tests.procs import free_port, wait_until
-from tests.services import ranks
+from tests.services import simulated_trainers
 from tests.services.conftest import FAST, no_retry_client
 
 MODEL = "obs/model-a"
 
 
 def _tune(target: str, model: str = MODEL, rounds: int = 6, token: str | None = None) -> None:
-    job = ranks.sim_job(0)
+    job = simulated_trainers.sim_job(0)
     with AutotuneClient(target=target, token=token) as client:
         client.register_tensors(model, job.tensors, world_size=2, nproc_per_node=2)
         for it in range(rounds):
@@ -101,9 +101,9 @@ def test_both_server_kinds_serve_refuse_and_check_tokens(start_service, tmp_path
         with no_retry_client(target) as anonymous:
             assert anonymous.health_check() is True
             with pytest.raises(AutotuneAuthenticationError):
-                anonymous.register_tensors("m", ranks.abcde())
+                anonymous.register_tensors("m", simulated_trainers.abcde())
         with AutotuneClient(target=target, token="tok-9") as client:
-            plan = client.register_tensors("m", ranks.abcde(), world_size=1)
+            plan = client.register_tensors("m", simulated_trainers.abcde(), world_size=1)
             assert client.report_metrics("m", 0, 0, plan, 10.0) is True
             with pytest.raises(ModelNotRegisteredError):
                 client.describe_model("other")

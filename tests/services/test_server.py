@@ -18,13 +18,14 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from bagua_lightning.client.autotune import AutotuneClient, PlanAnswer
+from bagua_lightning.client.autotune import AutotuneClient
+from bagua_lightning.client.autotune_records import PlanAnswer
 from bagua_lightning.core.errors import AutotuneError
 from bagua_lightning.proto.autotune.v1 import autotune_pb2 as pb
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
 from bagua_lightning.services.autotune.samplelog import log_file_name
 from tests.procs import free_port, running, wait_until
-from tests.services import ranks
+from tests.services import simulated_trainers
 from tests.services.conftest import FAST, no_retry_client, raw_stub, rpc_code
 
 MB = 1024**2
@@ -50,16 +51,35 @@ def test_health_and_reflection(shared_service: str) -> None:
         assert {"bagua_lightning.autotune.v1.AutotuneService", "grpc.health.v1.Health"} <= names
 
 
+def test_every_rpc_in_the_proto_is_served(shared_service: str) -> None:
+    """Each RPC the proto descriptor declares reaches a servicer method (never UNIMPLEMENTED): the servers
+    take their table from the descriptor, so a new RPC needs no list of its own."""
+    service = pb.DESCRIPTOR.services_by_name["AutotuneService"]
+    answered = {}
+    with grpc.insecure_channel(shared_service) as channel:
+        for method in service.methods:
+            call = channel.unary_unary(f"/{service.full_name}/{method.name}",
+                                       request_serializer=lambda m: m.SerializeToString(),
+                                       response_deserializer=lambda b: b)
+            try:
+                call(getattr(pb, method.input_type.name)(), timeout=10)
+                answered[method.name] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                answered[method.name] = exc.code()
+    assert len(answered) == len(service.methods) >= 8
+    assert grpc.StatusCode.UNIMPLEMENTED not in answered.values(), answered
+
+
 def test_abcde_partition_under_a_score_peaking_at_20mb(start_service) -> None:
     """Speed-only ranks in two processes; the Bayesian search lands on buckets cut at ~20 MB: [A,B,C], [D,E]."""
     with start_service(*FAST, "--max-samples", "12") as (target, _):
         with AutotuneClient(target=target) as client:
-            first = client.register_tensors("abcde", [t.to_dict() for t in ranks.abcde()], world_size=4,
+            first = client.register_tensors("abcde", [t.to_dict() for t in simulated_trainers.abcde()], world_size=4,
                                             nproc_per_node=2)
         assert _names(first) == [["A", "B"], ["C"], ["D"], ["E"]]  # the default plan: 10 MiB cuts
         with _pool(2) as pool:
             outs = [f.result(timeout=120) for f in
-                    [pool.submit(ranks.speed_only_rank, target, "abcde", rs, 200) for rs in ([0, 1], [2, 3])]]
+                    [pool.submit(simulated_trainers.speed_only_rank, target, "abcde", rs, 200) for rs in ([0, 1], [2, 3])]]
         with AutotuneClient(target=target) as client:
             final = client.ask_hyperparameters("abcde", 0, 10_000)
     assert final.completed
@@ -87,7 +107,7 @@ def test_mixed_dtypes_are_cut_per_dtype(shared_service: str) -> None:
 
 def test_execution_order_changes_the_cut_order(shared_service: str) -> None:
     with AutotuneClient(target=shared_service) as client:
-        first = client.register_tensors("order", [t.to_dict() for t in ranks.abcde()])
+        first = client.register_tensors("order", [t.to_dict() for t in simulated_trainers.abcde()])
         assert _names(first) == [["A", "B"], ["C"], ["D"], ["E"]]  # registration order, closed at 10 MiB
         spans = [{"trace_id": 7, "action": "tensor_ready", "tensor_name": n, "start_time": 100 * i,
                   "end_time": 100 * i + 5} for i, n in enumerate("EDCBA")]
@@ -103,7 +123,7 @@ def test_64_ranks_over_4_models_lose_no_report(start_service, tmp_path: Path) ->
     logs = tmp_path / "samples"
     with start_service(*FAST, "--max-samples", "6", "--log-dir", str(logs)) as (target, _):
         with _pool(4) as pool:
-            futures = [pool.submit(ranks.timed_ranks, target, models, list(range(p * 4, p * 4 + 4)), 16, 8)
+            futures = [pool.submit(simulated_trainers.timed_ranks, target, models, list(range(p * 4, p * 4 + 4)), 16, 8)
                        for p in range(4)]
             outs = [f.result(timeout=180) for f in futures]
         with AutotuneClient(target=target) as client:
@@ -137,7 +157,7 @@ def test_best_plan_survives_a_restart(start_service, tmp_path: Path, state: str)
     else:
         ctx = running(["true"])
         location = str(tmp_path / "plans")
-    job = ranks.sim_job(0)
+    job = simulated_trainers.sim_job(0)
     tensors = [t.to_dict() for t in job.tensors]
     with ctx:
         if state == "redis":
@@ -166,7 +186,7 @@ def test_best_plan_survives_a_restart(start_service, tmp_path: Path, state: str)
 
 
 def _register(client: AutotuneClient, name: str = "bad", **kwargs: object) -> object:
-    return client.register_tensors(name, kwargs.pop("tensors", [t.to_dict() for t in ranks.abcde()]), **kwargs)
+    return client.register_tensors(name, kwargs.pop("tensors", [t.to_dict() for t in simulated_trainers.abcde()]), **kwargs)
 
 
 def _decl(name: str, n: int, dtype: str) -> pb.TensorDeclaration:
@@ -195,7 +215,7 @@ def test_bad_registrations(shared_service: str, case: str, kwargs: dict[str, obj
     with channel, no_retry_client(shared_service) as client:
         request = pb.RegisterTensorsRequest(
             model_name=f"bad-{case}", tensor_list=kwargs.get("tensors", [_decl(t.name, t.num_elements, t.dtype)
-                                                                          for t in ranks.abcde()]),
+                                                                          for t in simulated_trainers.abcde()]),
             world_size=kwargs.get("world_size", 0), nproc_per_node=kwargs.get("nproc_per_node", 0))
         with pytest.raises(grpc.RpcError) as excinfo:
             stub.RegisterTensors(request, timeout=10)
@@ -253,7 +273,7 @@ def test_sigterm_shuts_down_gracefully(tmp_path: Path) -> None:
     assert "event=shutting_down" in text and "event=stopped" in text
 
 
-def test_tls(start_service, tmp_path: Path) -> None:
+def test_tls_service_serves_clients_trusting_its_cert_and_refuses_plaintext(start_service, tmp_path: Path) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=localhost",
@@ -261,7 +281,7 @@ def test_tls(start_service, tmp_path: Path) -> None:
                    timeout=60)
     with start_service("--tls-cert", str(cert), "--tls-key", str(key), tls_root_cert=cert) as (target, _):
         with AutotuneClient(target=target, root_certificates=cert) as client:
-            assert _names(client.register_tensors("tls", [t.to_dict() for t in ranks.abcde()]))
+            assert _names(client.register_tensors("tls", [t.to_dict() for t in simulated_trainers.abcde()]))
         with AutotuneClient(target=target) as plaintext:
             assert plaintext.health_check(timeout_s=1.0) is False
 
@@ -284,7 +304,7 @@ def test_tuning_defaults_from_the_environment(tmp_path: Path) -> None:
     with running(cmd, env=env, log_path=str(tmp_path / "service.log")), \
             AutotuneClient(target=f"127.0.0.1:{port}") as client:
         wait_until(lambda: client.health_check(timeout_s=0.5), 30.0, "the autotune service")
-        plan = client.register_tensors("env", [t.to_dict() for t in ranks.abcde()], world_size=1)
+        plan = client.register_tensors("env", [t.to_dict() for t in simulated_trainers.abcde()], world_size=1)
         assert client.report_metrics("env", 0, 1, plan, 10.0)
         # No warm-up, no hold, one sample: the first report completes tuning (the built-in 30 s warm-up would not).
         assert client.ask_hyperparameters("env", 0, 2).completed
@@ -296,7 +316,7 @@ def test_tuning_defaults_from_the_environment(tmp_path: Path) -> None:
 
 def test_jobs_over_grpc_and_autotune_ls(start_service) -> None:
     """Job ids and resume plans travel over gRPC; ``autotune ls`` lists jobs and the shared best plan."""
-    job = ranks.sim_job(0)
+    job = simulated_trainers.sim_job(0)
     tensors = [t.to_dict() for t in job.tensors]
     with start_service(*FAST, "--max-samples", "3") as (target, _), AutotuneClient(target=target) as client:
         first = client.register_job("net", tensors, job_id="run-1", world_size=2)

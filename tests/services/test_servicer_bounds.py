@@ -1,6 +1,6 @@
-"""The servicer's cache of encoded plans counts in --max-memory, and serving health cannot be starved.
+"""The service's cache of encoded plans counts in --max-memory, and serving health cannot be starved.
 
-Real gRPC servers in this process on free ports, so the test can look at the servicer's cache and the
+Real gRPC servers in this process on free ports, so the test can look at the encoded plans' cache and the
 service's accounting.
 """
 
@@ -52,8 +52,8 @@ def _serving(servicer: AutotuneServicer) -> Iterator[Any]:
         servicer.service.close()
 
 
-def _cached_models(servicer: AutotuneServicer) -> set[tuple[str, str]]:
-    return {key[:2] for key in list(servicer._encoded)}
+def _cached_models(service: AutotuneService) -> set[tuple[str, str]]:
+    return {key[:2] for key, _ in service.plans.items()}
 
 
 def test_cached_encodings_count_in_the_budget_and_go_with_evicted_models() -> None:
@@ -78,22 +78,22 @@ def test_cached_encodings_count_in_the_budget_and_go_with_evicted_models() -> No
             # Answers are the session's plan, decoded from the cached bytes.
             assert plan_from_proto(ask.recommended_hyperparameters) == held.current_plan
             assert held.current_plan.version >= 1
-            assert servicer.cached_bytes() <= service.memory.total <= budget
+            assert service.plans.cached_bytes() <= service.memory.total <= budget
         assert encoded_total > budget  # what was encoded does not fit: the cache must have let go
         assert 0 < service.evicted < MODELS
         held_models = {("", name) for name in service.model_names}
-        assert _cached_models(servicer) <= held_models  # evicted models' encodings are gone
-        assert servicer.cached_bytes() == service.memory.cached_total > 0
+        assert _cached_models(service) <= held_models  # evicted models' encodings are gone
+        assert service.plans.cached_bytes() == service.memory.cached_total > 0
         for _, name in held_models:
             # Each held model's share: its session's estimate plus its cached encodings.
             session = service.session(name)
-            own = sum(len(v[1]) + 256 for k, v in list(servicer._encoded.items()) if k[:2] == ("", name))
+            own = sum(len(v.encoded) + 256 for k, v in service.plans.items() if k[:2] == ("", name))
             names = sum(len(t.name) for t in session.registration.tensors)
             assert service.memory.bytes_of(("", name)) == session_bytes(session, names) + own
             described = stub.DescribeModel(pb.DescribeModelRequest(model_name=name), timeout=DEADLINE_S)
             assert plan_from_proto(described.current) == session.current_plan
         evicted = sorted({f"m{m}" for m in range(MODELS)} - {name for _, name in held_models})
-        assert evicted and all(("", name) not in _cached_models(servicer) for name in evicted)
+        assert evicted and all(("", name) not in _cached_models(service) for name in evicted)
 
 
 class _BlockingService(AutotuneService):

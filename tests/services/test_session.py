@@ -22,7 +22,7 @@ from bagua_lightning.services.autotune.persistence import DirectoryPlanStore, Re
 from bagua_lightning.services.autotune.reports import PlanRef
 from bagua_lightning.services.autotune.service import AutotuneService, Span
 from tests.procs import free_port, running, wait_until
-from tests.services.ranks import abcde, sim_job
+from tests.services.simulated_trainers import abcde, sim_job
 
 FAST = {"warmup_time_s": 0.0, "sampling_confidence_time_s": 0.0}
 

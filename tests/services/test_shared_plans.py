@@ -21,7 +21,7 @@ from bagua_lightning.services.autotune.persistence import DirectoryPlanStore, St
 from bagua_lightning.services.autotune.reports import PlanRef
 from bagua_lightning.services.autotune.service import AutotuneService, Span
 from bagua_lightning.services.autotune.sharing import OUTLIER_FACTOR, outlier, replaces
-from tests.services.ranks import abcde
+from tests.services.simulated_trainers import abcde
 
 FAST = {"warmup_time_s": 0.0, "sampling_confidence_time_s": 0.0}
 ROWS = [(t.name, t.num_elements, t.dtype) for t in abcde()]

@@ -15,14 +15,14 @@ from bagua_lightning.services.autotune.persistence import REDIS_PREFIX, RedisPla
 from bagua_lightning.services.redis_cluster import ClusterSpec, start_cluster, stop_cluster
 from tests.client.conftest import free_port_block
 from tests.procs import free_port, running, wait_until
-from tests.services import ranks
+from tests.services import simulated_trainers
 from tests.services.conftest import FAST, cli, one_line_error
 
 
 def test_an_evil_jobs_report_completes_no_other_job_and_ls_forget_show_it(start_service, tmp_path: Path,
                                                                           env: dict[str, str]) -> None:
     plans = tmp_path / "plans"
-    tensors = [t.to_dict() for t in ranks.abcde()]
+    tensors = [t.to_dict() for t in simulated_trainers.abcde()]
     with (start_service(*FAST, "--max-samples", "2", "--state", str(plans)) as (target, _),
           AutotuneClient(target=target) as client):
         # The evil job: 1 sample/s for its first plan, 1e12 for the next; its own numbers complete it.
@@ -84,7 +84,7 @@ def test_best_plans_survive_kill_9_of_the_service_and_a_redis_node_restarted_emp
                  "no", "--dir", str(tmp_path)]
     plans = tmp_path / "plans"
     args = (*FAST, "--max-samples", "3", "--store-timeout-s", "5", "--state", f"redis://127.0.0.1:{redis_port}/0", "--state", str(plans))
-    job = ranks.sim_job(0)
+    job = simulated_trainers.sim_job(0)
     tensors = [t.to_dict() for t in job.tensors]
     with running(redis_cmd) as redis_proc:
         wait_until(lambda: _redis_up(redis_port), 20, "redis-server")

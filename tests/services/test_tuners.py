@@ -19,7 +19,7 @@ from bagua_lightning.services.autotune.simulator import (
     oracle_plan,
     transformer_like,
 )
-from tests.services.ranks import MB, abcde, peak_at_20mb
+from tests.services.simulated_trainers import MB, abcde, peak_at_20mb
 
 
 def test_comm_fit_recovers_latency_and_bandwidth_and_refuses_one_size() -> None:

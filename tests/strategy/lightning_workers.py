@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import bagua_lightning  # noqa: F401  (registers "bagua")
-from bagua_lightning.engine.buckets import declare, trainable_parameters
+from bagua_lightning.engine.parameters import declare, trainable_parameters
 from bagua_lightning.proto.plan import BucketPlan
 from bagua_lightning.strategy import BaguaStrategy, QAdamOptimizer
 

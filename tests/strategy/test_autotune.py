@@ -83,23 +83,23 @@ def test_strategy_autotune_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     # Address: argument, else env, else the services file, else the default.
     monkeypatch.setenv("BAGUA_LIGHTNING_SERVICES_FILE", str(tmp_path / "none.json"))
     monkeypatch.delenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", raising=False)
-    assert BaguaStrategy(autotune=True)._autotune_settings.address == "127.0.0.1:29600"  # type: ignore[union-attr]
+    assert BaguaStrategy(autotune=True).settings.autotune_settings.address == "127.0.0.1:29600"  # type: ignore[union-attr]
     write_services_file(ServicesInfo(autotune="10.0.0.2:7", deployment=new_deployment_id()), tmp_path / "services.json")
     monkeypatch.setenv("BAGUA_LIGHTNING_SERVICES_FILE", str(tmp_path / "services.json"))
-    assert BaguaStrategy(autotune=True)._autotune_settings.address == "10.0.0.2:7"  # type: ignore[union-attr]
+    assert BaguaStrategy(autotune=True).settings.autotune_settings.address == "10.0.0.2:7"  # type: ignore[union-attr]
     monkeypatch.setenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", "10.0.0.1:5")
-    assert BaguaStrategy(autotune=True)._autotune_settings.address == "10.0.0.1:5"  # type: ignore[union-attr]
+    assert BaguaStrategy(autotune=True).settings.autotune_settings.address == "10.0.0.1:5"  # type: ignore[union-attr]
     s = BaguaStrategy("qadam", autotune=True, autotune_service="h:1", autotune_interval=7)
-    assert s._autotune_settings is not None and (s._autotune_settings.address, s._autotune_settings.interval) == (
-        "h:1", 7)
-    assert BaguaStrategy()._autotune_settings is None
+    tuning = s.settings.autotune_settings
+    assert tuning is not None and (tuning.address, tuning.interval) == ("h:1", 7)
+    assert BaguaStrategy().settings.autotune_settings is None
     with pytest.raises(ConfigurationError, match=r"'127\.0\.0\.1:99999'"):
         BaguaStrategy(autotune=True, autotune_service="127.0.0.1:99999")
     with pytest.raises(ConfigurationError, match="autotune_tls"):
         BaguaStrategy(autotune=True, autotune_tls=1)  # type: ignore[arg-type]
     tuned = BaguaStrategy(autotune=True, autotune_service="h:1", autotune_token="t0k", autotune_tls=True)
-    assert tuned._autotune_settings is not None
-    assert (tuned._autotune_settings.token, tuned._autotune_settings.tls) == ("t0k", True)
+    assert tuned.settings.autotune_settings is not None
+    assert (tuned.settings.autotune_settings.token, tuned.settings.autotune_settings.tls) == ("t0k", True)
 
 
 def _timings(backward_ms: float, comm: list[float]) -> StepTimings:

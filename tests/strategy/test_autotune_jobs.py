@@ -51,7 +51,8 @@ def test_model_name_and_job_id_are_validated() -> None:
     from bagua_lightning.strategy import BaguaStrategy
 
     named = BaguaStrategy(autotune=True, autotune_service="h:1", autotune_model_name="resnet50 / imagenet")
-    assert named._autotune_settings is not None and named._autotune_settings.model_name == "resnet50 / imagenet"
+    tuning = named.settings.autotune_settings
+    assert tuning is not None and tuning.model_name == "resnet50 / imagenet"
     for bad, match in (("a\nb", "control character"), ("x" * 201, "201 characters long"), ("  ", "non-empty")):
         with pytest.raises(ConfigurationError, match=f"autotune_model_name.*{match}"):
             BaguaStrategy(autotune=True, autotune_service="h:1", autotune_model_name=bad)

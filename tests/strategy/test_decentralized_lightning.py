@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from tests.procs import free_port
-from tests.ranks import run_commands
-from tests.strategy.conftest import backend_params
+from tests.ranks import backend_params, run_commands
 
 WORKER = str(Path(__file__).with_name("lightning_weight_workers.py"))
 

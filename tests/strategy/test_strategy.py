@@ -12,8 +12,7 @@ import pytest
 
 from bagua_lightning.core.errors import ConfigurationError
 from tests.procs import free_port
-from tests.ranks import run_commands
-from tests.strategy.conftest import backend_params
+from tests.ranks import backend_params, run_commands
 
 WORKER = str(Path(__file__).with_name("lightning_workers.py"))
 
@@ -42,6 +41,21 @@ def test_bagua_is_registered_and_kwargs_are_checked_at_construction() -> None:
         BaguaStrategy(bucket_size=0)
     s = BaguaStrategy("qadam", hierarchical=False, start_method="spawn", process_group_backend="gloo")
     assert s.process_group_backend == "gloo"
+
+
+def test_settings_are_a_validated_dataclass_the_strategy_keeps() -> None:
+    from bagua_lightning.strategy import BaguaStrategy
+    from bagua_lightning.strategy.settings import BaguaSettings
+
+    with pytest.raises(ConfigurationError, match="flatten must be a bool, got 'yes'"):
+        BaguaSettings(flatten="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"auto_candidates=\['bytegrad'\] needs algorithm='auto'"):
+        BaguaSettings(auto_candidates=["bytegrad"])
+    auto = BaguaSettings(algorithm="auto", auto_candidates=["bytegrad", "gradient_allreduce"])
+    assert auto.algorithm_names == ("bytegrad", "gradient_allreduce") and auto.autotune_settings is None
+    assert [c.name for c in auto.algorithm_classes] == ["bytegrad", "gradient_allreduce"]
+    strategy = BaguaStrategy("bytegrad", bucket_size=1 << 20, average=False)
+    assert (strategy.settings.bucket_size, strategy.settings.bagua_kwargs) == (1 << 20, {"average": False})
 
 
 @pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad", "decentralized",

@@ -10,7 +10,7 @@ import torch
 from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.engine.algorithms.base import get_algorithm_class
 from bagua_lightning.engine.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
-from tests.strategy.weight_averaging_workers import low_precision_trace, low_precision_traces, run_ranks
+from tests.engine.weight_averaging_workers import low_precision_trace, low_precision_traces, run_ranks
 
 
 def test_registered_with_bagua_defaults_and_validates() -> None:

@@ -1,4 +1,4 @@
-"""Worker for tests/strategy/test_compressed_exchange.py: one JSON per rank.
+"""Worker for tests/engine/test_compressed_exchange.py: one JSON per rank.
 
 ``python compressed_exchange_workers.py OUT_DIR`` (under torchrun's environment, Gloo)
 runs the pipelined compressed exchange on buffers spanning several segments and

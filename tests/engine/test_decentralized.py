@@ -12,7 +12,7 @@ from bagua_lightning.engine.algorithms.base import get_algorithm_class
 from bagua_lightning.engine.algorithms.decentralized import DecentralizedAlgorithm
 from bagua_lightning.engine.comm import CommContext
 from bagua_lightning.engine.topology import check_shift_one_world_size, ring_neighbours, shift_one_peer
-from tests.strategy.weight_averaging_workers import (
+from tests.engine.weight_averaging_workers import (
     decentralized_trace,
     decentralized_traces,
     make_model,

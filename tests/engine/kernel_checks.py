@@ -2,7 +2,7 @@
 
 Run by ``test_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (CPU tensors
 through Triton's interpreter, tiny shapes), and on a GPU machine as
-``python tests/strategy/kernel_checks.py --device cuda`` (the compiled kernels, real
+``python tests/engine/kernel_checks.py --device cuda`` (the compiled kernels, real
 block sizes). The reference is always the CPU torch path; results are compared
 byte for byte and value for value. Prints one JSON object: check name -> "ok" or the failure.
 """

@@ -1,6 +1,6 @@
 """gradient_allreduce, bytegrad and qadam on real multi-process jobs (no Lightning: the wrapper directly).
 
-Each job runs every scenario in tests/strategy/gradient_workers.py once and the
+Each job runs every scenario in tests/engine/gradient_workers.py once and the
 tests assert on the values each rank wrote: 2 ranks flat, 4 ranks as 2 nodes x 2.
 """
 
@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.ranks import run_ranks
-from tests.strategy.conftest import backend_params
+from tests.ranks import backend_params, run_ranks
 
 WORKER = str(Path(__file__).with_name("gradient_workers.py"))
 
@@ -61,7 +60,7 @@ def _check(results: list[dict[str, Any]], hierarchical: bool) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params(2))
-def test_two_ranks(tmp_path: Path, backend: str) -> None:
+def test_two_flat_ranks_match_ddp_and_converge(tmp_path: Path, backend: str) -> None:
     _check(_run(tmp_path, 2, backend), hierarchical=False)
 
 

@@ -1,4 +1,4 @@
-"""Worker for tests/strategy/test_kernels.py: bytegrad's exchange through the fused kernels, one JSON per rank.
+"""Worker for tests/engine/test_kernels.py: bytegrad's exchange through the fused kernels, one JSON per rank.
 
 ``python kernel_exchange_workers.py OUT_DIR`` under torchrun's environment (Gloo) with
 ``TRITON_INTERPRET=1``: the exchange is routed to the kernel path (the one CUDA
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from bagua_lightning.engine import comm as comm_module
 from bagua_lightning.engine.compressed_comm import ExchangeBuffers, compressed_exchange_
-from tests.strategy.compressed_exchange_workers import reference
+from tests.engine.compressed_exchange_workers import reference
 
 
 def case(n_per_chunk: int, dtype: torch.dtype, scale: float, buffers: ExchangeBuffers) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Worker for tests/strategy/test_gradient_algorithms.py: run under torchrun, one JSON per rank.
+"""Worker for tests/engine/test_gradient_algorithms.py: run under torchrun, one JSON per rank.
 
 ``python -m torch.distributed.run --nproc_per_node N gradient_workers.py OUT_DIR [--local-size L]
 [--backend gloo|nccl]`` runs every scenario and writes ``OUT_DIR/rank{r}.json`` with the
@@ -23,11 +23,11 @@ from torch import nn
 from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.engine.algorithms.base import get_algorithm_class
 from bagua_lightning.engine.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
-from bagua_lightning.engine.buckets import declare, trainable_parameters
 from bagua_lightning.engine.comm import CommContext
 from bagua_lightning.engine.compressed_comm import compressed_all_reduce_
 from bagua_lightning.engine.compression import max_quantisation_error
 from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
+from bagua_lightning.engine.parameters import declare, trainable_parameters
 from bagua_lightning.proto.plan import BucketPlan
 
 SMALL_BUCKET = 2048  # bytes: several buckets on the test model

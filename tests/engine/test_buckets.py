@@ -9,16 +9,10 @@ import torch
 from torch import nn
 
 from bagua_lightning.core.errors import PlanMismatchError
-from bagua_lightning.engine.buckets import (
-    Bucket,
-    BucketEngine,
-    check_plan,
-    declare,
-    default_plan,
-    trainable_parameters,
-)
+from bagua_lightning.engine.algorithms.q_adam import QAdamOptimizer
+from bagua_lightning.engine.buckets import Bucket, BucketEngine
+from bagua_lightning.engine.parameters import check_plan, declare, default_plan, trainable_parameters
 from bagua_lightning.proto.plan import BucketPlan
-from bagua_lightning.strategy import QAdamOptimizer
 
 
 def _model() -> nn.Module:

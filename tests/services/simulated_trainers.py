@@ -1,4 +1,5 @@
-"""Code that runs in the OS processes acting as trainer ranks (imported by spawned processes)."""
+"""Simulated trainers for the autotune service tests: a model of five tensors (:func:`abcde`), a score peaking
+at 20 MB buckets, simulated jobs, and the functions spawned processes run as trainer ranks (they launch nothing)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worker for tests/strategy/test_hooks.py: DDP with ``bytegrad_hook`` against plain DDP, one JSON per rank.
+"""Worker for tests/engine/test_hooks.py: DDP with ``bytegrad_hook`` against plain DDP, one JSON per rank.
 
 ``python hook_workers.py OUT_DIR`` under torchrun's environment (Gloo). Two copies of
 one model (an odd parameter count: the hook pads its bucket) see the same batches;

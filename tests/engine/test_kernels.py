@@ -166,7 +166,7 @@ def _low_precision_through_kernels(comm: Any, kwargs: dict[str, Any], steps: int
     """low_precision_decentralized with its difference/apply on the (interpreted) kernels, CPU tensors."""
     os.environ["TRITON_INTERPRET"] = "1"  # before this process first imports triton (at the first launch)
     from bagua_lightning.engine import kernels
-    from tests.strategy.weight_averaging_workers import low_precision_trace
+    from tests.engine.weight_averaging_workers import low_precision_trace
 
     kernels.enabled = lambda device: True  # type: ignore[assignment]  # this child only
     return low_precision_trace(comm, kwargs, steps)
@@ -176,7 +176,7 @@ def _low_precision_through_kernels(comm: Any, kwargs: dict[str, Any], steps: int
 @pytest.mark.slow  # spawned ranks, each importing torch and interpreting the kernels
 @pytest.mark.parametrize("world_size", [2, 3])  # one peer both sides; two distinct neighbours
 def test_low_precision_ring_on_the_kernels_keeps_replicas_identical(world_size: int) -> None:
-    from tests.strategy.weight_averaging_workers import run_ranks as run_scenario
+    from tests.engine.weight_averaging_workers import run_ranks as run_scenario
 
     results = run_scenario(_low_precision_through_kernels, world_size, {"hierarchical": False}, 4, timeout_s=300)
     for rank, r in enumerate(results):

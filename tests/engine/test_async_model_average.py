@@ -10,7 +10,7 @@ import torch
 from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.engine.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from bagua_lightning.engine.algorithms.base import get_algorithm_class
-from tests.strategy.weight_averaging_workers import async_scenarios, run_ranks
+from tests.engine.weight_averaging_workers import async_scenarios, run_ranks
 
 
 def test_registered_as_async_with_bagua_defaults() -> None:
