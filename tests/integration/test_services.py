@@ -21,7 +21,8 @@ from bagua_lightning.core.services_file import ENV_REDIS_PASSWORD
 from bagua_lightning.core.tls_trust import resolve_client_tls
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
 from bagua_lightning.services import deploy, health
-from bagua_lightning.services.autotune.persistence import StoredPlan, open_store
+from bagua_lightning.services.autotune.mirror import open_store
+from bagua_lightning.services.autotune.persistence import StoredPlan
 from tests.integration.conftest import Deployment, _is_free
 
 

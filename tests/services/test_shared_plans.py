@@ -16,8 +16,8 @@ from bagua_lightning.proto.plan import BucketPlan
 from bagua_lightning.services.autotune.config import ServiceConfig
 from bagua_lightning.services.autotune.costmodel import Sample
 from bagua_lightning.services.autotune.errors import InvalidArgumentError, NotFoundError
-from bagua_lightning.services.autotune.mirror import MirroredPlanStore
-from bagua_lightning.services.autotune.persistence import DirectoryPlanStore, StoredPlan, open_store
+from bagua_lightning.services.autotune.mirror import MirroredPlanStore, open_store
+from bagua_lightning.services.autotune.persistence import DirectoryPlanStore, StoredPlan
 from bagua_lightning.services.autotune.reports import PlanRef
 from bagua_lightning.services.autotune.service import AutotuneService, Span
 from bagua_lightning.services.autotune.sharing import OUTLIER_FACTOR, outlier, replaces
