@@ -135,7 +135,7 @@ def test_autotune_speaks_tls_probes_follow_the_health_split_and_its_command_pars
     # TLS on the gRPC port, with the service certificate; the Redis store over TLS with the client certificate.
     assert volumes[mounts[str(args.tls_cert.parent)]]["secret"]["secretName"] == "bagua-autotune-tls"
     assert (args.tls_cert.name, args.tls_key.name) == ("tls.crt", "tls.key") and args.tls_key.parent == args.tls_cert.parent
-    state = urlsplit(args.state)
+    state = urlsplit(args.state[0])
     assert state.scheme == "rediss" and state.hostname == f"bagua-redis.{NAMESPACE}.svc.cluster.local"
     assert "@" not in args.state  # no password in the URL
     tls_query = dict(parse_qsl(state.query))
@@ -472,7 +472,7 @@ def test_scripts_form_a_mutual_tls_cluster_that_refuses_clients_without_the_clie
                          ssl_ca_certs=client_tls["ssl_ca_certs"]).get("k0")
         # The autotune service's plan store, with the manifest's --state URL (mounted paths mapped to here).
         (container,) = _one("Deployment", "bagua-autotune")["spec"]["template"]["spec"]["containers"]
-        url = _autotune_args(container).state.replace(
+        url = _autotune_args(container).state[0].replace(
             f"bagua-redis.{NAMESPACE}.svc.cluster.local:6379", f"localhost:{ports[2]}").replace(
             "/etc/bagua-lightning/tls/", f"{files['bagua-lightning-tls']['ca.crt'].parent}/")
         monkeypatch.setenv("BAGUA_LIGHTNING_REDIS_PASSWORD", secret)
