@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from ..core.errors import ConfigurationError
 from ..core.services_file import resolve_autotune_address
+from ..engine import peer_watch
 from ..engine.algorithms.base import (
     Algorithm,
     AlgorithmOptimizerError,
@@ -208,6 +209,7 @@ class BaguaStrategy(DDPStrategy):
         super().setup_distributed()
         if self._comm is None:
             self._comm = CommContext.build(local_size=max(1, self.num_processes))
+        peer_watch.start(None, self.global_rank, self.world_size)  # no rank waits forever on a failed one
 
     @override
     def setup_environment(self) -> None:
@@ -396,6 +398,7 @@ class BaguaStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        peer_watch.report_failure(exception)  # first: the other ranks stop waiting for this one
         self._stop_autotune()
         super().on_exception(exception)
 
