@@ -276,7 +276,8 @@ def _fail(verdict: str, watch: _Watch | None) -> None:
         except (RuntimeError, ValueError, OSError):
             pass  # the store is gone too: the others find out by themselves
     print(message, file=sys.stderr, flush=True)
-    _abort_groups()
+    # Aborting can itself wait on the broken communicator: never let it hold up the exit below.
+    threading.Thread(target=_abort_groups, name="bagua-peer-abort", daemon=True).start()
     main = threading.main_thread()
     if main.ident is not None and main.is_alive() and explaining is None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main.ident), ctypes.py_object(PeerFailedError))
