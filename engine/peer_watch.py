@@ -362,12 +362,16 @@ def _finalizer() -> None:
 def _mark_exit() -> None:
     watch = _State.watch
     _State.exiting = True
-    if watch is None or _State.verdict is not None:
+    if watch is None:
         return
-    try:
-        watch.store.set(f"exit/{watch.rank}", "at interpreter exit")
-    except (RuntimeError, ValueError, OSError):
-        pass
+    # Stop the thread before the interpreter tears down: it must not sit in a store call of its own then.
+    watch.stop_event.set()
+    watch.join(timeout=2 * watch.settings.interval_s)
+    if _State.verdict is None:
+        try:
+            watch.store.set(f"exit/{watch.rank}", "at interpreter exit")
+        except (RuntimeError, ValueError, OSError):
+            pass
 
 
 def start(store: dist.Store | None, rank: int, world_size: int, settings: WatchSettings | None = None) -> bool:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.procs import free_port
-from tests.ranks import job_env, wait_all
+from tests.procs import free_port, stop_process
+from tests.ranks import job_env
 
 WORKER = Path(__file__).with_name("failure_workers.py")
 DEADLINE_S = 150.0  # generous: the survivor ends within 30 s of the failure
@@ -24,6 +25,7 @@ DEADLINE_S = 150.0  # generous: the survivor ends within 30 s of the failure
 def run_job(case: str, log_dir: Path, *, cuda: bool = False, world_size: int = 2) -> tuple[list[int], list[str]]:
     """Start ``world_size`` ranks of ``failure_workers.py CASE``; their exit codes and logs (all stopped after)."""
     port = free_port()
+    deadline = time.monotonic() + DEADLINE_S
     procs, logs = [], []
     for rank in range(world_size):
         env = {"MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -36,7 +38,15 @@ def run_job(case: str, log_dir: Path, *, cuda: bool = False, world_size: int = 2
         with open(log, "wb") as fh:
             procs.append(subprocess.Popen([sys.executable, str(WORKER), case], env=job_env(env), stdout=fh,
                                           stderr=subprocess.STDOUT, start_new_session=True))
-    codes = wait_all(procs, logs, DEADLINE_S)
+    try:
+        codes = [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in procs]
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"a rank was still running {DEADLINE_S} s after the job started: {logs}") from None
+    finally:
+        for p in procs:
+            stop_process(p)
+    # Raw exit codes: a survivor that torch's NCCL teardown aborts (SIGABRT) after the watch stopped it counts
+    # as failed here (tests.ranks.wait_all would read a late teardown abort as success).
     return codes, [x.read_text(errors="replace") for x in logs]
 
 
