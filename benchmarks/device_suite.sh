@@ -5,6 +5,7 @@
 #
 # Environment: NGPU (ranks; default every GPU, e.g. NGPU=2 with CUDA_VISIBLE_DEVICES=0,1),
 # AUTOTUNE_ARGS (extra arguments for autotune_training.py), PYTEST_K (a -k filter for tests),
+# TEST_TIMEOUT_S / TESTS_DEADLINE_S (tests: the limit of one test, default 150 s, and of the part, 540 s),
 # RATE (twonode: the link, tc syntax, default 10gbit), TWONODE_ARGS (arguments of allreduce_vs_ddp.py there).
 #
 # twonode: every GPU is its own "node" (one torchrun --nnodes NGPU --node_rank i each), NCCL is forced onto
@@ -42,8 +43,12 @@ rc=0
 for what in "$@"; do
   case "$what" in
     tests)
-      python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine tests/strategy tests/torch_api tests/contrib -rs ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-        | tee "$out/nccl_tests.log" || rc=1
+      # A per-test limit (pytest-timeout) and one for the whole part: timeout signals its whole process
+      # group, so ranks a stuck test left behind go with it.
+      timeout -k 10 "${TESTS_DEADLINE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+        --timeout "${TEST_TIMEOUT_S:-150}" tests/engine tests/strategy tests/torch_api tests/contrib -rs ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+        | tee "$out/nccl_tests.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1
       # The launched jobs' own logs say where a failed or stuck rank was.
       for f in /tmp/pytest-of-*/pytest-*/*/cmd*.log; do
         [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }

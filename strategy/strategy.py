@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from ..engine import peer_watch
 from ..engine.algorithms.auto import AutoAlgorithm
 from ..engine.algorithms.base import (
     Algorithm,
@@ -147,6 +148,7 @@ class BaguaStrategy(DDPStrategy):
         super().setup_distributed()
         if self._comm is None:
             self._comm = CommContext.build(local_size=max(1, self.num_processes))
+        peer_watch.start(None, self.global_rank, self.world_size)  # no rank waits forever on a failed one
 
     @override
     def setup_environment(self) -> None:
@@ -341,6 +343,7 @@ class BaguaStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        peer_watch.report_failure(exception)  # first: the other ranks stop waiting for this one
         self._stop_autotune()
         super().on_exception(exception)
 

@@ -13,6 +13,7 @@ comes first, so that ``abort()`` from another thread releases a caller blocked o
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ import torch
 from ._ops import ReduceOp
 
 __all__ = ["CommunicatorOps", "bind_primitives", "operations_left_behind"]
+
+log = logging.getLogger(__name__)
 
 # A peer that aborts and exits closes its connections, which fails the operation this rank still waits
 # in; Bagua's NCCL operation would have hung until this rank aborted too. Such a failure followed by this
@@ -37,6 +40,10 @@ _left_behind: set[threading.Thread] = set()
 
 
 def _wait_left_behind() -> None:
+    from ..engine import peer_watch
+
+    if peer_watch.job_failed():
+        return  # a rank failed: the peers the operation waits for are not coming
     deadline = time.monotonic() + _EXIT_WAIT_S
     for thread in list(_left_behind):
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -67,8 +74,18 @@ class CommunicatorOps:
         self._abort_event = threading.Event()
 
     def abort(self) -> None:
-        """Stop the communicator: a pending operation returns, and every later one returns at once."""
+        """Stop the communicator: a pending operation returns, and every later one returns at once.
+
+        On NCCL the torch group is aborted too, as Bagua's ``ncclCommAbort``: kernels already queued that wait
+        for a peer return, so a later ``synchronize()`` of their stream does not hang.
+        """
         self._abort_event.set()
+        group = getattr(self, "torch_group", None)
+        if group is not None and getattr(self, "backend", "") == "nccl":
+            try:
+                torch.distributed.distributed_c10d._abort_process_group(group)
+            except (RuntimeError, ValueError, AttributeError) as exc:  # already aborted or destroyed
+                log.debug("aborting the NCCL group of %r: %s", self, exc)
 
     def check_abort(self) -> bool:
         """Whether :meth:`abort` was called."""

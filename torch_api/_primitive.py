@@ -3,13 +3,17 @@ checking and viewing the tensors."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
 
+from ..engine import peer_watch
 from .process_group import BaguaCommunicator, BaguaProcessGroup, CommMember, _get_default_group
 
-__all__ = ["Comm", "_check", "_flat", "_local", "_numel", "_resolve", "_slice", "_store"]
+__all__ = ["Comm", "_check", "_flat", "_local", "_numel", "_resolve", "_slice", "_store", "watch_primitives"]
 
 Comm = BaguaCommunicator | BaguaProcessGroup | Any | None
 
@@ -65,3 +69,27 @@ def _slice(tensor: torch.Tensor, c: BaguaCommunicator) -> int:
     if tensor.numel() % n:
         raise ValueError(f"tensor has {tensor.numel()} elements, not divisible by the communicator's {n} ranks")
     return tensor.numel() // n
+
+
+def _watched(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def primitive(*args: Any, **kwargs: Any) -> Any:
+        peer_watch.set_op(name)
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:  # a peer failed: say which (the backend's error does not)
+            failure = peer_watch.explain(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    return primitive
+
+
+def watch_primitives(module: ModuleType) -> None:
+    """Wrap ``module``'s public primitives: each names itself to the peer watch, and an error a failed peer
+    caused becomes a :class:`~bagua_lightning.engine.peer_watch.PeerFailedError` naming that peer."""
+    for name in getattr(module, "__all__", ()):
+        fn = getattr(module, name)
+        if callable(fn) and not isinstance(fn, type) and getattr(fn, "__module__", "") == module.__name__:
+            setattr(module, name, _watched(name, fn))

@@ -8,6 +8,9 @@
   NCCL does (Gloo's reduce leaves partial sums there). Bagua's primitives follow NCCL, and Bagua's own
   examples compare them with ``dist.reduce``; with this both backends agree. Only CPU tensors on a Gloo
   group change path (a copy is reduced instead); the result on ``dst`` is the same.
+- ``torch.distributed.destroy_process_group(group)`` also forgets the Bagua group of ``group`` (all of them
+  for the default group), as Bagua's ``communication._torch_to_bagua_pg_map`` did, and stops the watch over
+  the other ranks when the default group goes (:mod:`~bagua_lightning.engine.peer_watch`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch.distributed.distributed_c10d as c10d
 
 __all__ = ["apply"]
 
-# torch group -> its Bagua group; ProcessGroup objects take no attributes of their own.
+# torch group -> its Bagua group (Bagua's ``communication._torch_to_bagua_pg_map``); ProcessGroup objects
+# take no attributes of their own.
 _bagua_groups: dict[Any, Any] = {}
 
 
@@ -83,6 +87,22 @@ def _nccl_like_reduce(original: Callable[..., Any]) -> Callable[..., Any]:
     return reduce
 
 
+def _forgetting_destroy(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> None:
+        original(group)
+        if group is None or group is c10d.GroupMember.WORLD:
+            _bagua_groups.clear()
+            from ..engine import peer_watch
+
+            peer_watch.stop()
+        else:
+            _bagua_groups.pop(group, None)
+
+    destroy_process_group._bagua_lightning_patched = True  # type: ignore[attr-defined]
+    return destroy_process_group
+
+
 def apply() -> None:
     """Install the patches (idempotent)."""
     pg = dist.ProcessGroup
@@ -95,3 +115,7 @@ def apply() -> None:
         patched = _nccl_like_reduce(c10d.reduce)
         c10d.reduce = patched
         dist.reduce = patched
+    if not getattr(c10d.destroy_process_group, "_bagua_lightning_patched", False):
+        patched = _forgetting_destroy(c10d.destroy_process_group)
+        c10d.destroy_process_group = patched
+        dist.destroy_process_group = patched

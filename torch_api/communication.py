@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import sys
-from functools import cache
 from typing import Any
 
 import torch
@@ -25,19 +24,19 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ._alltoall import alltoall, alltoall_inplace, alltoall_v, alltoall_v_inplace
 from ._communicator import bind_primitives
 from ._ops import ReduceOp, all_gather_single, as_reduce_op, check_op_dtype, divide_, native_op, reduce_rows
-from ._primitive import Comm, _check, _flat, _local, _numel, _resolve, _slice, _store
+from ._primitive import Comm, _check, _flat, _local, _numel, _resolve, _slice, _store, watch_primitives
+from ._service import get_hyperparameters_service_client
+from ._torch_patch import _bagua_groups as _torch_to_bagua_pg_map  # noqa: F401 (Bagua's name)
 from .process_group import (
     BaguaCommunicator,
     BaguaProcessGroup,
     CommMember,
     _get_default_group,
     from_torch_group,
-    init_process_group,
     is_initialized,
     new_group,
 )
-
-bind_primitives(sys.modules[__name__])  # the communicator methods run the primitives below
+from .process_group_init import init_process_group
 
 __all__ = [
     "BaguaCommunicator",
@@ -83,35 +82,6 @@ def _rank_not_in_comm(comm: Any = None) -> bool:
 def _rank_not_in_group(group: BaguaProcessGroup | None = None) -> bool:
     """Whether this process is outside ``group`` (None: the default group, which holds every rank)."""
     return group is not None and _rank_not_in_comm(group.get_global_communicator())
-
-
-def get_hyperparameters_service_client() -> Any:
-    """This process's client of the autotune service (one per process; a forked child makes its own).
-
-    The service is the one ``BaguaStrategy(autotune=True)`` talks to: ``BAGUA_LIGHTNING_AUTOTUNE_SERVICE``
-    (``host:port``), else ``MASTER_ADDR:BAGUA_SERVICE_PORT`` when Bagua's port variable is set, else the
-    address ``bagua-lightning up`` recorded. Returns a
-    :class:`bagua_lightning.client.autotune.AutotuneClient` (Bagua's ``register_tensors``,
-    ``report_metrics``, ``ask_hyperparameters``, ``report_tensor_execution_order``).
-    """
-    import os
-
-    from .env import get_bagua_service_port, get_master_addr
-
-    address = None
-    if not os.environ.get("BAGUA_LIGHTNING_AUTOTUNE_SERVICE") and get_bagua_service_port() > 0:
-        address = f"{get_master_addr()}:{get_bagua_service_port()}"
-    return _service_client(os.getpid(), address)
-
-
-@cache
-def _service_client(pid: int, address: str | None) -> Any:
-    # Keyed by pid: a gRPC channel does not survive fork, so a forked worker builds its own.
-    del pid
-    from ..client.autotune import AutotuneClient
-    from ..core.services_file import resolve_autotune_address
-
-    return AutotuneClient(target=resolve_autotune_address(address))
 
 
 def init_bagua_communicator(model_name: str, stream: torch.cuda.Stream | None = None) -> BaguaCommunicator:
@@ -448,3 +418,7 @@ def broadcast_object(obj: Any, src: int = 0, comm: Comm = None) -> Any:
     if c.rank() == src:
         return obj
     return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
+
+
+watch_primitives(sys.modules[__name__])
+bind_primitives(sys.modules[__name__])  # the communicator methods run the primitives above

@@ -440,10 +440,11 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | Non
         for p in plan.step_params:
             if id(p) not in fused_ids and p in st.fused_state and p not in saved_state:
                 saved_state[p] = st.fused_state[p]
-    st.scalars_dirty = True
     st.fused_steps += 1
     optimizer._bagua_fused_count += sum(1 for plan in plans if plan.runs)  # type: ignore[attr-defined]
     if _adopt_new_state(optimizer, st):
-        st.scalars_dirty = False
         st.plans = None  # rebuilt next step with the state the runs now have
+    # Scalar state (``step``) back into the members now: QAdam's algorithm reads it before the next backward.
+    st.scalars_dirty = True
+    _sync_scalars_back(optimizer, st)
     return loss

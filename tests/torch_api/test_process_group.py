@@ -22,3 +22,8 @@ def test_init_adopts_an_initialised_torch_distributed(tmp_path: Path) -> None:
     out = run_case("adopt_torch", world_size=2, log_dir=tmp_path, args=(str(tmp_path / "store"),),
                    launcher_env=False)
     assert out.count("adopt ok") == 2
+
+
+def test_torch_to_bagua_pg_map_forgets_destroyed_groups(tmp_path: Path) -> None:
+    out = run_case("pg_map", world_size=2, log_dir=tmp_path)
+    assert out.count("pg map ok") == 2

@@ -454,6 +454,20 @@ def case_checkpoint(path: str) -> None:
     print("checkpoint ok", r, flush=True)
 
 
+def case_pg_map() -> None:
+    """Bagua's test_bagua_pg: bagua_patch() registers a torch group; destroy_process_group() forgets it."""
+    import bagua_lightning.torch_api as bagua
+
+    bagua.init_process_group()
+    pg = dist.new_group(ranks=list(range(dist.get_world_size())))
+    pg.bagua_patch()  # type: ignore[attr-defined]
+    assert pg in bagua.communication._torch_to_bagua_pg_map
+    del pg
+    dist.destroy_process_group()
+    assert len(bagua.communication._torch_to_bagua_pg_map) == 0
+    print("pg map ok", flush=True)
+
+
 CASES: dict[str, Callable[..., None]] = {
     "primitives": case_primitives,
     "process_group": case_process_group,
@@ -462,6 +476,7 @@ CASES: dict[str, Callable[..., None]] = {
     "hosts": case_hosts,
     "adopt_torch": case_adopt_torch,
     "checkpoint": case_checkpoint,
+    "pg_map": case_pg_map,
 }
 
 if __name__ == "__main__":
