@@ -21,6 +21,7 @@ import redis
 import redis.exceptions
 from redis.retry import Retry
 
+from ...core.pinned_redis import redis_client
 from .faults import NodeBreakers
 from .hashing import RendezvousHash
 from .options import RedisOptions
@@ -250,8 +251,8 @@ class NodesBackend(Backend):
         self.options = options
         self.breakers = breakers if breakers is not None else NodeBreakers(f"Redis at {hosts}")
         self.retry = options.retry()
-        self.clients = [redis.Redis(host=h, port=p, retry=options.retry(), retry_on_error=list(RETRYABLE_ERRORS),
-                                    **options.connection_kwargs()) for h, p in hosts]
+        self.clients = [redis_client(h, p, retry=options.retry(), retry_on_error=list(RETRYABLE_ERRORS),
+                                     **options.connection_kwargs()) for h, p in hosts]
         self.names = [f"{h}:{p}" for h, p in hosts]
         self.ring = RendezvousHash(self.names)
         self.pool = BufferPool()
@@ -328,7 +329,7 @@ def probe_is_cluster(hosts: list[tuple[str, int]], options: RedisOptions) -> boo
     last: BaseException | None = None
     for h, p in hosts:
         try:
-            with redis.Redis(host=h, port=p, retry=options.retry(), **options.connection_kwargs()) as c:
+            with redis_client(h, p, retry=options.retry(), **options.connection_kwargs()) as c:
                 return bool(int(c.info("cluster").get("cluster_enabled", 0)))
         except (redis.AuthenticationError, redis.exceptions.NoPermissionError):
             raise  # the same credentials fail on every host; say so instead of "unreachable"

@@ -9,12 +9,12 @@ system calls where plaintext took 5 reads. :class:`TLSStream` reads the TCP stre
 
 Nothing about trust changes: the handshake, the certificate chain and host name checks are OpenSSL's own, run
 by ``SSLContext.wrap_bio`` exactly as ``wrap_socket`` runs them, and a server that fails them receives the
-ClientHello and nothing else. With a CA given (the deployment's pinned CA), that CA is the only trusted root
-(redis-py's own ``SSLConnection`` adds the system's roots beside it).
+ClientHello and nothing else. The context is the pinned one
+(:meth:`~bagua_lightning.core.tls_trust.ClientTLS.context`: the deployment's CA is the only trusted root).
 
-:func:`take_connection` gives the held read connections of a TLS pool a :class:`MemoryTLSConnection` (the
-same settings as the pool's ``SSLConnection``s); other connections of the pool (administration, writes
-through redis-py pipelines) are redis-py's.
+:func:`take_connection` gives the held read connections of a pinned TLS pool a :class:`MemoryTLSConnection`
+(the same settings as the pool's :class:`~bagua_lightning.core.pinned_redis.PinnedSSLConnection`s); other
+connections of the pool (administration, writes through redis-py pipelines) are those.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from redis.connection import SSLConnection
+from ...core.pinned_redis import PinnedSSLConnection
 
 CHUNK = 256 * 1024  # bytes of ciphertext per system call at most (a batch from one node is a few hundred KB)
 
@@ -156,40 +156,18 @@ class TLSStream:
         return self._obj.cipher()
 
 
-def client_context(conn: SSLConnection) -> ssl.SSLContext:
-    """The ``SSLContext`` of ``conn``'s settings, as redis-py builds it, except that a given CA (file, folder or
-    data) is the only trusted root."""
-    pinned = conn.ca_certs is not None or conn.ca_path is not None or conn.ca_data is not None
-    context = (ssl.create_default_context(cafile=conn.ca_certs, capath=conn.ca_path, cadata=conn.ca_data)
-               if pinned else ssl.create_default_context())
-    context.check_hostname = bool(conn.check_hostname)
-    context.verify_mode = conn.cert_reqs
-    for flag in conn.ssl_include_verify_flags or ():
-        context.verify_flags |= flag
-    for flag in conn.ssl_exclude_verify_flags or ():
-        context.verify_flags &= ~flag
-    if conn.certfile or conn.keyfile:
-        context.load_cert_chain(certfile=conn.certfile, keyfile=conn.keyfile, password=conn.certificate_password)
-    if conn.ssl_min_version is not None:
-        context.minimum_version = conn.ssl_min_version
-    if conn.ssl_ciphers:
-        context.set_ciphers(conn.ssl_ciphers)
-    return context
-
-
-class MemoryTLSConnection(SSLConnection):
-    """redis-py's ``SSLConnection`` (same arguments, same errors) whose socket is a :class:`TLSStream`."""
+class MemoryTLSConnection(PinnedSSLConnection):
+    """A pinned TLS connection (same arguments, same errors, the deployment's CA only) whose socket is a
+    :class:`TLSStream`."""
 
     def _wrap_socket_with_ssl(self, sock: Any) -> Any:
-        if self.ssl_validate_ocsp or self.ssl_validate_ocsp_stapled:  # redis-py's own checks need its SSLSocket
-            return super()._wrap_socket_with_ssl(sock)
-        return TLSStream(sock, client_context(self), self.host)
+        return TLSStream(sock, self.tls.context(), self.host)
 
 
 def take_connection(pool: Any) -> Any:
     """A connection to hold for reads: a :class:`MemoryTLSConnection` of the pool's settings where the pool
-    makes redis-py ``SSLConnection``s (outside the pool: it never hands it to anyone else; giving it back to
-    the pool is a no-op), else one from the pool."""
-    if pool.connection_class is SSLConnection and getattr(pool, "cache", None) is None:
+    makes pinned TLS connections (outside the pool: it never hands it to anyone else; giving it back to the
+    pool is a no-op), else one from the pool."""
+    if issubclass(pool.connection_class, PinnedSSLConnection) and getattr(pool, "cache", None) is None:
         return MemoryTLSConnection(**pool.connection_kwargs)
     return pool.get_connection()

@@ -141,13 +141,13 @@ def test_a_server_of_another_ca_fails_the_handshake_and_gets_no_password(
 
 def test_the_pinned_ca_is_the_only_root(tmp_path: Path) -> None:
     make_node_certificates(tmp_path, [1], ["127.0.0.1"])
-    conn = MemoryTLSConnection(host="127.0.0.1", port=1, ssl_ca_certs=str(tmp_path / "ca.crt"))
-    from bagua_lightning.client.cache.tls_stream import client_context
-
-    context = client_context(conn)
+    conn = MemoryTLSConnection(host="127.0.0.1", port=1, ssl_ca_certs=str(tmp_path / "ca.crt"),
+                               ssl_cert_reqs="none", ssl_check_hostname=False)  # cannot be weakened
+    context = conn.tls.context()
     assert [c["subject"] for c in context.get_ca_certs()] == [c["subject"] for c in
                                                              _loaded(str(tmp_path / "ca.crt")).get_ca_certs()]
     assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert context.minimum_version >= ssl.TLSVersion.TLSv1_2
 
 
 def _loaded(ca: str) -> ssl.SSLContext:
