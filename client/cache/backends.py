@@ -26,6 +26,7 @@ from .faults import NodeBreakers
 from .hashing import RendezvousHash
 from .options import RedisOptions
 from .resp import BufferPool, Receiver, Replies, _raw_socket, pack_gets, read_replies
+from .tls_decrypt import DecryptWorkers
 from .tls_stream import take_connection
 
 __all__ = ["STORE_ERRORS", "Backend", "BufferPool", "HeldConnections", "NodesBackend", "Receiver", "Replies",
@@ -117,7 +118,10 @@ def read_pipelined(conns: list[Sent], out: list[Any], errored: list[tuple[int, B
     (see :class:`Replies`). ``views``: values may be views of the receive buffers, else ``bytes``.
     """
     order: list[int] = []  # the keys in the order their values were received
-    for client, conn, idx, name in conns:
+    if len(conns) > 1 and held.decrypt_threads:
+        # TLS: the other nodes' replies decrypted each on its own thread while this one decrypts the first's
+        held.prefetch(conns[1:])
+    for at, (client, conn, idx, name) in enumerate(conns):
         try:
             sock = _raw_socket(conn)
             if sock is not None:
@@ -137,7 +141,8 @@ def read_pipelined(conns: list[Sent], out: list[Any], errored: list[tuple[int, B
             held.drop(client, conn)
             failed.append((name, exc))
         except BaseException:
-            held.drop(client, conn)  # out of step: never used so
+            for c in conns[at:]:  # this one and those not read: out of step, never used so
+                held.drop(c[0], c[1])
             raise
     receiver.pool.give(receiver.used)
     # A failed read, an error reply (a redirection) or a nil leaves the receiver uneven: no run then.
@@ -158,16 +163,18 @@ class _Held:
     """One thread's held connections: ``conns``, id(client) -> (client, connection). Given back when the thread
     ends (its ``threading.local`` storage goes, and this with it)."""
 
-    __slots__ = ("__weakref__", "conns")
+    __slots__ = ("__weakref__", "conns", "workers")
 
     def __init__(self) -> None:
         self.conns: dict[int, tuple[Any, Any]] = {}
+        self.workers = DecryptWorkers()  # TLS: one decrypting thread per node, started on first use
 
     def give_back(self) -> None:
         conns, self.conns = list(self.conns.values()), {}
         for client, conn in conns:
             conn.disconnect()
             client.connection_pool.release(conn)
+        self.workers.stop()
 
     def __del__(self) -> None:
         try:
@@ -181,27 +188,39 @@ class HeldConnections:
 
     A fetch then skips the pool's checkout and return (a lock, a liveness poll of the socket, bookkeeping,
     metrics): about a tenth of the cost of reading a batch. Over TLS the held connection is a
-    :class:`~.tls_stream.MemoryTLSConnection` (records decrypted from memory, many per call). Every fetch reads all the replies it asked for or
+    :class:`~.tls_stream.MemoryTLSConnection` (records decrypted from memory, many per call), and a batch's
+    replies from several nodes are decrypted at once, one thread per node (:mod:`.tls_decrypt`; started once,
+    kept with the connections). Every fetch reads all the replies it asked for or
     drops the connection (:meth:`drop`), so a held connection never carries a stray reply into the next fetch;
     the reader also refuses bytes beyond the replies it expects. A forked child (a DataLoader worker) forgets the
     connections of its parent without touching them and holds its own.
     """
+
+    decrypt_threads = True  # False: the reading thread decrypts every node's replies itself (to compare)
 
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._local = threading.local()
         self._threads: weakref.WeakSet[_Held] = weakref.WeakSet()
 
-    def _mine(self) -> dict[int, tuple[Any, Any]]:
-        if self._pid != os.getpid():  # a forked child: the parent's sockets are the parent's
+    def _held(self) -> _Held:
+        if self._pid != os.getpid():  # a forked child: the parent's sockets (and threads) are the parent's
             for inherited in list(self._threads):
-                inherited.conns = {}  # forgotten, not closed
+                inherited.conns, inherited.workers = {}, DecryptWorkers()  # forgotten, not closed
             self._pid, self._local, self._threads = os.getpid(), threading.local(), weakref.WeakSet()
         held: _Held | None = getattr(self._local, "held", None)
         if held is None:
             held = self._local.held = _Held()
             self._threads.add(held)
-        return held.conns
+        return held
+
+    def _mine(self) -> dict[int, tuple[Any, Any]]:
+        return self._held().conns
+
+    def prefetch(self, conns: list[Sent]) -> None:
+        """Start decrypting the replies of every TLS connection of ``conns`` (sent, not yet read), each on its
+        node's worker thread (:mod:`.tls_decrypt`); plaintext connections are left as they are."""
+        self._held().workers.start([(id(client), conn, len(idx)) for client, conn, idx, _ in conns])
 
     def send(self, client: redis.Redis, packed: bytes, retry: Retry) -> Any:
         """Send pre-packed RESP on this thread's connection to ``client``, reconnecting with backoff."""
@@ -233,6 +252,7 @@ class HeldConnections:
             client, conn = mine.pop(key)
             conn.disconnect()
             client.connection_pool.release(conn)
+            self._held().workers.forget(key)
 
     def close(self) -> None:
         """Give back every thread's connections."""

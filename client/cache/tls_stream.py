@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...core.pinned_redis import PinnedSSLConnection
+from .tls_decrypt import DecryptWorker
 
 CHUNK = 256 * 1024  # bytes of ciphertext per system call at most (a batch from one node is a few hundred KB)
 
@@ -39,10 +40,11 @@ class TLSStream:
     (``suppress_ragged_eofs``, as redis-py's ``SSLSocket`` has it).
     """
 
-    __slots__ = ("_in", "_obj", "_out", "_raw", "_raw_view", "_read", "_sock")
+    __slots__ = ("_in", "_job", "_obj", "_out", "_raw", "_raw_view", "_read", "_sock")
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str | None) -> None:
         self._sock = sock
+        self._job: DecryptWorker | None = None  # decrypting the next replies on its own thread (prefetch)
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._obj = context.wrap_bio(self._in, self._out, server_side=False, server_hostname=server_hostname)
         # The C object's read: ssl.SSLObject.read is a Python wrapper around it, a call per record.
@@ -70,18 +72,55 @@ class TLSStream:
         else:
             self._in.write_eof()  # OpenSSL then says whether the close was clean (close_notify) or not
 
+    def prefetch(self, worker: DecryptWorker, replies: int) -> None:
+        """Have ``worker`` decrypt the next ``replies`` replies on its thread, now; ``recv_into`` then hands
+        out what it decrypted (:mod:`.tls_decrypt`). Nothing else may use the stream until they are read."""
+        self._settle()
+        self._job = worker
+        worker.submit(self, replies)
+
+    def _settle(self) -> None:
+        """Wait for a prefetch still running (the stream is then this thread's again)."""
+        job = self._job
+        if job is not None and not job.joined:
+            job.join()
+
     def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
         """Decrypt into ``buffer`` (up to ``nbytes``, 0: all of it) every record received so far; if none is,
-        receive once first. Returns the bytes written, 0 at end of stream."""
+        receive once first. Returns the bytes written, 0 at end of stream. After :meth:`prefetch`: what the
+        worker decrypted, then its error or end of stream, if it met one."""
         if flags:
             raise ValueError(f"flags={flags} is not supported on a TLS stream (neither is it on an SSLSocket)")
+        job = self._job
+        if job is None:
+            return self.decrypt_into(buffer, nbytes)
+        job.join()
+        ready = job.filled - job.pos
+        if ready:
+            view = buffer if type(buffer) is memoryview else memoryview(buffer)
+            k = min(ready, nbytes if 0 < nbytes <= len(view) else len(view))
+            view[:k] = job.view[job.pos:job.pos + k]
+            job.pos += k
+            if k == ready and job.error is None and not job.eof:
+                self._job = None
+            return k
+        self._job = None
+        if job.error is not None:
+            raise job.error
+        return 0 if job.eof else self.decrypt_into(buffer, nbytes)
+
+    def decrypt_into(self, buffer: Any, nbytes: int = 0) -> int:
+        """:meth:`recv_into` straight from the stream (the worker's, or the reader's without a prefetch)."""
         view = buffer if type(buffer) is memoryview else memoryview(buffer)
         want = nbytes if 0 < nbytes <= len(view) else len(view)
         read = self._read
         got = 0
         while got < want:
             try:
-                got += read(want - got, view[got:] if got else view)
+                n = read(want - got, view[got:] if got else view)
+                if not n:
+                    break  # the peer's close_notify: the end of the stream
+                got += n
             except ssl.SSLWantReadError:
                 if got:
                     break  # what has arrived; the caller asks again if it needs more
@@ -98,7 +137,10 @@ class TLSStream:
 
     def pending(self) -> int:
         """Bytes already taken from the socket and not yet read (decrypted or not): what ``poll`` cannot see."""
-        return self._obj.pending() + self._in.pending
+        self._settle()
+        job = self._job
+        staged = job.filled - job.pos if job is not None else 0
+        return staged + self._obj.pending() + self._in.pending
 
     # -- writing -----------------------------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -107,6 +149,7 @@ class TLSStream:
             self._sock.sendall(out.read())
 
     def sendall(self, data: Any) -> None:
+        self._settle()
         self._obj.write(data)  # a memory BIO takes it all: one record per 16 KB
         self._flush()
 
@@ -140,9 +183,11 @@ class TLSStream:
         return self._sock.getpeername()
 
     def shutdown(self, how: int) -> None:
-        self._sock.shutdown(how)
+        self._sock.shutdown(how)  # wakes a worker waiting on the socket: it ends its job with an error
 
     def close(self) -> None:
+        self._settle()
+        self._job = None
         self._sock.close()
 
     # -- what was negotiated -----------------------------------------------------------------------------------
