@@ -10,7 +10,8 @@ Variants, all on the same samples (a 3x32x32 float32 image and an int label, as 
   (k) ours with a cache key: (c) with entries authenticated with it (as `bagua-lightning up` configures)
   (t) ours over TLS: (c) against a second 3-master cluster that serves clients over TLS only, with a client
       certificate and a password, the server verified against its CA (as `bagua-lightning up` deploys it);
-      each node's replies of a batch decrypted on its own thread
+      each node's replies of a batch decrypted on its own thread (the default on 4 cores or more; always with
+      --decrypt-threads on)
   (t1) (t) with the reading thread decrypting every node's replies itself (the same dataset and connections)
 Prints samples/s and the ratios c/b, c/d, c/d', c/h, c/a, k/c, and which parser redis-py uses. With (c) and (k)
 both run, k/c is also measured batch by batch (../shared/MEASURING.md): every round reads each batch with both,
@@ -93,11 +94,11 @@ class OneThread:
 
     def __getitems__(self, batch: list[int]) -> Any:
         held = self.dataset.cache_loader.store.backend.held
-        held.decrypt_threads = False
+        threads, held.decrypt_threads = held.decrypt_threads, False
         try:
             return self.dataset.__getitems__(batch)
         finally:
-            held.decrypt_threads = True
+            held.decrypt_threads = threads
 
 
 def free_block(n: int) -> int:
@@ -131,6 +132,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--transform-ms", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--decrypt-threads", choices=("auto", "on"), default="auto",
+                    help="(t): a decrypting thread per node where the store would use them (auto: 4 cores or "
+                         "more), or always (on)")
     ap.add_argument("--variants", default="a,b,c,k,d,dp,h",
                     help="comma-separated subset of a,b,c,k,t,t1,d,dp,h to run (c,k: the cost of the cache "
                          "key; c,t,t1: the cost of TLS)")
@@ -207,6 +211,11 @@ def main() -> None:
                 tls_ds.__getitems__(batch)
             tls_ds.flush()
             tls_ds.cache_loader.reset_stats()
+            held = tls_ds.cache_loader.store.backend.held
+            if args.decrypt_threads == "on":
+                held.decrypt_threads = True
+            print(f"(t) decrypts with a thread per node: {held.decrypt_threads} ({os.cpu_count()} cores, "
+                  f"--decrypt-threads {args.decrypt_threads})")
 
         def ours_tls() -> int:
             for batch in batches:
