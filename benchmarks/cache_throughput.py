@@ -9,7 +9,10 @@ Variants, all on the same samples (a 3x32x32 float32 image and an int label, as 
   (h) hiredis ceiling: the same pipelines on raw sockets, replies parsed by hiredis in bulk, no decoding
   (k) ours with a cache key: (c) with entries authenticated with it (as `bagua-lightning up` configures)
   (t) ours over TLS: (c) against a second 3-master cluster that serves clients over TLS only, with a client
-      certificate and a password, the server verified against its CA (as `bagua-lightning up` deploys it)
+      certificate and a password, the server verified against its CA (as `bagua-lightning up` deploys it);
+      each node's replies of a batch decrypted on its own thread (the default on 4 cores or more; always with
+      --decrypt-threads on)
+  (t1) (t) with the reading thread decrypting every node's replies itself (the same dataset and connections)
 Prints samples/s and the ratios c/b, c/d, c/d', c/h, c/a, k/c, and which parser redis-py uses. With (c) and (k)
 both run, k/c is also measured batch by batch (../shared/MEASURING.md): every round reads each batch with both,
 in a shuffled order, and k/c = median batch time of (c) / that of (k), with a 95 % bootstrap interval; the same
@@ -17,8 +20,9 @@ again with the reading thread's CPU time instead of the clock ("client CPU"): wh
 which a loaded machine does not blur with waits for the redis-servers to be scheduled, and the bound on k/c
 where the reader is the bottleneck (redis-servers on other cores). The same for t/c with (t) run, and then
 also (t)'s limit: each batch's reply bytes decrypted from memory by an SSLObject (tls_floor.py), timed in the
-same shuffled rounds; a batch over TLS costs at least (c) plus that, so t/c can be at most
-median(c) / median(c + floor), and median(c + floor) / median(t) says how close (t) comes (1: at the limit).
+same shuffled rounds; a batch decrypted on one thread costs at least (c) plus that, so t1/c can be at most
+median(c) / median(c + floor), and median(c + floor) / median(t) says how far (t), decrypting on as many
+threads as there are nodes, passes it (> 1: beyond the one-thread limit). With (t1) run too: t/t1 per batch.
 
     python benchmarks/cache_throughput.py [--samples 4096] [--batch-size 64] [--transform-ms 2] [--variants c,k]
 
@@ -26,9 +30,9 @@ The cost of the cache key in one line (what docs/benchmarks.md reports):
 
     python benchmarks/cache_throughput.py --variants c,k --repeats 15
 
-The cost of TLS on the client ports (goal >= 0.9x):
+The cost of TLS on the client ports (goal >= 0.9x), and what decrypting on a thread per node gains:
 
-    python benchmarks/cache_throughput.py --variants c,t --repeats 15
+    python benchmarks/cache_throughput.py --variants c,t,t1 --repeats 15
 """
 
 from __future__ import annotations
@@ -82,6 +86,21 @@ class Source(Dataset[Any]):
         return self.images[i].clone(), i
 
 
+class OneThread:
+    """(t1): the TLS dataset of (t) read with the reading thread decrypting every node's replies itself."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __getitems__(self, batch: list[int]) -> Any:
+        held = self.dataset.cache_loader.store.backend.held
+        threads, held.decrypt_threads = held.decrypt_threads, False
+        try:
+            return self.dataset.__getitems__(batch)
+        finally:
+            held.decrypt_threads = threads
+
+
 def free_block(n: int) -> int:
     for base in range(30000, 55000 - n, 97):
         ok = True
@@ -113,14 +132,18 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--transform-ms", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--decrypt-threads", choices=("auto", "on"), default="auto",
+                    help="(t): a decrypting thread per node where the store would use them (auto: 4 cores or "
+                         "more), or always (on)")
     ap.add_argument("--variants", default="a,b,c,k,d,dp,h",
-                    help="comma-separated subset of a,b,c,k,t,d,dp,h to run (c,k: the cost of the cache key; "
-                         "c,t: the cost of TLS)")
+                    help="comma-separated subset of a,b,c,k,t,t1,d,dp,h to run (c,k: the cost of the cache "
+                         "key; c,t,t1: the cost of TLS)")
     args = ap.parse_args()
     run = set(args.variants.split(","))
-    unknown = run - {"a", "b", "c", "k", "t", "d", "dp", "h"}
+    unknown = run - {"a", "b", "c", "k", "t", "t1", "d", "dp", "h"}
     if unknown:
-        ap.error(f"--variants: unknown {sorted(unknown)}; choose among a,b,c,k,t,d,dp,h")
+        ap.error(f"--variants: unknown {sorted(unknown)}; choose among a,b,c,k,t,t1,d,dp,h")
+    tls_run = run & {"t", "t1"}
     n, bs = args.samples, args.batch_size
     order = list(range(n))
     random.Random(0).shuffle(order)
@@ -131,7 +154,7 @@ def main() -> None:
             contextlib.ExitStack() as more:
         print(f"3-master Redis Cluster on {info.hosts_string}; {n} samples, batch {bs}")
         tls_info = None
-        if "t" in run:  # a second cluster, as `up` deploys it: TLS only on the client ports, certificate, password
+        if tls_run:  # a second cluster, as `up` deploys it: TLS only on the client ports, certificate, password
             tls_info = more.enter_context(running_cluster(ClusterSpec(
                 nodes=3, port=free_block(3), state_root=Path(tmp) / "tls", bus_tls=True, client_tls=True,
                 password="benchmark password")))
@@ -188,10 +211,22 @@ def main() -> None:
                 tls_ds.__getitems__(batch)
             tls_ds.flush()
             tls_ds.cache_loader.reset_stats()
+            held = tls_ds.cache_loader.store.backend.held
+            if args.decrypt_threads == "on":
+                held.decrypt_threads = True
+            print(f"(t) decrypts with a thread per node: {held.decrypt_threads} ({os.cpu_count()} cores, "
+                  f"--decrypt-threads {args.decrypt_threads})")
 
         def ours_tls() -> int:
             for batch in batches:
                 tls_ds.__getitems__(batch)
+            return n
+
+        one_thread = OneThread(tls_ds)
+
+        def ours_tls_one_thread() -> int:
+            for batch in batches:
+                one_thread.__getitems__(batch)
             return n
 
         # (d) redis-py alone: pipelined multi-gets of the same entries
@@ -250,9 +285,10 @@ def main() -> None:
             return n
 
         # Interleaved rounds, best of each: other load on the machine hits every variant alike.
-        best = {"b": 0.0, "c": 0.0, "k": 0.0, "t": 0.0, "d": 0.0, "dp": 0.0, "h": 0.0}
-        variants: list[tuple[str, Callable[[], int]]] = [("b", bagua), ("c", ours), ("k", ours_keyed),
-                                                         ("t", ours_tls), ("d", raw_mget), ("dp", raw_pipelines)]
+        best = {"b": 0.0, "c": 0.0, "k": 0.0, "t": 0.0, "t1": 0.0, "d": 0.0, "dp": 0.0, "h": 0.0}
+        variants: list[tuple[str, Callable[[], int]]] = [
+            ("b", bagua), ("c", ours), ("k", ours_keyed), ("t", ours_tls), ("t1", ours_tls_one_thread),
+            ("d", raw_mget), ("dp", raw_pipelines)]
         if hiredis is not None:
             variants.append(("h", raw_hiredis))
         variants = [(name, fn) for name, fn in variants if name in run]
@@ -266,12 +302,13 @@ def main() -> None:
                 k_over_c.append(round_rate["k"] / round_rate["c"])
             if "c" in round_rate and "t" in round_rate:
                 t_over_c.append(round_rate["t"] / round_rate["c"])
-        batch_times: dict[str, list[float]] = {"c": [], "k": [], "t": [], "x": []}
-        batch_cpu: dict[str, list[float]] = {"c": [], "k": [], "t": [], "x": []}
-        readers: list[tuple[str, Any]] = [(name, reader) for name, reader in (("c", ds), ("k", keyed), ("t", tls_ds))
-                                          if name in run]
+        batch_times: dict[str, list[float]] = {"c": [], "k": [], "t": [], "t1": [], "x": []}
+        batch_cpu: dict[str, list[float]] = {"c": [], "k": [], "t": [], "t1": [], "x": []}
+        batch_all_cpu: dict[str, list[float]] = {"c": [], "t": [], "t1": []}  # the process's, every thread
+        readers: list[tuple[str, Any]] = [(name, reader) for name, reader in (
+            ("c", ds), ("k", keyed), ("t", tls_ds), ("t1", one_thread)) if name in run]
         # The limit of (t): (c) plus decrypting the batch's reply bytes from memory (tls_floor.py), timed beside.
-        floor = DecryptFloor() if "t" in run and "c" in run else None
+        floor = DecryptFloor() if tls_run and "c" in run else None
         store = ds.cache_loader.store
         batch_bytes = [sum(len(v) + len(b"$%d\r\n\r\n" % len(v)) for v in store.mget(keys) if v is not None)
                        for keys in key_batches] if floor is not None else []
@@ -287,20 +324,23 @@ def main() -> None:
                             batch_times[name].append(clock)
                             batch_cpu[name].append(spent)
                             continue
-                        t, cpu = time.perf_counter(), time.thread_time()
+                        t, cpu, all_cpu = time.perf_counter(), time.thread_time(), time.process_time()
                         reader.__getitems__(batch)
                         batch_times[name].append(time.perf_counter() - t)
                         batch_cpu[name].append(time.thread_time() - cpu)
+                        if name in batch_all_cpu:
+                            batch_all_cpu[name].append(time.process_time() - all_cpu)
         r_b, r_c, r_k, r_d, r_dp, r_h = best["b"], best["c"], best["k"], best["d"], best["dp"], best["h"]
         stats = ds.stats
-        paired = 1 + ("k" in run or "t" in run)
+        paired = 1 + bool(run & {"k", "t", "t1"})
         assert stats.misses == 0 and stats.hits == n * args.repeats * ("c" in run) * paired, stats
         assert keyed.stats.corrupt == 0, keyed.stats
         tls_cipher = "-"
         if tls_ds is not None:
             held = tls_ds.cache_loader.store.backend.held._local.held.conns.values()
             tls_cipher = ", ".join(sorted({f"{type(conn._sock).__name__} {conn._sock.cipher()[0]}" for _, conn in held}))
-            assert tls_ds.stats.misses == 0 and tls_ds.stats.hits == n * args.repeats * paired, tls_ds.stats
+            assert tls_ds.stats.misses == 0 and tls_ds.stats.hits == n * args.repeats * paired * len(tls_run), \
+                tls_ds.stats
             tls_ds.cache_loader.cleanup()
         for sock, _ in socks.values():
             sock.close()
@@ -317,6 +357,7 @@ def main() -> None:
     line("(c) CachedDataset batches", r_c)
     line("(k) CachedDataset, cache key", r_k)
     line("(t) CachedDataset over TLS", best["t"])
+    line("(t1) (t), one decrypting thread", best["t1"])
     line("(d) redis-py mget_nonatomic", r_d)
     line("(d') per-node GET pipelines", r_dp)
     line("(h) raw sockets + hiredis" if hiredis is not None else "(h) hiredis not installed", r_h)
@@ -339,29 +380,39 @@ def main() -> None:
         t_over_c.sort()
         print(f"t/c = {ratio(best['t'], r_c, 2)} (best of each; goal >= 0.9)   per round: median "
               f"{t_over_c[len(t_over_c) // 2]:.2f}, range {t_over_c[0]:.2f}-{t_over_c[-1]:.2f} ({len(t_over_c)} rounds)")
-    if batch_times["t"]:
-        mid, low, high = bootstrap_ratio(batch_times["c"], batch_times["t"])
-        print(f"t/c per batch = {mid:.3f} [{low:.3f}, {high:.3f}] (95 % interval; median batch time (c) "
-              f"{1e6 * sorted(batch_times['c'])[len(batch_times['c']) // 2]:.0f} us, (t) "
-              f"{1e6 * sorted(batch_times['t'])[len(batch_times['t']) // 2]:.0f} us; "
-              f"{len(batch_times['t'])} batches each; goal >= 0.9)")
-        mid, low, high = bootstrap_ratio(batch_cpu["c"], batch_cpu["t"])
-        print(f"t/c per batch, client CPU = {mid:.3f} [{low:.3f}, {high:.3f}] (median CPU per sample (c) "
-              f"{1e6 * sorted(batch_cpu['c'])[len(batch_cpu['c']) // 2] / bs:.2f} us, (t) "
-              f"{1e6 * sorted(batch_cpu['t'])[len(batch_cpu['t']) // 2] / bs:.2f} us)")
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    for name in ("t", "t1"):
+        if not batch_times[name] or not batch_times["c"]:
+            continue
+        mid, low, high = bootstrap_ratio(batch_times["c"], batch_times[name])
+        print(f"{name}/c per batch = {mid:.3f} [{low:.3f}, {high:.3f}] (95 % interval; median batch time (c) "
+              f"{1e6 * median(batch_times['c']):.0f} us, ({name}) {1e6 * median(batch_times[name]):.0f} us; "
+              f"{len(batch_times[name])} batches each; goal >= 0.9)")
+        mid, low, high = bootstrap_ratio(batch_cpu["c"], batch_cpu[name])
+        print(f"{name}/c per batch, reading thread's CPU = {mid:.3f} [{low:.3f}, {high:.3f}] (median CPU per sample "
+              f"(c) {1e6 * median(batch_cpu['c']) / bs:.2f} us, ({name}) {1e6 * median(batch_cpu[name]) / bs:.2f} us; "
+              f"all threads ({name}) {1e6 * median(batch_all_cpu[name]) / bs:.2f} us)")
+    if batch_times["t"] and batch_times["t1"]:
+        mid, low, high = bootstrap_ratio(batch_times["t1"], batch_times["t"])
+        print(f"t/t1 per batch = {mid:.3f} [{low:.3f}, {high:.3f}] (what a decrypting thread per node gains; "
+              f"{os.cpu_count()} cores)")
     if batch_times["x"]:
         limit = [c + x for c, x in zip(batch_times["c"], batch_times["x"], strict=True)]
         limit_cpu = [c + x for c, x in zip(batch_cpu["c"], batch_cpu["x"], strict=True)]
-        x_mid = sorted(batch_times["x"])[len(batch_times["x"]) // 2]
+        x_mid = median(batch_times["x"])
         print(f"decrypt floor ({floor.cipher if floor else '?'} from memory): median {1e6 * x_mid:.0f} us per batch of "
               f"{sum(batch_bytes) / len(batch_bytes) / 1e3:.0f} KB ({sum(batch_bytes) / len(batch_bytes) / x_mid / 1e9:.2f}"
-              f" GB/s); t/c can be at most {bootstrap_ratio(batch_times['c'], limit)[0]:.3f} (clock), "
+              f" GB/s); decrypting on one thread, t/c can be at most "
+              f"{bootstrap_ratio(batch_times['c'], limit)[0]:.3f} (clock), "
               f"{bootstrap_ratio(batch_cpu['c'], limit_cpu)[0]:.3f} (client CPU); reads over TLS: {tls_cipher}")
-        mid, low, high = bootstrap_ratio(limit, batch_times["t"])
-        print(f"t against that limit, median(c + floor) / median(t) = {mid:.3f} [{low:.3f}, {high:.3f}] (clock; 1: at "
-              f"the limit)")
-        mid, low, high = bootstrap_ratio(limit_cpu, batch_cpu["t"])
-        print(f"t against that limit, client CPU = {mid:.3f} [{low:.3f}, {high:.3f}]")
+        for name in ("t", "t1"):
+            if batch_times[name]:
+                mid, low, high = bootstrap_ratio(limit, batch_times[name])
+                print(f"{name} against that limit, median(c + floor) / median({name}) = {mid:.3f} [{low:.3f}, "
+                      f"{high:.3f}] (clock; 1: at the one-thread limit, > 1: beyond it)")
     if batch_times["k"]:
         mid, low, high = bootstrap_ratio(batch_times["c"], batch_times["k"])
         print(f"k/c per batch = {mid:.3f} [{low:.3f}, {high:.3f}] (95 % interval; median batch time (c) "

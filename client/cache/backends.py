@@ -21,10 +21,12 @@ import redis
 import redis.exceptions
 from redis.retry import Retry
 
+from ...core.pinned_redis import redis_client
 from .faults import NodeBreakers
 from .hashing import RendezvousHash
 from .options import RedisOptions
 from .resp import BufferPool, Receiver, Replies, _raw_socket, pack_gets, read_replies
+from .tls_decrypt import DecryptWorkers
 from .tls_stream import take_connection
 
 __all__ = ["STORE_ERRORS", "Backend", "BufferPool", "HeldConnections", "NodesBackend", "Receiver", "Replies",
@@ -116,7 +118,10 @@ def read_pipelined(conns: list[Sent], out: list[Any], errored: list[tuple[int, B
     (see :class:`Replies`). ``views``: values may be views of the receive buffers, else ``bytes``.
     """
     order: list[int] = []  # the keys in the order their values were received
-    for client, conn, idx, name in conns:
+    if len(conns) > 1 and held.decrypt_threads:
+        # TLS: the other nodes' replies decrypted each on its own thread while this one decrypts the first's
+        held.prefetch(conns[1:])
+    for at, (client, conn, idx, name) in enumerate(conns):
         try:
             sock = _raw_socket(conn)
             if sock is not None:
@@ -136,7 +141,8 @@ def read_pipelined(conns: list[Sent], out: list[Any], errored: list[tuple[int, B
             held.drop(client, conn)
             failed.append((name, exc))
         except BaseException:
-            held.drop(client, conn)  # out of step: never used so
+            for c in conns[at:]:  # this one and those not read: out of step, never used so
+                held.drop(c[0], c[1])
             raise
     receiver.pool.give(receiver.used)
     # A failed read, an error reply (a redirection) or a nil leaves the receiver uneven: no run then.
@@ -153,20 +159,33 @@ def node_down_reply(reply: BaseException) -> bool:
     return str(reply).startswith(NODE_DOWN_REPLIES)
 
 
+DECRYPT_THREADS_MIN_CORES = 4
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 class _Held:
     """One thread's held connections: ``conns``, id(client) -> (client, connection). Given back when the thread
     ends (its ``threading.local`` storage goes, and this with it)."""
 
-    __slots__ = ("__weakref__", "conns")
+    __slots__ = ("__weakref__", "conns", "workers")
 
     def __init__(self) -> None:
         self.conns: dict[int, tuple[Any, Any]] = {}
+        self.workers = DecryptWorkers()  # TLS: one decrypting thread per node, started on first use
 
     def give_back(self) -> None:
         conns, self.conns = list(self.conns.values()), {}
         for client, conn in conns:
             conn.disconnect()
             client.connection_pool.release(conn)
+        self.workers.stop()
 
     def __del__(self) -> None:
         try:
@@ -180,27 +199,41 @@ class HeldConnections:
 
     A fetch then skips the pool's checkout and return (a lock, a liveness poll of the socket, bookkeeping,
     metrics): about a tenth of the cost of reading a batch. Over TLS the held connection is a
-    :class:`~.tls_stream.MemoryTLSConnection` (records decrypted from memory, many per call). Every fetch reads all the replies it asked for or
+    :class:`~.tls_stream.MemoryTLSConnection` (records decrypted from memory, many per call), and, on a machine
+    of :data:`DECRYPT_THREADS_MIN_CORES` cores or more (``decrypt_threads``), a batch's replies from several
+    nodes are decrypted at once, one thread per node (:mod:`.tls_decrypt`; started once, kept with the
+    connections). Every fetch reads all the replies it asked for or
     drops the connection (:meth:`drop`), so a held connection never carries a stray reply into the next fetch;
     the reader also refuses bytes beyond the replies it expects. A forked child (a DataLoader worker) forgets the
     connections of its parent without touching them and holds its own.
     """
 
     def __init__(self) -> None:
+        # TLS: decrypt each node's replies on its own thread where there are cores to spare for them (with
+        # fewer, the threads only add their hand-overs to the same cores: measured slower on 2 cores).
+        self.decrypt_threads = usable_cores() >= DECRYPT_THREADS_MIN_CORES
         self._pid = os.getpid()
         self._local = threading.local()
         self._threads: weakref.WeakSet[_Held] = weakref.WeakSet()
 
-    def _mine(self) -> dict[int, tuple[Any, Any]]:
-        if self._pid != os.getpid():  # a forked child: the parent's sockets are the parent's
+    def _held(self) -> _Held:
+        if self._pid != os.getpid():  # a forked child: the parent's sockets (and threads) are the parent's
             for inherited in list(self._threads):
-                inherited.conns = {}  # forgotten, not closed
+                inherited.conns, inherited.workers = {}, DecryptWorkers()  # forgotten, not closed
             self._pid, self._local, self._threads = os.getpid(), threading.local(), weakref.WeakSet()
         held: _Held | None = getattr(self._local, "held", None)
         if held is None:
             held = self._local.held = _Held()
             self._threads.add(held)
-        return held.conns
+        return held
+
+    def _mine(self) -> dict[int, tuple[Any, Any]]:
+        return self._held().conns
+
+    def prefetch(self, conns: list[Sent]) -> None:
+        """Start decrypting the replies of every TLS connection of ``conns`` (sent, not yet read), each on its
+        node's worker thread (:mod:`.tls_decrypt`); plaintext connections are left as they are."""
+        self._held().workers.start([(id(client), conn, len(idx)) for client, conn, idx, _ in conns])
 
     def send(self, client: redis.Redis, packed: bytes, retry: Retry) -> Any:
         """Send pre-packed RESP on this thread's connection to ``client``, reconnecting with backoff."""
@@ -232,6 +265,7 @@ class HeldConnections:
             client, conn = mine.pop(key)
             conn.disconnect()
             client.connection_pool.release(conn)
+            self._held().workers.forget(key)
 
     def close(self) -> None:
         """Give back every thread's connections."""
@@ -250,8 +284,8 @@ class NodesBackend(Backend):
         self.options = options
         self.breakers = breakers if breakers is not None else NodeBreakers(f"Redis at {hosts}")
         self.retry = options.retry()
-        self.clients = [redis.Redis(host=h, port=p, retry=options.retry(), retry_on_error=list(RETRYABLE_ERRORS),
-                                    **options.connection_kwargs()) for h, p in hosts]
+        self.clients = [redis_client(h, p, retry=options.retry(), retry_on_error=list(RETRYABLE_ERRORS),
+                                     **options.connection_kwargs()) for h, p in hosts]
         self.names = [f"{h}:{p}" for h, p in hosts]
         self.ring = RendezvousHash(self.names)
         self.pool = BufferPool()
@@ -328,7 +362,7 @@ def probe_is_cluster(hosts: list[tuple[str, int]], options: RedisOptions) -> boo
     last: BaseException | None = None
     for h, p in hosts:
         try:
-            with redis.Redis(host=h, port=p, retry=options.retry(), **options.connection_kwargs()) as c:
+            with redis_client(h, p, retry=options.retry(), **options.connection_kwargs()) as c:
                 return bool(int(c.info("cluster").get("cluster_enabled", 0)))
         except (redis.AuthenticationError, redis.exceptions.NoPermissionError):
             raise  # the same credentials fail on every host; say so instead of "unreachable"

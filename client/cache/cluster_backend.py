@@ -22,9 +22,10 @@ from itertools import repeat
 from typing import Any
 
 import redis
-from redis.cluster import REDIS_CLUSTER_HASH_SLOTS, ClusterNode, RedisCluster
+from redis.cluster import REDIS_CLUSTER_HASH_SLOTS, RedisCluster
 from redis.crc import key_slot
 
+from ...core.pinned_redis import close_cluster, cluster_client
 from .backends import (
     STORE_ERRORS,
     Backend,
@@ -53,8 +54,8 @@ class ClusterBackend(Backend):
         self.options = options
         self.breakers = breakers if breakers is not None else NodeBreakers(f"Redis at {hosts}")
         self.retry = options.retry()
-        self.rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], retry=options.retry(),
-                               require_full_coverage=False, **options.connection_kwargs())
+        self.rc: RedisCluster = cluster_client(hosts, retry=options.retry(), require_full_coverage=False,
+                                               **options.connection_kwargs())
         self._slots: tuple[list[Any], list[int]] | None = None
         self._next_refresh = 0.0
         self.skipped: list[str] = []
@@ -237,4 +238,4 @@ class ClusterBackend(Backend):
 
     def close(self) -> None:
         self.held.close()
-        self.rc.close()
+        close_cluster(self.rc)

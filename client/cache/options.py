@@ -26,7 +26,8 @@ class RedisOptions:
             when every host is a node the services file records (:meth:`resolve_password`), else none.
         username: ACL user (Redis 6+); None: the default user.
         ssl: connect with TLS.
-        ssl_ca_certs: CA bundle to verify the servers (TLS).
+        ssl_ca_certs: CA bundle to verify the servers (TLS); with ``ssl_cert_reqs="required"`` the only
+            trusted roots, as ``tls_ca``. ``ssl=True`` without it trusts the system's roots (a managed Redis).
         ssl_certfile: client certificate (mutual TLS).
         ssl_keyfile: client key (mutual TLS).
         ssl_cert_reqs: ``"required"`` (default), ``"optional"`` or ``"none"``.
@@ -78,7 +79,11 @@ class RedisOptions:
     def resolve_tls(self, hosts: Sequence[tuple[str, int]]) -> None:
         """Settle TLS for ``hosts`` (:func:`~bagua_lightning.core.services_file.resolve_redis_tls`: arguments,
         environment, the services file's CA for the nodes it records, else plaintext)."""
-        self.tls = resolve_redis_tls(hosts, ca=self.tls_ca, cert=self.tls_cert, key=self.tls_key)
+        ca, cert, key = self.tls_ca, self.tls_cert, self.tls_key
+        if ca is None and self.ssl and self.ssl_ca_certs and self.ssl_cert_reqs == "required":
+            # redis-py's own TLS options with a CA: pinned to it as well (redis-py would add the system's roots)
+            ca, cert, key = self.ssl_ca_certs, cert or self.ssl_certfile, key or self.ssl_keyfile
+        self.tls = resolve_redis_tls(hosts, ca=ca, cert=cert, key=key)
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> RedisOptions:

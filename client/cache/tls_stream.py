@@ -9,12 +9,12 @@ system calls where plaintext took 5 reads. :class:`TLSStream` reads the TCP stre
 
 Nothing about trust changes: the handshake, the certificate chain and host name checks are OpenSSL's own, run
 by ``SSLContext.wrap_bio`` exactly as ``wrap_socket`` runs them, and a server that fails them receives the
-ClientHello and nothing else. With a CA given (the deployment's pinned CA), that CA is the only trusted root
-(redis-py's own ``SSLConnection`` adds the system's roots beside it).
+ClientHello and nothing else. The context is the pinned one
+(:meth:`~bagua_lightning.core.tls_trust.ClientTLS.context`: the deployment's CA is the only trusted root).
 
-:func:`take_connection` gives the held read connections of a TLS pool a :class:`MemoryTLSConnection` (the
-same settings as the pool's ``SSLConnection``s); other connections of the pool (administration, writes
-through redis-py pipelines) are redis-py's.
+:func:`take_connection` gives the held read connections of a pinned TLS pool a :class:`MemoryTLSConnection`
+(the same settings as the pool's :class:`~bagua_lightning.core.pinned_redis.PinnedSSLConnection`s); other
+connections of the pool (administration, writes through redis-py pipelines) are those.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from redis.connection import SSLConnection
+from ...core.pinned_redis import PinnedSSLConnection
+from .tls_decrypt import DecryptWorker
 
 CHUNK = 256 * 1024  # bytes of ciphertext per system call at most (a batch from one node is a few hundred KB)
 
@@ -39,10 +40,11 @@ class TLSStream:
     (``suppress_ragged_eofs``, as redis-py's ``SSLSocket`` has it).
     """
 
-    __slots__ = ("_in", "_obj", "_out", "_raw", "_raw_view", "_read", "_sock")
+    __slots__ = ("_in", "_job", "_obj", "_out", "_raw", "_raw_view", "_read", "_sock")
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str | None) -> None:
         self._sock = sock
+        self._job: DecryptWorker | None = None  # decrypting the next replies on its own thread (prefetch)
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._obj = context.wrap_bio(self._in, self._out, server_side=False, server_hostname=server_hostname)
         # The C object's read: ssl.SSLObject.read is a Python wrapper around it, a call per record.
@@ -70,18 +72,55 @@ class TLSStream:
         else:
             self._in.write_eof()  # OpenSSL then says whether the close was clean (close_notify) or not
 
+    def prefetch(self, worker: DecryptWorker, replies: int) -> None:
+        """Have ``worker`` decrypt the next ``replies`` replies on its thread, now; ``recv_into`` then hands
+        out what it decrypted (:mod:`.tls_decrypt`). Nothing else may use the stream until they are read."""
+        self._settle()
+        self._job = worker
+        worker.submit(self, replies)
+
+    def _settle(self) -> None:
+        """Wait for a prefetch still running (the stream is then this thread's again)."""
+        job = self._job
+        if job is not None and not job.joined:
+            job.join()
+
     def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
         """Decrypt into ``buffer`` (up to ``nbytes``, 0: all of it) every record received so far; if none is,
-        receive once first. Returns the bytes written, 0 at end of stream."""
+        receive once first. Returns the bytes written, 0 at end of stream. After :meth:`prefetch`: what the
+        worker decrypted, then its error or end of stream, if it met one."""
         if flags:
             raise ValueError(f"flags={flags} is not supported on a TLS stream (neither is it on an SSLSocket)")
+        job = self._job
+        if job is None:
+            return self.decrypt_into(buffer, nbytes)
+        job.join()
+        ready = job.filled - job.pos
+        if ready:
+            view = buffer if type(buffer) is memoryview else memoryview(buffer)
+            k = min(ready, nbytes if 0 < nbytes <= len(view) else len(view))
+            view[:k] = job.view[job.pos:job.pos + k]
+            job.pos += k
+            if k == ready and job.error is None and not job.eof:
+                self._job = None
+            return k
+        self._job = None
+        if job.error is not None:
+            raise job.error
+        return 0 if job.eof else self.decrypt_into(buffer, nbytes)
+
+    def decrypt_into(self, buffer: Any, nbytes: int = 0) -> int:
+        """:meth:`recv_into` straight from the stream (the worker's, or the reader's without a prefetch)."""
         view = buffer if type(buffer) is memoryview else memoryview(buffer)
         want = nbytes if 0 < nbytes <= len(view) else len(view)
         read = self._read
         got = 0
         while got < want:
             try:
-                got += read(want - got, view[got:] if got else view)
+                n = read(want - got, view[got:] if got else view)
+                if not n:
+                    break  # the peer's close_notify: the end of the stream
+                got += n
             except ssl.SSLWantReadError:
                 if got:
                     break  # what has arrived; the caller asks again if it needs more
@@ -98,7 +137,10 @@ class TLSStream:
 
     def pending(self) -> int:
         """Bytes already taken from the socket and not yet read (decrypted or not): what ``poll`` cannot see."""
-        return self._obj.pending() + self._in.pending
+        self._settle()
+        job = self._job
+        staged = job.filled - job.pos if job is not None else 0
+        return staged + self._obj.pending() + self._in.pending
 
     # -- writing -----------------------------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -107,6 +149,7 @@ class TLSStream:
             self._sock.sendall(out.read())
 
     def sendall(self, data: Any) -> None:
+        self._settle()
         self._obj.write(data)  # a memory BIO takes it all: one record per 16 KB
         self._flush()
 
@@ -140,9 +183,11 @@ class TLSStream:
         return self._sock.getpeername()
 
     def shutdown(self, how: int) -> None:
-        self._sock.shutdown(how)
+        self._sock.shutdown(how)  # wakes a worker waiting on the socket: it ends its job with an error
 
     def close(self) -> None:
+        self._settle()
+        self._job = None
         self._sock.close()
 
     # -- what was negotiated -----------------------------------------------------------------------------------
@@ -156,40 +201,18 @@ class TLSStream:
         return self._obj.cipher()
 
 
-def client_context(conn: SSLConnection) -> ssl.SSLContext:
-    """The ``SSLContext`` of ``conn``'s settings, as redis-py builds it, except that a given CA (file, folder or
-    data) is the only trusted root."""
-    pinned = conn.ca_certs is not None or conn.ca_path is not None or conn.ca_data is not None
-    context = (ssl.create_default_context(cafile=conn.ca_certs, capath=conn.ca_path, cadata=conn.ca_data)
-               if pinned else ssl.create_default_context())
-    context.check_hostname = bool(conn.check_hostname)
-    context.verify_mode = conn.cert_reqs
-    for flag in conn.ssl_include_verify_flags or ():
-        context.verify_flags |= flag
-    for flag in conn.ssl_exclude_verify_flags or ():
-        context.verify_flags &= ~flag
-    if conn.certfile or conn.keyfile:
-        context.load_cert_chain(certfile=conn.certfile, keyfile=conn.keyfile, password=conn.certificate_password)
-    if conn.ssl_min_version is not None:
-        context.minimum_version = conn.ssl_min_version
-    if conn.ssl_ciphers:
-        context.set_ciphers(conn.ssl_ciphers)
-    return context
-
-
-class MemoryTLSConnection(SSLConnection):
-    """redis-py's ``SSLConnection`` (same arguments, same errors) whose socket is a :class:`TLSStream`."""
+class MemoryTLSConnection(PinnedSSLConnection):
+    """A pinned TLS connection (same arguments, same errors, the deployment's CA only) whose socket is a
+    :class:`TLSStream`."""
 
     def _wrap_socket_with_ssl(self, sock: Any) -> Any:
-        if self.ssl_validate_ocsp or self.ssl_validate_ocsp_stapled:  # redis-py's own checks need its SSLSocket
-            return super()._wrap_socket_with_ssl(sock)
-        return TLSStream(sock, client_context(self), self.host)
+        return TLSStream(sock, self.tls.context(), self.host)
 
 
 def take_connection(pool: Any) -> Any:
     """A connection to hold for reads: a :class:`MemoryTLSConnection` of the pool's settings where the pool
-    makes redis-py ``SSLConnection``s (outside the pool: it never hands it to anyone else; giving it back to
-    the pool is a no-op), else one from the pool."""
-    if pool.connection_class is SSLConnection and getattr(pool, "cache", None) is None:
+    makes pinned TLS connections (outside the pool: it never hands it to anyone else; giving it back to the
+    pool is a no-op), else one from the pool."""
+    if issubclass(pool.connection_class, PinnedSSLConnection) and getattr(pool, "cache", None) is None:
         return MemoryTLSConnection(**pool.connection_kwargs)
     return pool.get_connection()

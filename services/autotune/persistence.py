@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
 
 from ...proto.plan import BucketPlan
 from .choice import AlgorithmChoice
@@ -197,13 +198,20 @@ class RedisPlanStore:
             self._options["password"] = password
         # The deployment's CA and client certificate ($BAGUA_LIGHTNING_TLS_*): the server proves itself before
         # the password is sent.
-        from ...core.tls_trust import resolve_client_tls
+        from ...core.tls_trust import resolve_client_tls, unchecked
 
         tls = resolve_client_tls(None)
+        query = parse_qs(urlsplit(url).query)
+        if tls is None and url.startswith("rediss://") and query.get("ssl_ca_certs"):  # the URL names the CA
+            tls = unchecked(query["ssl_ca_certs"][0], query.get("ssl_certfile", [None])[0],
+                            query.get("ssl_keyfile", [None])[0])
         self._connect_url = url
         if tls is not None and url.startswith(("redis://", "rediss://")):
-            self._connect_url = "rediss://" + url.split("://", 1)[1]
-            self._options.update({k: v for k, v in tls.redis_kwargs().items() if k != "ssl"})
+            # The pinned connection class speaks TLS, this CA alone (a URL's own ssl_* arguments win, as redis-py
+            # has it: then they name the CA). A rediss:// URL would make redis-py's cluster client use its own
+            # SSLConnection, which trusts the system's roots beside the CA.
+            self._connect_url = "redis://" + url.split("://", 1)[1]
+            self._options.update(tls.redis_kwargs())
         self._client: Any = None
         self._lock = threading.Lock()
         with contextlib.suppress(Exception):  # down now: the first call connects
@@ -273,7 +281,14 @@ class RedisPlanStore:
         with self._lock:
             client, self._client = self._client, None
         if client is not None:
-            client.close()
+            from redis.cluster import RedisCluster
+
+            from ...core.pinned_redis import close_cluster
+
+            if isinstance(client, RedisCluster):
+                close_cluster(client)  # its nodes' pools too (made from the URL, not closed with it)
+            else:
+                client.close()
 
     def __repr__(self) -> str:
         return f"RedisPlanStore({self.url!r})"

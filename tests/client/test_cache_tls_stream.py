@@ -17,12 +17,14 @@ import torch
 from bagua_lightning.client import CachedDataset, RedisStore
 from bagua_lightning.client.cache.tls_stream import MemoryTLSConnection, TLSStream
 from bagua_lightning.core.errors import UntrustedServerError
+from bagua_lightning.core.redis_server import client_for
 from bagua_lightning.core.tls_trust import ClientTLS
 from bagua_lightning.services.redis_cluster import ClusterInfo
 from bagua_lightning.services.redis_tls import client_tls, make_node_certificates
 from tests.client.cache_datasets import Source
 from tests.client.conftest import TEST_PASSWORD, deployment
 from tests.client.test_cache_faults import check_batch
+from tests.procs import wait_until
 
 
 @pytest.fixture(scope="module", params=["servers", "cluster"])
@@ -86,6 +88,46 @@ def test_values_larger_than_the_chunk_and_of_every_size_round_trip(tls_deploymen
         store.shutdown()
 
 
+def test_each_nodes_replies_are_decrypted_on_its_own_persistent_thread(
+        tls_deployment: tuple[ClusterInfo, ClientTLS]) -> None:
+    info, tls = tls_deployment
+    store = RedisStore(hosts=info.hosts, password=TEST_PASSWORD, tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key)
+    threads: set[threading.Thread] = set()
+    try:
+        g = torch.Generator().manual_seed(2)
+        values = {f"tls-par:{i}": bytes(torch.randint(0, 256, (1000 + 37 * i,), generator=g, dtype=torch.uint8)
+                                        .tolist()) for i in range(90)}
+        store.mset(values)
+        keys = [*values, "tls-par:missing"]
+        store.backend.held.decrypt_threads = True  # type: ignore[attr-defined]  # also on a machine of few cores
+        for round_ in range(5):
+            assert store.mget(keys) == [*values.values(), None], round_
+            # One worker per node but the first (the reading thread decrypts that one), kept from batch to batch.
+            workers = store.backend.held._local.held.workers._workers  # type: ignore[attr-defined]
+            assert len(workers) == 2 and all(w.thread.is_alive() for w in workers.values())
+            threads |= {w.thread for w in workers.values()}
+        assert len(threads) == 2
+        # A node closes our connections between batches: its keys fail once (the worker meets the end of the
+        # stream and hands it to the reader), the other nodes' values are right, and the next batch reconnects.
+        for host, port in ((h["host"], h["port"]) for h in info.hosts):
+            with client_for(host, int(port), TEST_PASSWORD, tls=tls) as admin:
+                admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        values_now, error = store.fetch(keys)
+        assert error is not None
+        assert all(v is None or v == values[k] for k, v in zip(keys, values_now, strict=False))
+
+        def all_served() -> bool:  # the failed nodes back off; their keys come back once they are tried again
+            got, error = store.fetch(keys)
+            return error is None and got == [*values.values(), None]
+        wait_until(all_served, 30, "every node to serve the batch again")
+        workers = store.backend.held._local.held.workers._workers  # type: ignore[attr-defined]
+        assert {w.thread for w in workers.values()} == threads  # the same workers served the new connections
+    finally:
+        store.clear()
+        store.shutdown()
+    wait_until(lambda: not any(t.is_alive() for t in threads), 30, "the decrypting threads to end with the store")
+
+
 @contextlib.contextmanager
 def _other_ca_server(tmp: Path, received: bytearray) -> Iterator[int]:
     """A TLS server with a certificate of another CA, recording every byte it decrypts."""
@@ -141,13 +183,13 @@ def test_a_server_of_another_ca_fails_the_handshake_and_gets_no_password(
 
 def test_the_pinned_ca_is_the_only_root(tmp_path: Path) -> None:
     make_node_certificates(tmp_path, [1], ["127.0.0.1"])
-    conn = MemoryTLSConnection(host="127.0.0.1", port=1, ssl_ca_certs=str(tmp_path / "ca.crt"))
-    from bagua_lightning.client.cache.tls_stream import client_context
-
-    context = client_context(conn)
+    conn = MemoryTLSConnection(host="127.0.0.1", port=1, ssl_ca_certs=str(tmp_path / "ca.crt"),
+                               ssl_cert_reqs="none", ssl_check_hostname=False)  # cannot be weakened
+    context = conn.tls.context()
     assert [c["subject"] for c in context.get_ca_certs()] == [c["subject"] for c in
                                                              _loaded(str(tmp_path / "ca.crt")).get_ca_certs()]
     assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert context.minimum_version >= ssl.TLSVersion.TLSv1_2
 
 
 def _loaded(ca: str) -> ssl.SSLContext:

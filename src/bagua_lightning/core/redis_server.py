@@ -213,15 +213,15 @@ def launch_node(config: NodeConfig) -> subprocess.Popen[bytes]:
 def client_for(host: str, port: int, password: str | None = None, timeout_s: float = 2.0,
                tls: ClientTLS | None = None) -> redis.Redis:
     """A connection to one node (no cluster routing), for administration; over TLS with ``tls`` (the node's
-    certificate verified against its CA before the password is sent)."""
-    import redis
+    certificate verified against that CA alone before the password is sent)."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    from .pinned_redis import redis_client
+
     # No client-side retries: callers poll with their own deadline.
-    return redis.Redis(host=host, port=port, password=password, socket_timeout=timeout_s,
-                       socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
-                       **(tls.redis_kwargs() if tls is not None else {}))
+    return redis_client(host, port, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                        retry=Retry(NoBackoff(), 0), **(tls.redis_kwargs() if tls is not None else {}))
 
 
 def wait_ready(host: str, port: int, password: str | None, proc: subprocess.Popen[bytes] | None = None,

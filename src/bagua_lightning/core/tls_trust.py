@@ -13,8 +13,13 @@ key (paths of 0600 files in a 0700 folder). A client resolves its TLS settings l
    deployment's, and gets none of its secrets either);
 4. none: plaintext (a local development server, the node-local cache).
 
-With a CA, the client verifies the server's certificate against that CA alone (not the system's roots),
-host name or IP address checked, during the TLS handshake: before any password or token is sent. A server
+With a CA, the client verifies the server's certificate against that CA alone (not the system's roots, not
+``SSL_CERT_FILE``/``SSL_CERT_DIR``), host name or IP address checked, TLS 1.2 or later, during the TLS
+handshake: before any password or token is sent. :meth:`ClientTLS.context` is the one place that builds that
+context for Python's ``ssl`` (every Redis connection, through
+:class:`~bagua_lightning.core.pinned_redis.PinnedSSLConnection`); gRPC is given the CA's PEM as its only
+root certificates (``grpc.ssl_channel_credentials(root_certificates=...)``, which then reads no system or
+``GRPC_DEFAULT_SSL_ROOTS_FILE_PATH`` roots). A server
 that fails (a process that took a dead node's port, a server with another CA's certificate, a plaintext
 listener) gets the handshake's ClientHello and nothing else; the error names its address and says it is
 not this deployment's (:func:`explain_untrusted`).
@@ -34,6 +39,7 @@ ENV_TLS_CA = "BAGUA_LIGHTNING_TLS_CA"
 ENV_TLS_CERT = "BAGUA_LIGHTNING_TLS_CERT"
 ENV_TLS_KEY = "BAGUA_LIGHTNING_TLS_KEY"
 TLS_ENV = (ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY)
+MIN_TLS_VERSION = ssl.TLSVersion.TLSv1_2
 # What gRPC and OpenSSL say when a handshake fails (gRPC gives no exception object, only its text).
 _HANDSHAKE_MARKERS = ("[SSL", "SSL_ERROR", "Ssl handshake", "CERTIFICATE_VERIFY_FAILED", "certificate verify failed",
                       "TSI_", "handshake failed", "WRONG_VERSION_NUMBER")
@@ -62,10 +68,27 @@ class ClientTLS:
                 raise ConfigurationError(f"TLS {what} {path} cannot be read; fix the path or its permissions "
                                          f"(${ENV_TLS_CA}, ${ENV_TLS_CERT}, ${ENV_TLS_KEY} or the services file).")
 
+    def context(self) -> ssl.SSLContext:
+        """The client ``SSLContext`` of every TLS connection to the deployment (Redis, and what else speaks
+        Python's ``ssl``): this CA is the only trusted root (no system roots: ``PROTOCOL_TLS_CLIENT`` starts
+        with none, and ``SSL_CERT_FILE``/``SSL_CERT_DIR`` are never read), the server's certificate is required
+        and its host name or IP address checked, TLS 1.2 or later, and the client certificate shown."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED and check_hostname, no roots loaded
+        context.minimum_version = MIN_TLS_VERSION
+        context.load_verify_locations(cafile=self.ca)
+        if self.cert is not None:
+            context.load_cert_chain(certfile=self.cert, keyfile=self.key)
+        return context
+
     def redis_kwargs(self) -> dict[str, Any]:
-        """redis-py connection arguments: TLS, this CA only, host name checked, the client certificate."""
-        return {"ssl": True, "ssl_ca_certs": self.ca, "ssl_certfile": self.cert, "ssl_keyfile": self.key,
-                "ssl_cert_reqs": "required", "ssl_check_hostname": True}
+        """redis-py connection arguments of a pinned TLS connection
+        (:class:`~bagua_lightning.core.pinned_redis.PinnedSSLConnection`: :meth:`context`, this CA only). They
+        name a ``connection_class``, which ``redis.Redis`` does not take: build clients with
+        :func:`~bagua_lightning.core.pinned_redis.redis_client` / ``cluster_client``."""
+        from .pinned_redis import PinnedSSLConnection
+
+        return {"connection_class": PinnedSSLConnection, "ssl_ca_certs": self.ca, "ssl_certfile": self.cert,
+                "ssl_keyfile": self.key, "ssl_cert_reqs": "required", "ssl_check_hostname": True}
 
     def to_json(self) -> dict[str, str]:
         return {k: v for k, v in (("ca", self.ca), ("cert", self.cert), ("key", self.key)) if v}
@@ -81,10 +104,11 @@ class ClientTLS:
             if data.get(name) is not None and not isinstance(data[name], str):
                 raise ValueError(f"'tls.{name}' {data[name]!r} is not a file path")
         # Not checked for readability here: a stale services file must still parse (``down`` reads it).
-        return _unchecked(data["ca"], data.get("cert"), data.get("key"))
+        return unchecked(data["ca"], data.get("cert"), data.get("key"))
 
 
-def _unchecked(ca: str, cert: str | None, key: str | None) -> ClientTLS:
+def unchecked(ca: str, cert: str | None, key: str | None) -> ClientTLS:
+    """A :class:`ClientTLS` whose files are not checked now (they are read when a connection is made)."""
     obj = object.__new__(ClientTLS)
     for name, value in (("ca", ca), ("cert", cert), ("key", key)):
         object.__setattr__(obj, name, value)
