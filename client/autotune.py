@@ -20,9 +20,7 @@ Example::
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ..core.addresses import check_host, check_port, format_address, parse_address
 from ..core.errors import (
     AutotuneAuthenticationError,
     AutotuneError,
@@ -71,7 +70,6 @@ DEFAULT_RETRIES = 5
 RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _REJECTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
-_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})?")
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -87,41 +85,6 @@ def quick_retry(retries: int, timeout_s: float) -> Retry:
     """For calls from a training loop: ``retries`` quick retries within twice ``timeout_s`` in all."""
     return Retry(backoff=ExponentialBackoff(base_s=0.05, cap_s=0.5), retries=retries, retryable=_retryable,
                  budget_s=2 * timeout_s)
-
-
-def check_port(port: object, what: str = "port") -> int:
-    """``port`` as an int in 1..65535; ValueError naming it otherwise."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ValueError(f"{what} must be a whole number in 1..65535, got {port!r}")
-    return port
-
-
-def check_host(host: object) -> str:
-    """``host`` as a host name or IP address; ValueError naming it otherwise."""
-    if isinstance(host, str):
-        text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        try:
-            ipaddress.ip_address(text)
-            return host
-        except ValueError:
-            if _HOSTNAME.fullmatch(text):
-                return host
-    raise ValueError(f"host must be a host name or an IP address, got {host!r}")
-
-
-def parse_target(target: str) -> tuple[str, int]:
-    """``"host:port"`` (``"[v6]:port"`` for IPv6) as (host, port); ValueError naming the value otherwise."""
-    if not isinstance(target, str):
-        raise ValueError(f"the autotune service address must be 'host:port', got {target!r}")
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"the autotune service address must be 'host:port', got {target!r}")
-    try:
-        check_host(host)
-        check_port(int(port))
-    except ValueError as exc:
-        raise ValueError(f"the autotune service address {target!r} is not 'host:port': {exc}") from None
-    return host, int(port)
 
 
 def _error(method: str, target: str, exc: grpc.RpcError) -> AutotuneError:
@@ -178,14 +141,14 @@ class AutotuneClient:
         if not isinstance(timeout_s, int | float) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         if target is not None:
-            parse_target(target)
+            parse_address(target, "the autotune service address")
             self.target = target
         elif host is not None or port is not None:
-            self.target = f"{check_host(host if host is not None else '127.0.0.1')}:" \
-                          f"{check_port(port if port is not None else DEFAULT_PORT)}"
+            self.target = format_address(check_host(host if host is not None else "127.0.0.1"),
+                                         check_port(port if port is not None else DEFAULT_PORT))
         else:
             self.target = resolve_autotune_address()
-            parse_target(self.target)
+            parse_address(self.target, "the autotune service address")
         if root_certificates is None:
             resolved = resolve_autotune_tls(self.target, ca=tls_ca)
             root_certificates = Path(resolved.ca) if resolved is not None else None

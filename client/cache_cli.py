@@ -9,12 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..core.addresses import format_address, parse_host_list
 from ..core.errors import BaguaLightningError, ConfigurationError
 from ..core.services_file import (
     ENV_REDIS_HOSTS,
     ENV_REDIS_PASSWORD,
-    format_address,
-    parse_host_list,
     resolve_redis_hosts,
     resolve_redis_password,
 )

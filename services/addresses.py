@@ -14,8 +14,8 @@ import socket
 
 import psutil
 
+from ..core.addresses import check_host
 from ..core.errors import ConfigurationError
-from ..core.services_file import check_host
 
 WILDCARDS = ("0.0.0.0", "::")  # bind addresses meaning "every interface"
 

@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core import procs
+from ..core.addresses import is_loopback
 from ..core.errors import ConfigurationError
 from ..core.procs import parse_bytes
 from ..core.services_file import (
     ServicesInfo,
-    is_loopback,
     read_services_file,
     remove_services_file,
     services_file_path,

@@ -13,15 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..core.addresses import format_address, parse_address, parse_host_list
 from ..core.args import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
 from ..core.errors import ConfigurationError
 from ..core.services_file import (
     ENV_AUTOTUNE,
     ENV_REDIS_HOSTS,
     ServicesInfo,
-    format_address,
-    parse_address,
-    parse_host_list,
     read_services_file,
     resolve_autotune_address,
     resolve_autotune_tls,

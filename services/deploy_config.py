@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..core.addresses import check_port, format_address, is_loopback
 from ..core.errors import ConfigurationError
 from ..core.redis_server import BUS_PORT_OFFSET
 from ..core.services_file import (
@@ -17,9 +18,6 @@ from ..core.services_file import (
     ENV_AUTOTUNE_TOKEN,
     ENV_CACHE_KEY,
     ENV_REDIS_PASSWORD,
-    check_port,
-    format_address,
-    is_loopback,
 )
 from .addresses import WILDCARDS, machine_address, resolve_host
 

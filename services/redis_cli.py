@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from ..core import procs
+from ..core.addresses import check_host, is_loopback
 from ..core.args import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
 from ..core.errors import ConfigurationError
 from ..core.redis_server import DEFAULT_NODE_TIMEOUT_MS
-from ..core.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, check_host, is_loopback
+from ..core.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD
 from . import redis_cluster
 
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ...core.addresses import format_address
 from ...core.errors import ServiceUnavailableError
 from ...core.local_redis import LocalServer, ensure_server, local_dir, read_server, set_password
-from ...core.services_file import format_address
 
 _PREFIX = "bagua_lightning/redis_local/"
 LOOPBACK = "127.0.0.1"

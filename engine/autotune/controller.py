@@ -128,10 +128,10 @@ class AutotuneSettings:
         return self.interval // 4 if self.apply_delay is None else self.apply_delay
 
     def __post_init__(self) -> None:
-        from ...client.autotune import parse_target
+        from ...core.addresses import parse_address
 
         try:
-            parse_target(self.address)
+            parse_address(self.address, "the autotune service address")
         except ValueError as exc:
             raise ConfigurationError(f"autotune_service {self.address!r} is not 'host:port' with a port in "
                                      f"1..65535 ({exc}); fix it or set BAGUA_LIGHTNING_AUTOTUNE_SERVICE") from None

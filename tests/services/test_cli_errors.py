@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from bagua_lightning.core.addresses import check_port, parse_address
 from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.core.services_file import (
     ServicesFileError,
-    check_port,
-    parse_address,
     read_services_file,
     resolve_autotune_address,
     resolve_redis_hosts,

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
+from bagua_lightning.core.addresses import check_port, is_ascii_number, parse_address
 from bagua_lightning.core.errors import ConfigurationError
-from bagua_lightning.core.services_file import check_port, is_ascii_number, parse_address
 from bagua_lightning.services import deploy
 from tests.procs import free_port
 from tests.services.conftest import CLI, cli, one_line_error

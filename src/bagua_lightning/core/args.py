@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+from .addresses import is_ascii_number
 from .errors import ConfigurationError
 from .procs import parse_bytes
-from .services_file import is_ascii_number
 
 __all__ = ["bind_port_arg", "non_negative_float_arg", "non_negative_int_arg", "port_arg", "positive_float_arg", "positive_int_arg",
            "size_arg"]
