@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from bagua_lightning.client.autotune import AutotuneClient
-from bagua_lightning.core.addresses import check_host, check_port, format_address, parse_address, parse_host_list
+from bagua_lightning.core.addresses import (
+    check_host,
+    check_port,
+    format_address,
+    parse_address,
+    parse_host_list,
+)
 from bagua_lightning.core.errors import ConfigurationError
 
 
@@ -23,9 +29,9 @@ def test_addresses_parse_the_same_everywhere(text: str, expected: tuple[str, int
 
 
 @pytest.mark.parametrize("text", ["127.0.0.1", "127.0.0.1: 7000", "127.0.0.1:+7000", "127.0.0.1:0", "127.0.0.1:65536",
-                                  "bad host:7000", "[::1:7000", "127.0.0.1:٧٠٠٠"])
+                                  "bad host:7000", "[::1:7000", "127.0.0.1:\u0667\u0660\u0660\u0660"])
 def test_bad_addresses_are_one_error_type_naming_the_value(text: str) -> None:
-    with pytest.raises(ConfigurationError, match="is not|has no numeric port") as info:
+    with pytest.raises(ConfigurationError, match=r"is not|has no numeric port") as info:
         parse_address(text, "the address")
     assert repr(text) in str(info.value) or repr(text.rpartition(":")[0]) in str(info.value) \
         or repr(int(text.rpartition(":")[2])) in str(info.value)
