@@ -10,7 +10,9 @@ from tests.torch_api.launch import run_case
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_primitives(world_size: int, tmp_path: Path) -> None:
+def test_every_collective_primitive_gives_bagua_values(world_size: int, tmp_path: Path) -> None:
+    """Each of Bagua's communication primitives (reductions, gathers, scatters, broadcast, send/recv...) on
+    real ranks, every result checked against the value Bagua's semantics give."""
     out = run_case("primitives", world_size=world_size, log_dir=tmp_path)
     assert out.count("primitives ok") == world_size
 
