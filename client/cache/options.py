@@ -10,6 +10,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from ...core.errors import ConfigurationError
+from ...core.pinned_redis import pinned_kwargs
 from ...core.services_file import resolve_redis_password, resolve_redis_tls
 from ...core.tls_trust import ClientTLS
 
@@ -102,7 +103,7 @@ class RedisOptions:
             "socket_timeout": self.socket_timeout_s, "socket_connect_timeout": self.connect_timeout_s,
         }
         if self.tls is not None:  # the deployment's CA: verified before AUTH is sent
-            kw.update(self.tls.redis_kwargs())
+            kw.update(pinned_kwargs(self.tls))
         elif self.ssl:
             kw.update(ssl=True, ssl_ca_certs=self.ssl_ca_certs, ssl_certfile=self.ssl_certfile,
                       ssl_keyfile=self.ssl_keyfile, ssl_cert_reqs=self.ssl_cert_reqs)

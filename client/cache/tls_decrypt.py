@@ -20,10 +20,15 @@ from __future__ import annotations
 
 import _thread
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .tls_stream import TLSStream
+
+class DecryptingStream(Protocol):
+    """What a worker needs of a connection's TLS stream (:class:`~.tls_stream.TLSStream`): decrypt what has
+    arrived into ``view`` and say how many bytes (0: the stream ended)."""
+
+    def decrypt_into(self, view: memoryview) -> int: ...
+
 
 FIRST_BUFFER = 1 << 20  # bytes; grows (rarely: a buffer stays with its worker) to what a batch of a node needs
 BULK, NULL, ERROR = 36, 95, 45  # $, _, -
@@ -40,7 +45,7 @@ class DecryptWorker:
         self._go, self._done = _thread.allocate_lock(), _thread.allocate_lock()
         self._go.acquire()
         self._done.acquire()
-        self._stream: TLSStream | None = None
+        self._stream: DecryptingStream | None = None
         self._n = 0
         self._stop = False
         self.buf = bytearray(FIRST_BUFFER)
@@ -52,7 +57,7 @@ class DecryptWorker:
         self.thread = threading.Thread(target=self._run, name="bagua-tls-decrypt", daemon=True)
         self.thread.start()
 
-    def submit(self, stream: TLSStream, replies: int) -> None:
+    def submit(self, stream: DecryptingStream, replies: int) -> None:
         """Decrypt the next ``replies`` replies of ``stream``."""
         self.join()  # the previous job's end (its stream was read or closed, which waits for it already)
         self._stream, self._n = stream, replies
@@ -137,11 +142,9 @@ class DecryptWorkers:
     def start(self, jobs: list[tuple[int, Any, int]]) -> None:
         """For each ``(node key, connection, replies)`` whose socket is a TLS stream, decrypt its replies on
         the node's worker."""
-        from .tls_stream import TLSStream
-
         for key, conn, replies in jobs:
             sock = conn._sock
-            if type(sock) is TLSStream:
+            if hasattr(sock, "prefetch"):  # a TLS stream (tls_stream.TLSStream), not a plain socket
                 worker = self._workers.get(key)
                 if worker is None:
                     worker = self._workers[key] = DecryptWorker()

@@ -198,6 +198,7 @@ class RedisPlanStore:
             self._options["password"] = password
         # The deployment's CA and client certificate ($BAGUA_LIGHTNING_TLS_*): the server proves itself before
         # the password is sent.
+        from ...core.pinned_redis import pinned_kwargs
         from ...core.tls_trust import resolve_client_tls, unchecked
 
         tls = resolve_client_tls(None)
@@ -211,7 +212,7 @@ class RedisPlanStore:
             # has it: then they name the CA). A rediss:// URL would make redis-py's cluster client use its own
             # SSLConnection, which trusts the system's roots beside the CA.
             self._connect_url = "redis://" + url.split("://", 1)[1]
-            self._options.update(tls.redis_kwargs())
+            self._options.update(pinned_kwargs(tls))
         self._client: Any = None
         self._lock = threading.Lock()
         with contextlib.suppress(Exception):  # down now: the first call connects

@@ -20,6 +20,7 @@ import pytest
 
 from bagua_lightning.core import procs as processes
 from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.core.pinned_redis import pinned_kwargs, redis_client
 from bagua_lightning.core.services_file import ENV_FILE, read_services_file
 from bagua_lightning.services import deploy
 from tests.integration.conftest import _recorded_pids, free_port_block
@@ -254,7 +255,7 @@ def test_up_makes_secrets_hands_them_over_by_file_and_environment_only(state: Pa
     with redis.Redis(host=node["host"], port=node["port"], ssl=True, ssl_ca_certs=info.tls.ca) as certless, \
             pytest.raises(redis.ConnectionError):
         certless.ping()
-    with redis.Redis(host=node["host"], port=node["port"], **info.tls.redis_kwargs()) as anonymous, \
+    with redis_client(node["host"], node["port"], **pinned_kwargs(info.tls)) as anonymous, \
             pytest.raises(redis.AuthenticationError):
         anonymous.ping()
     assert services_file.resolve_redis_password(info.redis_hosts) == secrets["redis_password"]

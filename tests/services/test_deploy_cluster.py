@@ -23,10 +23,10 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from redis.cluster import RedisCluster
 
 from bagua_lightning.core import procs
 from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.core.pinned_redis import cluster_client, pinned_kwargs
 from bagua_lightning.core.redis_server import (
     CLUSTER_SLOTS,
     NodeConfig,
@@ -187,11 +187,11 @@ def test_up_starts_masters_with_replicas_over_a_tls_bus(ha: ServicesInfo) -> Non
         plain.ping()
     # A TLS client is given the TLS ports (= the nodes' ports) by the cluster.
     def every_node_is_listed() -> bool:  # replicas show once gossip has told every master about them
-        with RedisCluster(host="127.0.0.1", port=base, password=password, socket_timeout=5,
-                          **tls.redis_kwargs()) as rc:
+        with cluster_client([("127.0.0.1", base)], password=password, socket_timeout=5,
+                            **pinned_kwargs(tls)) as rc:
             return {n.port for n in rc.get_nodes()} == set(range(base, base + 6))
     wait_until(every_node_is_listed, 30, "CLUSTER SLOTS to list all six nodes at their TLS ports")
-    with RedisCluster(host="127.0.0.1", port=base, password=password, socket_timeout=5, **tls.redis_kwargs()) as rc:
+    with cluster_client([("127.0.0.1", base)], password=password, socket_timeout=5, **pinned_kwargs(tls)) as rc:
         rc.set("deploy-test:key", b"v")
         assert rc.get("deploy-test:key") == b"v"
     # The bus demands TLS: a plain connection to it is dropped without an answer.
@@ -253,8 +253,8 @@ def test_a_killed_master_is_failed_over_to_its_replica(ha: ServicesInfo) -> None
                 and sum(hi - lo + 1 for lo, hi in owners) == CLUSTER_SLOTS)
     wait_until(served_by_live_masters, 60, "the replica of the killed master to take over its slots")
     assert ha.tls is not None
-    with RedisCluster(host=first["host"], port=first["port"], password=password, socket_timeout=5,
-                      **ha.tls.redis_kwargs()) as rc:
+    with cluster_client([(first["host"], first["port"])], password=password, socket_timeout=5,
+                        **pinned_kwargs(ha.tls)) as rc:
         for i in range(50):  # keys in every master's slots, the failed-over ones included
             rc.set(f"after-failover:{i}", str(i))
             assert rc.get(f"after-failover:{i}") == str(i).encode()

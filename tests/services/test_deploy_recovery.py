@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis.cluster import RedisCluster
 
 from bagua_lightning.core import procs
 from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.core.pinned_redis import cluster_client, pinned_kwargs
 from bagua_lightning.core.redis_server import CLUSTER_SLOTS, client_for, cluster_info
 from bagua_lightning.core.services_file import ServicesInfo, read_services_file
 from bagua_lightning.services import deploy
@@ -42,7 +42,7 @@ def _secrets(info: ServicesInfo) -> dict[str, str]:
 def _tls(info: ServicesInfo) -> dict[str, object]:
     """redis-py's TLS arguments for the deployment's client ports (they speak TLS only)."""
     assert info.tls is not None
-    return info.tls.redis_kwargs()
+    return pinned_kwargs(info.tls)
 
 
 def _redis_pids(info: ServicesInfo) -> dict[int, int]:
@@ -77,8 +77,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[
         assert info is not None
         first = info.redis_hosts[0]
         keys = {f"cached:{i}": os.urandom(16) for i in range(KEYS)}
-        with RedisCluster(host=first["host"], port=first["port"], password=_secrets(info)["redis_password"],
-                          socket_timeout=10, **_tls(info)) as rc:
+        with cluster_client([(first["host"], first["port"])], password=_secrets(info)["redis_password"],
+                            socket_timeout=10, **_tls(info)) as rc:
             for key, value in keys.items():
                 rc.set(key, value)
         for host in info.redis_hosts:  # every write on every replica too, before anything is killed
@@ -105,8 +105,8 @@ def _token_works(address: str, token: str) -> None:
 
 def _check_keys(info: ServicesInfo, keys: dict[str, bytes]) -> None:
     first = info.redis_hosts[0]
-    with RedisCluster(host=first["host"], port=first["port"], password=_secrets(info)["redis_password"],
-                      socket_timeout=10, **_tls(info)) as rc:
+    with cluster_client([(first["host"], first["port"])], password=_secrets(info)["redis_password"],
+                        socket_timeout=10, **_tls(info)) as rc:
         assert {k: rc.get(k) for k in keys} == keys
 
 

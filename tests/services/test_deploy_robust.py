@@ -19,6 +19,7 @@ import pytest
 
 from bagua_lightning.core import procs
 from bagua_lightning.core.errors import ServiceUnavailableError
+from bagua_lightning.core.pinned_redis import pinned_kwargs, redis_client
 from bagua_lightning.core.procs import ProcessRecord
 from bagua_lightning.core.services_file import ServicesInfo, read_services_file, write_services_file
 from bagua_lightning.services import deploy
@@ -151,7 +152,6 @@ def test_the_demo_starts_its_services_on_free_ports(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_up_on_ipv6_loopback_works_end_to_end(env: dict[str, str]) -> None:
-    import redis
 
     result = cli(env, "up", "--host", "[::1]", "--single", "--maxmemory", "32mb", "--timeout", "60")
     try:
@@ -164,8 +164,7 @@ def test_up_on_ipv6_loopback_works_end_to_end(env: dict[str, str]) -> None:
         assert info is not None and info.redis_hosts[0]["host"] == "::1"
         password = procs.read_secret(info.secrets["redis_password"])
         assert info.tls is not None
-        with redis.Redis(host="::1", port=info.redis_hosts[0]["port"], password=password,
-                         **info.tls.redis_kwargs()) as r:
+        with redis_client("::1", info.redis_hosts[0]["port"], password=password, **pinned_kwargs(info.tls)) as r:
             r.set("v6", b"ok")
             assert r.get("v6") == b"ok"
     finally:

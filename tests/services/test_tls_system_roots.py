@@ -66,6 +66,7 @@ else:
     from bagua_lightning.client.cache.options import RedisOptions
     from bagua_lightning.client.cache.store import RedisStore
     from bagua_lightning.client.cache.tls_stream import MemoryTLSConnection
+    from bagua_lightning.core.pinned_redis import pinned_kwargs
     from bagua_lightning.core.redis_server import client_for
     from bagua_lightning.core.tls_trust import resolve_client_tls
     from bagua_lightning.services.autotune.persistence import RedisPlanStore
@@ -87,7 +88,7 @@ else:
     attempt("RedisPlanStore rediss", lambda: RedisPlanStore("rediss://" + addr).ping())
     def held():
         conn = MemoryTLSConnection(host=host, port=port, password=password, **{
-            k: v for k, v in tls.redis_kwargs().items() if k != "connection_class"})
+            k: v for k, v in pinned_kwargs(tls).items() if k != "connection_class"})
         conn.connect()
     attempt("MemoryTLSConnection", held)
     attempt("AutotuneClient", lambda: AutotuneClient(target=grpc_addr, token=sys.argv[4], timeout_s=5).list_models())

@@ -47,8 +47,16 @@ class PinnedSSLConnection(SSLConnection):
         return self.tls.context().wrap_socket(sock, server_hostname=self.host)
 
 
+def pinned_kwargs(tls: ClientTLS) -> dict[str, Any]:
+    """redis-py connection arguments of a pinned TLS connection to the deployment whose CA (and client
+    certificate) ``tls`` names: :class:`PinnedSSLConnection`, this CA only. They name a ``connection_class``,
+    which ``redis.Redis`` does not take: build clients with :func:`redis_client` / :func:`cluster_client`."""
+    return {"connection_class": PinnedSSLConnection, "ssl_ca_certs": tls.ca, "ssl_certfile": tls.cert,
+            "ssl_keyfile": tls.key, "ssl_cert_reqs": "required", "ssl_check_hostname": True}
+
+
 def pinned(kwargs: dict[str, Any]) -> bool:
-    """Whether connection arguments name a pinned TLS connection (``ClientTLS.redis_kwargs()``)."""
+    """Whether connection arguments name a pinned TLS connection (:func:`pinned_kwargs`)."""
     cls = kwargs.get("connection_class")
     return isinstance(cls, type) and issubclass(cls, PinnedSSLConnection)
 

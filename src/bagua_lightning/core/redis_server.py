@@ -217,11 +217,11 @@ def client_for(host: str, port: int, password: str | None = None, timeout_s: flo
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from .pinned_redis import redis_client
+    from .pinned_redis import pinned_kwargs, redis_client
 
     # No client-side retries: callers poll with their own deadline.
     return redis_client(host, port, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                        retry=Retry(NoBackoff(), 0), **(tls.redis_kwargs() if tls is not None else {}))
+                        retry=Retry(NoBackoff(), 0), **(pinned_kwargs(tls) if tls is not None else {}))
 
 
 def wait_ready(host: str, port: int, password: str | None, proc: subprocess.Popen[bytes] | None = None,

@@ -80,16 +80,6 @@ class ClientTLS:
             context.load_cert_chain(certfile=self.cert, keyfile=self.key)
         return context
 
-    def redis_kwargs(self) -> dict[str, Any]:
-        """redis-py connection arguments of a pinned TLS connection
-        (:class:`~bagua_lightning.core.pinned_redis.PinnedSSLConnection`: :meth:`context`, this CA only). They
-        name a ``connection_class``, which ``redis.Redis`` does not take: build clients with
-        :func:`~bagua_lightning.core.pinned_redis.redis_client` / ``cluster_client``."""
-        from .pinned_redis import PinnedSSLConnection
-
-        return {"connection_class": PinnedSSLConnection, "ssl_ca_certs": self.ca, "ssl_certfile": self.cert,
-                "ssl_keyfile": self.key, "ssl_cert_reqs": "required", "ssl_check_hostname": True}
-
     def to_json(self) -> dict[str, str]:
         return {k: v for k, v in (("ca", self.ca), ("cert", self.cert), ("key", self.key)) if v}
 
