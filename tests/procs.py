@@ -6,7 +6,9 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -57,3 +59,31 @@ def running(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str |
         stop_process(proc)
         if log_path:
             log.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def recording_tls_server(context: ssl.SSLContext, received: bytearray) -> Iterator[int]:
+    """A TLS server on a free loopback port (yielded) that appends every byte it decrypts to ``received``:
+    what a squatter with ``context``'s certificate would learn. Stopped with the block."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with contextlib.suppress(OSError), conn:
+                conn.settimeout(5)
+                with context.wrap_socket(conn, server_side=True) as tls_conn:
+                    while data := tls_conn.recv(65536):
+                        received.extend(data)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield int(listener.getsockname()[1])
+    finally:
+        listener.close()
+        thread.join(10)  # every byte it received is in ``received``

@@ -88,7 +88,7 @@ def test_refusals_raise_the_projects_errors(server_target: str) -> None:
 
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"host": "127.0.0.1", "port": 95136}, "95136"),
-    ({"host": "127.0.0.1", "port": 0}, "got 0"),
+    ({"host": "127.0.0.1", "port": 0}, "port 0 is not a TCP port"),
     ({"host": "127.0.0.1", "port": True}, "True"),
     ({"host": "not a host", "port": 29600}, "'not a host'"),
     ({"target": "127.0.0.1:99999"}, "'127.0.0.1:99999'"),

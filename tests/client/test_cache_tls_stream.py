@@ -4,7 +4,6 @@ clients over TLS only (the deployment's CA, a client certificate, a password), a
 from __future__ import annotations
 
 import contextlib
-import socket
 import ssl
 import threading
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from bagua_lightning.services.redis_tls import client_tls, make_node_certificate
 from tests.client.cache_datasets import Source
 from tests.client.conftest import TEST_PASSWORD, deployment
 from tests.client.test_cache_faults import check_batch
-from tests.procs import wait_until
+from tests.procs import recording_tls_server, wait_until
 
 
 @pytest.fixture(scope="module", params=["servers", "cluster"])
@@ -134,28 +133,8 @@ def _other_ca_server(tmp: Path, received: bytearray) -> Iterator[int]:
     make_node_certificates(tmp, [1], ["127.0.0.1"])
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(tmp / "node-1.crt", tmp / "node-1.key")
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with contextlib.suppress(OSError), conn:
-                conn.settimeout(5)
-                with context.wrap_socket(conn, server_side=True) as tls_conn:
-                    while data := tls_conn.recv(65536):
-                        received.extend(data)
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield int(listener.getsockname()[1])
-    finally:
-        listener.close()
-        thread.join(10)
+    with recording_tls_server(context, received) as port:
+        yield port
 
 
 def test_a_server_of_another_ca_fails_the_handshake_and_gets_no_password(

@@ -114,7 +114,16 @@ def test_up_after_everything_died_starts_afresh_on_free_ports(env: dict[str, str
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         wait_until(lambda: not any(procs.pid_alive(p) for p in pids), 30, "the killed services")
-        with listening(before.redis_hosts[0]["port"]):  # someone else took a recorded port
+        port = before.redis_hosts[0]["port"]
+
+        def bindable() -> bool:  # another test's process may hold it a moment: wait, then hold it ourselves
+            with contextlib.suppress(OSError), socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))
+                return True
+            return False
+        wait_until(bindable, 30, f"port {port} to be free to hold")
+        with listening(port, or_taken=False):  # someone else took a recorded port
             again = cli(env, "up", "--single", "--maxmemory", "32mb")
         assert again.returncode == 0, again.stderr
         assert again.stdout.count(": started (pid") == 2 and "kept" not in again.stdout

@@ -16,11 +16,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import ssl
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,7 @@ import pytest
 from bagua_lightning.core.redis_server import NodeConfig, NodeTLS, client_for, launch_node, wait_ready
 from bagua_lightning.core.tls_trust import ClientTLS
 from bagua_lightning.services.redis_tls import make_node_certificates
-from tests.procs import free_port, stop_process
+from tests.procs import free_port, recording_tls_server, stop_process
 
 PASSWORD = "only-for-the-deployments-own-servers"
 TOKEN = "token-only-for-the-deployments-own-service"
@@ -103,27 +101,8 @@ def _h2_listener(cert: Path, key: Path, received: bytearray) -> Iterator[int]:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     context.set_alpn_protocols(["h2"])
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with contextlib.suppress(OSError), conn:
-                conn.settimeout(5)
-                with context.wrap_socket(conn, server_side=True) as tls_conn:
-                    while data := tls_conn.recv(65536):
-                        received.extend(data)
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield int(listener.getsockname()[1])
-    finally:
-        listener.close()
+    with recording_tls_server(context, received) as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import signal
 import ssl
 import subprocess
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from bagua_lightning.core.services_file import ServicesInfo, read_services_file
 from bagua_lightning.services import deploy
 from bagua_lightning.services.health import check_autotune, check_redis
 from bagua_lightning.services.redis_tls import make_node_certificates
-from tests.procs import free_port, stop_process, wait_until
+from tests.procs import free_port, recording_tls_server, stop_process, wait_until
 from tests.services.test_deploy_cluster import cluster_ports, private_state
 
 # A listener as another user would run it: bind the port, record every byte, answer garbage (as a squatter
@@ -149,29 +148,9 @@ def test_a_server_with_another_cas_certificate_gets_nothing(deployment: Services
 @contextlib.contextmanager
 def _tls_server(context: ssl.SSLContext, received: bytearray) -> Iterator[int]:
     """A TLS server (another CA's certificate) that records every byte it decrypts."""
-    import socket
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with contextlib.suppress(OSError), conn:
-                conn.settimeout(5)
-                with context.wrap_socket(conn, server_side=True) as tls_conn:
-                    while data := tls_conn.recv(65536):
-                        received.extend(data)
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield int(listener.getsockname()[1])
-    finally:
-        listener.close()
+    with recording_tls_server(context, received) as port:
+        yield port
 
 
 def test_a_squatter_on_dead_ports_receives_no_secret_and_the_cache_keeps_serving(deployment: ServicesInfo) -> None:
