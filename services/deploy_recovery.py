@@ -16,6 +16,7 @@ The autotune service is restarted on its port with its token; its plans are in R
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import time
@@ -68,12 +69,14 @@ def report_kept(info: ServicesInfo, report: Callable[[str], None]) -> None:
 
 def _answers(check: Callable[[], Health], patience_s: float) -> Health:
     """``check`` until it is healthy or ``patience_s`` passed; its last result."""
-    deadline = time.monotonic() + patience_s
-    while True:
-        health = check()
-        if health.healthy or time.monotonic() >= deadline:
-            return health
-        time.sleep(0.25)
+    last: list[Health] = []
+
+    def healthy() -> bool:
+        last[:] = [check()]
+        return last[0].healthy
+    with contextlib.suppress(procs.PollTimeoutError):  # unhealthy all along: the last answer says why
+        procs.poll(healthy, patience_s, "a healthy answer", retry_on=(), interval_s=0.25)
+    return last[-1]
 
 
 def _node_state(node: NodeInfo, password: str | None, tls: ClientTLS | None) -> str | None:

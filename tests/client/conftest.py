@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bagua_lightning.client.cache import RedisStore
+from bagua_lightning.core.local_redis import stop_server
 from bagua_lightning.services.redis_cluster import ClusterInfo, ClusterSpec, running_cluster
 from tests.procs import free_port
 
@@ -83,3 +84,15 @@ def any_deployment(request: pytest.FixtureRequest) -> tuple[str, ClusterInfo, di
     store.clear()
     store.shutdown()
     return request.param, info, options
+
+
+@pytest.fixture
+def local_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private state folder and no configured Redis: ``RedisStore(hosts=None)`` starts the node-local server
+    there; it is stopped after the test."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setenv("BAGUA_LIGHTNING_SERVICES_FILE", str(tmp_path / "no-services.json"))
+    for name in ("BAGUA_LIGHTNING_REDIS_HOSTS", "BAGUA_LIGHTNING_REDIS_PASSWORD", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    yield tmp_path
+    stop_server()

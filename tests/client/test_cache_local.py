@@ -11,19 +11,9 @@ import pytest
 import redis
 
 from bagua_lightning.client import RedisStore
-from bagua_lightning.core.local_redis import PASSWORD_FILE, local_dir, stop_server
+from bagua_lightning.core.local_redis import PASSWORD_FILE, local_dir
 from bagua_lightning.core.redis_server import is_redis_pid
 from tests.procs import free_port
-
-
-@pytest.fixture
-def local_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
-    monkeypatch.setenv("BAGUA_LIGHTNING_SERVICES_FILE", str(tmp_path / "no-services.json"))
-    for name in ("BAGUA_LIGHTNING_REDIS_HOSTS", "BAGUA_LIGHTNING_REDIS_PASSWORD", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    yield tmp_path
-    stop_server()
 
 
 def test_local_server_is_protected_bounded_and_shared(local_state: Path) -> None:

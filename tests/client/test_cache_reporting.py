@@ -15,7 +15,6 @@ import redis
 
 from bagua_lightning.client import RedisStore
 from bagua_lightning.client.cache.store import DEFAULT_CAPACITY
-from bagua_lightning.core.local_redis import stop_server
 from bagua_lightning.services.redis_cluster import ClusterSpec, start_cluster, stop_cluster
 from tests.client.conftest import free_port_block
 
@@ -26,16 +25,6 @@ def _job(*args: str, **kwargs: object) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "tests.client.cache_reporting", *args], cwd=REPO,
                             env=dict(os.environ), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             **kwargs)  # type: ignore[call-overload]
-
-
-@pytest.fixture
-def local_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
-    monkeypatch.setenv("BAGUA_LIGHTNING_SERVICES_FILE", str(tmp_path / "no-services.json"))
-    for name in ("BAGUA_LIGHTNING_REDIS_HOSTS", "BAGUA_LIGHTNING_REDIS_PASSWORD", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    yield tmp_path
-    stop_server()
 
 
 def _maxmemory(store: RedisStore) -> int:

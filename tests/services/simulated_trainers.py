@@ -55,6 +55,19 @@ def sim_job(seed: int, tensors: list[TensorDeclaration] | None = None) -> Simula
                         hierarchical=hier, forward_ms=10.0, seed=seed)
 
 
+def tune_to_completion(client: Any, job: SimulatedJob, model: str, answer: Any, job_id: str,
+                       rounds: int = 12) -> Any:
+    """Rank 0 of ``job`` measuring each plan the service hands out (starting from ``answer``) and reporting
+    it, until the service says the tuning is complete or ``rounds`` run out; the last answer."""
+    for it in range(1, rounds):
+        if answer.completed:
+            break
+        speed, timings, backward_ms = job.measure(answer.plan)
+        client.report_metrics(model, 0, it, answer.plan, speed, timings, backward_ms=backward_ms, job_id=job_id)
+        answer = client.ask_hyperparameters(model, 0, it, job_id=job_id)
+    return answer
+
+
 def timed_ranks(target: str, models: list[str], ranks: list[int], world_size: int, rounds: int,
                 steps_per_round: int = 10) -> dict[str, Any]:
     """For each model, threads acting as ``ranks``: register, then rounds of ask + report with bucket timings.

@@ -81,8 +81,12 @@ def private_state(tmp: Path) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def ha(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicesInfo]:
     """``up`` with its defaults (3 masters, 1 replica each, TLS bus) on free ports; ``down`` after."""
-    tmp = tmp_path_factory.mktemp("ha")
-    with private_state(tmp):
+    yield from default_deployment(tmp_path_factory, "ha")
+
+
+def default_deployment(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[ServicesInfo]:
+    """``up`` with its defaults on free ports in a private state folder (for a module fixture); ``down`` after."""
+    with private_state(tmp_path_factory.mktemp(name)):
         yield deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=cluster_ports(6),
                                         maxmemory=64 * 1024**2, timeout_s=120))
 

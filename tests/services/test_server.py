@@ -322,13 +322,7 @@ def test_jobs_over_grpc_and_autotune_ls(start_service) -> None:
         first = client.register_job("net", tensors, job_id="run-1", world_size=2)
         assert first.plan.version == 0 and not first.completed
         answer = client.ask_hyperparameters("net", 0, 0, job_id="run-1")
-        for it in range(1, 12):
-            if answer.completed:
-                break
-            speed, timings, backward_ms = job.measure(answer.plan)
-            client.report_metrics("net", 0, it, answer.plan, speed, timings, backward_ms=backward_ms,
-                                  job_id="run-1")
-            answer = client.ask_hyperparameters("net", 0, it, job_id="run-1")
+        answer = simulated_trainers.tune_to_completion(client, job, "net", answer, job_id="run-1")
         assert answer.completed
         # Another job of the model: its own session, starting on run-1's final plan, not final for it.
         second = client.register_job("net", tensors, job_id="run-2", world_size=2)

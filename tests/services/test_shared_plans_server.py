@@ -90,13 +90,7 @@ def test_best_plans_survive_kill_9_of_the_service_and_a_redis_node_restarted_emp
         wait_until(lambda: _redis_up(redis_port), 20, "redis-server")
         with start_service(*args) as (target, service), AutotuneClient(target=target) as client:
             reply = client.register_job("net", tensors, job_id="run-1", world_size=4, nproc_per_node=2)
-            for it in range(1, 12):
-                if reply.completed:
-                    break
-                speed, timings, backward_ms = job.measure(reply.plan)
-                client.report_metrics("net", 0, it, reply.plan, speed, timings, backward_ms=backward_ms,
-                                      job_id="run-1")
-                reply = client.ask_hyperparameters("net", 0, it, job_id="run-1")
+            reply = simulated_trainers.tune_to_completion(client, job, "net", reply, job_id="run-1")
             assert reply.completed
             (key,) = [p.key for p in client.list_jobs()[1]]
             node = redis.Redis(port=redis_port, socket_timeout=5)

@@ -29,8 +29,8 @@ from bagua_lightning.core.services_file import ServicesInfo, read_services_file
 from bagua_lightning.services import deploy
 from bagua_lightning.services.health import check_autotune, check_redis
 from bagua_lightning.services.redis_tls import make_node_certificates
-from tests.procs import free_port, recording_tls_server, stop_process, wait_until
-from tests.services.test_deploy_cluster import cluster_ports, private_state
+from tests.procs import recording_tls_server, stop_process, wait_until
+from tests.services.test_deploy_cluster import default_deployment
 
 # A listener as another user would run it: bind the port, record every byte, answer garbage (as a squatter
 # that wants the client to go on talking would).
@@ -87,10 +87,7 @@ def squatter(port: int) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicesInfo]:
     """``up`` with its defaults (TLS on) in a private state folder; ``down`` after."""
-    tmp = tmp_path_factory.mktemp("tls")
-    with private_state(tmp):
-        yield deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=cluster_ports(6),
-                                        maxmemory=64 * 1024**2, timeout_s=120))
+    yield from default_deployment(tmp_path_factory, "tls")
 
 
 def test_up_pins_its_ca_and_keeps_every_file_private(deployment: ServicesInfo) -> None:
