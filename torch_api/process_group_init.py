@@ -66,7 +66,8 @@ def _wait_count(store: dist.Store, key: str, count: int, deadline: float) -> Non
 
 
 def _leave_together(store: dist.Store, rank: int, world_size: int) -> None:
-    """At interpreter exit: tear torch.distributed down once every rank is leaving, rank 0 (the store's host) last.
+    """At interpreter exit: tear torch.distributed down together once every rank is leaving; rank 0 (the
+    store's host) exits last.
 
     Bagua scripts never call ``destroy_process_group``; a Gloo rank that exits while its peers still
     finish their last collective, or while its store still serves them, aborts the process. The waits
@@ -85,11 +86,11 @@ def _leave_together(store: dist.Store, rank: int, world_size: int) -> None:
             store.add(_EXIT_KEY.format("left"), 1)
             return
         _wait_count(store, _EXIT_KEY.format("arrived"), world_size, deadline)
+        # Every rank at once: NCCL's teardown waits for its peers' (a rank destroying alone waits for them).
+        dist.destroy_process_group()
         if rank == 0:
-            _wait_count(store, _EXIT_KEY.format("left"), world_size - 1, deadline)
-            dist.destroy_process_group()
+            _wait_count(store, _EXIT_KEY.format("left"), world_size - 1, deadline)  # its store serves them
         else:
-            dist.destroy_process_group()
             store.add(_EXIT_KEY.format("left"), 1)
     except (RuntimeError, ValueError) as exc:  # a peer or the store is gone already: nothing left to tidy
         log.debug("leaving torch.distributed at exit: %s", exc)
