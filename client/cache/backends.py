@@ -159,17 +159,6 @@ def node_down_reply(reply: BaseException) -> bool:
     return str(reply).startswith(NODE_DOWN_REPLIES)
 
 
-DECRYPT_THREADS_MIN_CORES = 4
-
-
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 class _Held:
     """One thread's held connections: ``conns``, id(client) -> (client, connection). Given back when the thread
     ends (its ``threading.local`` storage goes, and this with it)."""
@@ -199,8 +188,8 @@ class HeldConnections:
 
     A fetch then skips the pool's checkout and return (a lock, a liveness poll of the socket, bookkeeping,
     metrics): about a tenth of the cost of reading a batch. Over TLS the held connection is a
-    :class:`~.tls_stream.MemoryTLSConnection` (records decrypted from memory, many per call), and, on a machine
-    of :data:`DECRYPT_THREADS_MIN_CORES` cores or more (``decrypt_threads``), a batch's replies from several
+    :class:`~.tls_stream.MemoryTLSConnection` (records decrypted from memory, many per call); with
+    ``decrypt_threads`` set (off by default: slower where measured), a batch's replies from several
     nodes are decrypted at once, one thread per node (:mod:`.tls_decrypt`; started once, kept with the
     connections). Every fetch reads all the replies it asked for or
     drops the connection (:meth:`drop`), so a held connection never carries a stray reply into the next fetch;
@@ -209,9 +198,9 @@ class HeldConnections:
     """
 
     def __init__(self) -> None:
-        # TLS: decrypt each node's replies on its own thread where there are cores to spare for them (with
-        # fewer, the threads only add their hand-overs to the same cores: measured slower on 2 cores).
-        self.decrypt_threads = usable_cores() >= DECRYPT_THREADS_MIN_CORES
+        # TLS: decrypt each node's replies on its own thread (opt-in). Off by default: the hand-overs cost
+        # more than the parallel decryption gains, measured on 2 cores and on 64 (docs/benchmarks.md).
+        self.decrypt_threads = False
         self._pid = os.getpid()
         self._local = threading.local()
         self._threads: weakref.WeakSet[_Held] = weakref.WeakSet()
