@@ -10,8 +10,8 @@ Variants, all on the same samples (a 3x32x32 float32 image and an int label, as 
   (k) ours with a cache key: (c) with entries authenticated with it (as `bagua-lightning up` configures)
   (t) ours over TLS: (c) against a second 3-master cluster that serves clients over TLS only, with a client
       certificate and a password, the server verified against its CA (as `bagua-lightning up` deploys it);
-      each node's replies of a batch decrypted on its own thread with --decrypt-threads on (off by
-      default: then (t) reads as the store does by default, as (t1))
+      each node's replies of a batch decrypted on its own thread (the store's opt-in
+      ``decrypt_threads``; --decrypt-threads auto: as the store reads by default, the same as (t1))
   (t1) (t) with the reading thread decrypting every node's replies itself (the same dataset and connections)
 Prints samples/s and the ratios c/b, c/d, c/d', c/h, c/a, k/c, and which parser redis-py uses. With (c) and (k)
 both run, k/c is also measured batch by batch (../shared/MEASURING.md): every round reads each batch with both,
@@ -132,9 +132,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--transform-ms", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--decrypt-threads", choices=("auto", "on"), default="auto",
-                    help="(t): as the store reads by default (auto: one thread decrypts), or with a "
-                         "decrypting thread per node (on)")
+    ap.add_argument("--decrypt-threads", choices=("auto", "on"), default="on",
+                    help="(t): with a decrypting thread per node (on, the default), or as the store reads by "
+                         "default (auto: one thread decrypts, as (t1))")
     ap.add_argument("--variants", default="a,b,c,k,d,dp,h",
                     help="comma-separated subset of a,b,c,k,t,t1,d,dp,h to run (c,k: the cost of the cache "
                          "key; c,t,t1: the cost of TLS)")
