@@ -19,8 +19,8 @@ Variants: ``ddp``; an algorithm's name, optionally with keyword arguments and an
 ``auto:bytegrad+decentralized+...`` for other candidates), the registered engine algorithm ``auto`` that
 ``BaguaStrategy(algorithm="auto")`` and ``with_bagua`` use: during its warm-up it measures its candidates
 in flight (``--auto-warmup`` untimed steps a visit, ``--auto-trials`` timed steps each, forward start to
-optimizer step end) and hands the model to the fastest (reported with the step at which it settled); its
-timed steps are then interleaved with the other variants' like any other. Its choice joins the run as a
+optimizer step end; each step run between two device synchronisations, as the timed ones are) and hands the
+model to the fastest (reported with the step at which it settled); its timed steps are then interleaved with the other variants' like any other. Its choice joins the run as a
 variant of its own when it is not one already, and ``auto`` is reported against it (what a choice costs once
 made) and against the best of its candidates in the run (what the choice is worth).
 
@@ -190,8 +190,12 @@ class Runner:
             assert isinstance(self.model, BaguaDistributedDataParallel)
             self.auto = auto = self.model.algorithm  # type: ignore[assignment]
             assert isinstance(auto, AutoAlgorithm)
-            while auto.selection.chosen is None:  # the selection runs alone, in its own consecutive steps
+            # The selection runs alone, in its own consecutive steps, in the regime of the timed ones: each step
+            # between two device synchronisations (a step that starts on an idle device pays its launch
+            # latency, one queued behind the last does not; auto measures the regime it runs in).
+            while auto.selection.chosen is None:
                 self.step()
+                sync(self.device)
             # Handed over: the wrapper drives the chosen algorithm itself from now on.
             assert not isinstance(self.model.algorithm, AutoAlgorithm), "auto did not hand its choice over"
         self.warm_up(args.warmup)

@@ -67,8 +67,8 @@ class AutoAlgorithm(Algorithm):
 
     Each candidate's step (forward start to optimizer step end) is timed over ``trial_steps`` steps spread
     over two mirrored rounds (A B | B A), each visit after ``warmup_steps`` untimed steps; the group keeps
-    the candidate whose median step time (slowest rank) is lowest. What was measured and chosen is
-    :attr:`selection` (also logged).
+    the candidate whose median step time (slowest rank) is lowest; candidates within 3 % of the fastest first
+    run a second pair of rounds (a runoff). What was measured and chosen is :attr:`selection` (also logged).
 
     Args:
         candidates: names of registered algorithms that need no optimizer of their own

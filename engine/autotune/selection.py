@@ -16,6 +16,9 @@ the job measures instead of guessing (:class:`AlgorithmSelector`, driven by the 
    (linear drift then weighs the same on every candidate), each visit after ``warmup_steps`` untimed steps
    (buckets, communicators and compression kernels warm up; the last candidate of the first round goes
    straight on into the second).
+   When the fastest candidates end within :data:`RUNOFF_MARGIN` of one another, those leaders run a second
+   pair of mirrored rounds (a runoff) and are judged on all their timed steps: candidates a few percent apart
+   are told apart by twice the evidence, the clear cases cost nothing more.
 3. **The slowest rank decides**: each rank takes the median of each candidate's timed steps, the group takes
    the maximum per candidate (a job is as slow as its slowest rank), and every rank picks the argmin of the
    same numbers: the same algorithm on every rank, at the same step, without a broadcast.
@@ -48,6 +51,8 @@ log = logging.getLogger(__name__)
 DEFAULT_CANDIDATES = ("gradient_allreduce", "bytegrad")
 #: How many rounds a candidate's trial steps are spread over (mirrored order: A B | B A).
 ROUNDS = 2
+#: Candidates whose step time is within this fraction of the fastest's run a runoff (ROUNDS more rounds).
+RUNOFF_MARGIN = 0.03
 
 
 @dataclass(kw_only=True)
@@ -88,11 +93,13 @@ class AutoSettings:
             raise ConfigurationError(f"{p}trial_steps={self.trial_steps}; give at least 3 (a median of fewer "
                                      "steps is noise).")
 
-    def blocks(self) -> list[Block]:
-        """The trial schedule: each candidate's visits in order (A B C | C B A; C's two visits are one)."""
+    def blocks(self, names: Sequence[str] | None = None) -> list[Block]:
+        """The trial schedule of ``names`` (default: the candidates): each one's visits in order
+        (A B C | C B A; C's two visits are one)."""
+        names = self.candidates if names is None else tuple(names)
         first = (self.trial_steps + 1) // 2
-        out = [Block(name, self.warmup_steps, first) for name in self.candidates]
-        for name in reversed(self.candidates):
+        out = [Block(name, self.warmup_steps, first) for name in names]
+        for name in reversed(names):
             if out[-1].candidate == name:  # no switch between the rounds: no second warm-up either
                 out[-1] = Block(name, out[-1].warmup, self.trial_steps)
             else:
@@ -101,7 +108,7 @@ class AutoSettings:
 
     @property
     def steps_to_decide(self) -> int:
-        """Training steps until the choice is made."""
+        """Training steps until the choice is made when no runoff is needed."""
         return sum(b.warmup + b.timed for b in self.blocks())
 
     def plan_line(self) -> str:
@@ -113,7 +120,8 @@ class AutoSettings:
         """What a candidate's step time is, in words (the summary line and the docs say the same)."""
         clock = "CUDA events" if device.type == "cuda" else "monotonic clock"
         return (f"step = forward start to optimizer step end ({clock}), median of {self.trial_steps} steps per "
-                f"candidate in {ROUNDS} mirrored rounds, slowest of {ranks} rank{'s' if ranks != 1 else ''}")
+                f"candidate in {ROUNDS} mirrored rounds (twice that for a runoff of those within "
+                f"{RUNOFF_MARGIN:.0%} of the fastest), slowest of {ranks} rank{'s' if ranks != 1 else ''}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +150,7 @@ class Selection:
         decided_at: the training step at which it was switched to for good.
         job_id: the job that measured it, when it came from the autotune service ("" for this job's own).
         measured: what a step time is (:meth:`AutoSettings.measured`; "" when not known).
+        runoff: the leaders measured a second time (within :data:`RUNOFF_MARGIN` of the fastest); () when none.
     """
 
     step_ms: dict[str, float] = field(default_factory=dict)
@@ -149,6 +158,7 @@ class Selection:
     decided_at: int | None = None
     job_id: str = ""
     measured: str = ""
+    runoff: tuple[str, ...] = ()
 
     def reason(self) -> str:
         """``bytegrad: 48.1 ms/step (kept); gradient_allreduce: 170.0 ms/step (3.53x slower)``."""
@@ -159,7 +169,8 @@ class Selection:
         for name, ms in sorted(self.step_ms.items(), key=lambda kv: kv[1]):
             if name != self.chosen:
                 parts.append(f"{name}: {ms:.1f} ms/step ({ms / best:.2f}x slower)")
-        return "; ".join(parts)
+        runoff = f" after a runoff of {' and '.join(self.runoff)}" if self.runoff else ""
+        return "; ".join(parts) + runoff
 
     def line(self) -> str:
         """The summary line: ``algorithm='auto' chose X at step N: <reason> (<what was measured>)``."""
@@ -229,6 +240,8 @@ class AlgorithmSelector:
         self._open: tuple[str, Any] | None = None  # (candidate, start mark) of the timed step under way
         self._end: Any = None  # the latest optimizer step end of that step
         self._samples: list[tuple[str, Any, Any]] = []
+        self._times: dict[str, list[float]] = {name: [] for name in settings.candidates}  # this rank's, in ms
+        self._leaders: tuple[str, ...] = ()  # the candidates of the runoff, once one is scheduled
         self.selection = Selection()
 
     @property
@@ -252,8 +265,10 @@ class AlgorithmSelector:
         if self._in_block == block.warmup + block.timed:
             self._block += 1
             if self._block == len(self._blocks):
-                return self._decide(step)
-            previous, block = block, self._blocks[self._block]
+                decided = self._decide(step)
+                if decided is not None:
+                    return decided
+            previous, block = block, self._blocks[self._block]  # the next visit (the runoff's first, maybe)
             if block.candidate != previous.candidate:
                 self._switch(block.candidate)
             self._in_block = 0
@@ -272,23 +287,44 @@ class AlgorithmSelector:
             self._samples.append((self._open[0], self._open[1], self._end))
         self._open, self._end = None, None  # a step without an optimizer step is not counted
 
-    def _decide(self, step: int) -> Selection:
+    def _decide(self, step: int) -> Selection | None:
+        """The choice, or None when a runoff of the leaders was scheduled instead (every rank alike)."""
         names = list(self.settings.candidates)
-        times: dict[str, list[float]] = {n: [] for n in names}
         for name, start, end in self._samples:
-            times[name].append(self._marks.elapsed_ms(start, end))
+            self._times[name].append(self._marks.elapsed_ms(start, end))
         self._samples.clear()
-        local = torch.tensor([statistics.median(times[n]) if times[n] else float("inf") for n in names],
+        local = torch.tensor([statistics.median(self._times[n]) if self._times[n] else float("inf") for n in names],
                              dtype=torch.float64, device=self._reduce_device)
         ranks = 1
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)  # the job's pace: its slowest rank
             ranks = dist.get_world_size(self._group)
-        step_ms = [float(v) for v in local.cpu()]
-        chosen = names[choose(step_ms)]
-        self.selection = Selection(step_ms=dict(zip(names, step_ms, strict=True)), chosen=chosen, decided_at=step,
-                                   measured=self.settings.measured(self._marks.device, ranks))
+        step_ms = dict(zip(names, (float(v) for v in local.cpu()), strict=True))
+        if not self._leaders:
+            best = min(step_ms.values())
+            leaders = tuple(n for n in names if step_ms[n] <= best * (1 + RUNOFF_MARGIN))
+            if len(leaders) > 1:  # the same numbers on every rank: the same runoff
+                self._leaders = leaders
+                self._schedule_runoff(leaders)
+                log.info("algorithm='auto': %s within %.0f%% of one another (%s); measuring them again",
+                         ", ".join(leaders), RUNOFF_MARGIN * 100,
+                         ", ".join(f"{n} {step_ms[n]:.1f} ms/step" for n in leaders))
+                return None
+        eligible = self._leaders or tuple(names)  # after a runoff only its candidates were measured again
+        chosen = names[choose([step_ms[n] if n in eligible else float("inf") for n in names])]
+        self.selection = Selection(step_ms=step_ms, chosen=chosen, decided_at=step,
+                                   measured=self.settings.measured(self._marks.device, ranks),
+                                   runoff=self._leaders)
         if chosen != self._blocks[-1].candidate:
             self._switch(chosen)
         log.info("%s", self.selection.line())
         return self.selection
+
+    def _schedule_runoff(self, leaders: tuple[str, ...]) -> None:
+        """ROUNDS more mirrored rounds of ``leaders``, the one running now first (it needs no warm-up)."""
+        current = self._blocks[-1].candidate
+        order = sorted(leaders, key=lambda n: n != current)
+        blocks = self.settings.blocks(order)
+        if blocks[0].candidate == current:
+            blocks[0] = Block(current, 0, blocks[0].timed)
+        self._blocks.extend(blocks)

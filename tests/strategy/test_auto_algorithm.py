@@ -125,6 +125,56 @@ def test_selector_times_the_step_not_the_loop_and_spreads_the_trials() -> None:
     assert selector.done and selector.on_forward_start(41) is None
 
 
+def test_close_leaders_run_a_runoff_and_are_judged_on_all_their_steps() -> None:
+    a, b, c = "gradient_allreduce", "bytegrad", "decentralized"
+    now = [0.0]
+    running = [a]
+    switches: list[tuple[int, str]] = []
+    step = [0]
+
+    def cost(name: str) -> float:  # b is 2 % slower than a in the first rounds and 10 % faster in the runoff
+        return {a: 0.0100, b: 0.0102 if step[0] < 22 else 0.0090, c: 0.0200}[name]
+
+    def switch(name: str) -> None:
+        switches.append((step[0], name))
+        running[0] = name
+
+    selector = AlgorithmSelector(AutoSettings(candidates=(a, b, c), warmup_steps=2, trial_steps=4), switch,
+                                 clock=lambda: now[0])
+    decided = None
+    for step[0] in range(50):
+        got = selector.on_forward_start(step[0])
+        if got is not None:
+            assert decided is None
+            decided = got
+        assert selector.current == running[0]
+        now[0] += cost(running[0]) * (10 if switches and step[0] == switches[-1][0] else 1)
+        selector.on_step_end()
+    # The first rounds as before (a is ahead by 2 %, c 2x behind), then a runoff of a and b, a first without a
+    # warm-up (it was running): a (0+2) b (2+4) a (2+2), and b's runoff steps decide.
+    assert switches == [(4, b), (8, c), (14, b), (18, a), (24, b), (30, a), (34, b)]
+    assert decided is not None and decided.chosen == b and decided.decided_at == 34
+    assert decided.runoff == (a, b)
+    # medians over all of a leader's timed steps: b's 4 first-round steps at 10.2 and 4 runoff steps at 9.0
+    assert decided.step_ms == pytest.approx({a: 10.0, b: 9.6, c: 20.0})
+    assert decided.reason().endswith("after a runoff of gradient_allreduce and bytegrad")
+
+
+def test_a_clear_leader_needs_no_runoff() -> None:
+    a, b = "gradient_allreduce", "bytegrad"
+    now = [0.0]
+    running = [a]
+    selector = AlgorithmSelector(AutoSettings(candidates=(a, b), warmup_steps=1, trial_steps=4),
+                                 lambda name: running.__setitem__(0, name), clock=lambda: now[0])
+    decided = None
+    for step in range(30):
+        decided = decided or selector.on_forward_start(step)
+        now[0] += {a: 0.0100, b: 0.0104}[running[0]]  # 4 % apart: outside the runoff margin
+        selector.on_step_end()
+    assert decided is not None and decided.chosen == a and decided.runoff == ()
+    assert decided.decided_at == AutoSettings(candidates=(a, b), warmup_steps=1, trial_steps=4).steps_to_decide
+
+
 def _results(tmp_path: Path, n: int) -> list[dict[str, Any]]:
     out = [json.loads((tmp_path / f"torchrun_rank{r}.json").read_text()) for r in range(n)]
     for r in out:
