@@ -254,7 +254,8 @@ def auto_report(times: dict[str, list[float]], runners: list[Runner]) -> dict[st
         for key, other in (("vs_chosen", chosen), ("vs_best", best)):
             if other is not None and other in times:
                 ratio, low, high = bootstrap_ratio(times[other], times[runner.variant])
-                entry[key] = {"variant": other, "ratio": ratio, "ci95": [low, high]}
+                _, plow, phigh = bootstrap_ratio(times[other], times[runner.variant], paired=True)
+                entry[key] = {"variant": other, "ratio": ratio, "ci95": [low, high], "ci95_paired": [plow, phigh]}
         out[runner.variant] = entry
     return out
 
@@ -324,7 +325,8 @@ def run_model(args: argparse.Namespace, comm: CommContext, device: torch.device,
             if key in entry:
                 c = entry[key]
                 print(f"{variant} against {what} ({c['variant']}): {c['ratio']:.3f}x "
-                      f"[{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] (median({c['variant']}) / median({variant}))")
+                      f"[{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}], rounds paired [{c['ci95_paired'][0]:.3f}, "
+                      f"{c['ci95_paired'][1]:.3f}] (median({c['variant']}) / median({variant}))")
     doc.update(baseline=baseline, results=result)
     return doc
 

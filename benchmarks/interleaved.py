@@ -80,8 +80,13 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def bootstrap_ratio(baseline: Sequence[float], variant: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES,
-                    confidence: float = CONFIDENCE, seed: int = 0) -> tuple[float, float, float]:
+                    confidence: float = CONFIDENCE, seed: int = 0, paired: bool = False) -> tuple[float, float, float]:
     """``median(baseline) / median(variant)`` and its bootstrap interval.
+
+    ``paired``: the two series are step times of the same interleaved rounds (``baseline[i]`` and ``variant[i]``
+    ran in round ``i``, moments apart), and the rounds are resampled, both series together: the drift that the
+    interleaving puts on both alike then leaves the interval. Unpaired (the method's default), each series is
+    resampled on its own.
 
     Args:
         baseline: the baseline's step times (any unit, the same as ``variant``'s).
@@ -89,12 +94,14 @@ def bootstrap_ratio(baseline: Sequence[float], variant: Sequence[float], *, resa
         resamples: bootstrap resamples.
         confidence: coverage of the interval (0.95: the 2.5 and 97.5 percentiles).
         seed: seed of the resampling, so a report is reproducible.
+        paired: resample rounds, not steps (the series must be of one length).
 
     Returns:
         ``(ratio, low, high)``.
 
     Raises:
-        ValueError: an empty or non-positive series, or a confidence outside (0, 1).
+        ValueError: an empty or non-positive series, a confidence outside (0, 1), or paired series of two
+            lengths.
     """
     for name, series in (("baseline", baseline), ("variant", variant)):
         if not series:
@@ -108,10 +115,18 @@ def bootstrap_ratio(baseline: Sequence[float], variant: Sequence[float], *, resa
     ratio = statistics.median(baseline) / statistics.median(variant)
     rng = random.Random(seed)
     nb, nv = len(baseline), len(variant)
-    ratios = sorted(
-        statistics.median(rng.choices(baseline, k=nb)) / statistics.median(rng.choices(variant, k=nv))
-        for _ in range(resamples)
-    )
+    if paired:
+        if nb != nv:
+            raise ValueError(f"paired series of {nb} and {nv} step times; pair the steps of the same rounds.")
+        rounds = range(nb)
+        picks = (rng.choices(rounds, k=nb) for _ in range(resamples))
+        ratios = sorted(statistics.median([baseline[i] for i in pick]) / statistics.median([variant[i] for i in pick])
+                        for pick in picks)
+    else:
+        ratios = sorted(
+            statistics.median(rng.choices(baseline, k=nb)) / statistics.median(rng.choices(variant, k=nv))
+            for _ in range(resamples)
+        )
     tail = (1 - confidence) / 2
     return ratio, _percentile(ratios, tail), _percentile(ratios, 1 - tail)
 

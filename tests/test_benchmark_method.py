@@ -51,6 +51,22 @@ def test_bad_series_are_refused_with_the_value(baseline: list[float], variant: l
         bootstrap_ratio(baseline, variant, **kwargs)  # type: ignore[arg-type]
 
 
+def test_paired_rounds_take_the_shared_drift_out_of_the_interval() -> None:
+    # Two equal variants timed in the same rounds, the machine drifting 2x across the run: each round's pair
+    # shares the drift, so the paired interval is narrow around 1 and the unpaired one is wide.
+    rng = random.Random(5)
+    drift = [1.0 + i / 100 for i in range(100)]
+    a = [10.0 * d * rng.uniform(0.99, 1.01) for d in drift]
+    b = [10.0 * d * rng.uniform(0.99, 1.01) for d in drift]
+    ratio, low, high = bootstrap_ratio(a, b)
+    pratio, plow, phigh = bootstrap_ratio(a, b, paired=True)
+    assert pratio == ratio
+    assert plow < 1.0 < phigh and phigh - plow < 0.03
+    assert high - low > 2 * (phigh - plow)
+    with pytest.raises(ValueError, match="paired series of 2 and 1 step times"):
+        bootstrap_ratio([1.0, 2.0], [1.0], paired=True)
+
+
 def test_speeds_needs_its_baseline() -> None:
     with pytest.raises(ValueError, match="baseline 'ddp' is not among"):
         speeds({"a": [1.0]}, "ddp")
