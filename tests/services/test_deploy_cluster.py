@@ -231,10 +231,12 @@ def test_a_rogue_node_cannot_join_through_the_bus(ha: ServicesInfo) -> None:
                 assert set(known) == ours, f"foreign node in CLUSTER NODES of {host}: {set(known) - ours}"
                 assert rogue_id not in known
             time.sleep(0.2)
-        # The rogue never completed its handshake either: it holds no link to our nodes.
+        # The rogue never completed its handshake either: it learned none of our nodes' ids (a node met but not
+        # yet greeted stands in its table under a random id with the flag "handshake"; its TCP link to the TLS
+        # bus may read "connected" meanwhile, which says nothing about the handshake).
         rogue_view = rogue.execute_command("CLUSTER NODES")
-        assert not any(v.get("connected") and str(target["port"]) in k for k, v in rogue_view.items()
-                       if "myself" not in str(v.get("flags")))
+        learned = {v.get("node_id") for v in rogue_view.values()} & ours
+        assert not learned, f"the rogue learned our node ids {learned}: {rogue_view}"
     status = _status("--json")
     assert json.loads(status.stdout)["redis"]["healthy"] is True, status.stdout
 
