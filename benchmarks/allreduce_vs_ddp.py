@@ -19,8 +19,9 @@ Variants: ``ddp``; an algorithm's name, optionally with keyword arguments and an
 ``auto:bytegrad+decentralized+...`` for other candidates), the registered engine algorithm ``auto`` that
 ``BaguaStrategy(algorithm="auto")`` and ``with_bagua`` use: during its warm-up it measures its candidates
 in flight (``--auto-warmup`` untimed steps a visit, ``--auto-trials`` timed steps each, forward start to
-optimizer step end; each step run between two device synchronisations, as the timed ones are) and hands the
-model to the fastest (reported with the step at which it settled); its timed steps are then interleaved with the other variants' like any other. Its choice joins the run as a
+optimizer step end), in untimed interleaved rounds of every variant run exactly as the timed ones (so its
+trial sees the regime that the rounds then time), and hands the model to the fastest (reported with the step
+at which it settled); its timed steps are then interleaved with the other variants' like any other. Its choice joins the run as a
 variant of its own when it is not one already, and ``auto`` is reported against it (what a choice costs once
 made) and against the best of its candidates in the run (what the choice is worth).
 
@@ -188,16 +189,8 @@ class Runner:
         self.auto: AutoAlgorithm | None = None
         if variant.startswith("auto"):
             assert isinstance(self.model, BaguaDistributedDataParallel)
-            self.auto = auto = self.model.algorithm  # type: ignore[assignment]
-            assert isinstance(auto, AutoAlgorithm)
-            # The selection runs alone, in its own consecutive steps, in the regime of the timed ones: each step
-            # between two device synchronisations (a step that starts on an idle device pays its launch
-            # latency, one queued behind the last does not; auto measures the regime it runs in).
-            while auto.selection.chosen is None:
-                self.step()
-                sync(self.device)
-            # Handed over: the wrapper drives the chosen algorithm itself from now on.
-            assert not isinstance(self.model.algorithm, AutoAlgorithm), "auto did not hand its choice over"
+            self.auto = self.model.algorithm  # type: ignore[assignment]
+            assert isinstance(self.auto, AutoAlgorithm)
         self.warm_up(args.warmup)
 
     def step(self) -> None:
@@ -233,6 +226,23 @@ class Runner:
     def close(self) -> None:
         if isinstance(self.model, BaguaDistributedDataParallel):
             self.model.teardown()
+
+
+def select(runners: list[Runner], device: torch.device, seed: int) -> int:
+    """Untimed interleaved rounds of every variant until each ``auto`` has chosen; returns how many.
+
+    auto's trial steps then run in the regime of the timed rounds (one step of each variant per round, a device
+    synchronisation around each step: a step that starts on an idle device after another model's step pays
+    its launch latency and cold caches, one queued behind its own last step does not). auto measures the
+    regime it runs in; alone, in consecutive steps, it would measure another one than the rounds time.
+    """
+    rounds = 0
+    while any(r.auto is not None and r.auto.selection.chosen is None for r in runners):  # decided on every rank alike
+        interleave({r.variant: r.step for r in runners}, 1, sync=lambda: sync(device), seed=seed + 7919 * (rounds + 1))
+        rounds += 1
+    for r in runners:  # handed over: the wrapper drives the chosen algorithm itself from now on
+        assert r.auto is None or not isinstance(r.model.algorithm, AutoAlgorithm), "auto did not hand its choice over"
+    return rounds
 
 
 def sync(device: torch.device) -> None:
@@ -278,13 +288,15 @@ def run_model(args: argparse.Namespace, comm: CommContext, device: torch.device,
                 print(f"skipping {v!r}: {exc}")
     batches = make_batches(args, device, torch.Generator().manual_seed(1 + comm.rank))
     runners = [Runner(v, args, device, comm, batches) for v in variants]
+    select(runners, device, args.seed)
     for runner in list(runners):  # auto's choice joins the run when it is not a variant already
         chosen = runner.auto.selection.chosen if runner.auto is not None else None
         if chosen is not None and chosen not in [r.variant for r in runners]:
             runners.append(Runner(chosen, args, device, comm, batches))
-    # On CPU the same training progress for all before timing: an `auto` variant spent its selection's steps
-    # training (gradients and optimizer state change with progress, and their values can change a CPU's
-    # speed: subnormal floats), so the others catch up first. A GPU's speed does not depend on the values.
+    # On CPU the same training progress for all before timing: every variant trained through auto's selection
+    # rounds, but its choice, when it joins the run only now, did not (gradients and optimizer state change
+    # with progress, and their values can change a CPU's speed: subnormal floats), so it catches up first. A
+    # GPU's speed does not depend on the values.
     most = max(runner.i for runner in runners)
     for runner in runners if not cuda else ():
         runner.warm_up(most - runner.i)

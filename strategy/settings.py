@@ -68,6 +68,9 @@ class BaguaSettings:
     auto_trial_steps: int = 10
     """With ``algorithm="auto"``: timed steps per candidate (their median counts)."""
 
+    auto_max_runoffs: int = 3
+    """With ``algorithm="auto"``: at most this many runoffs of candidates too close to tell apart (0: none)."""
+
     bagua_kwargs: dict[str, Any] = field(default_factory=dict)
     """The algorithm's keyword arguments (with ``"auto"``: every candidate's); unknown ones are refused with
     the accepted list."""
@@ -90,7 +93,8 @@ class BaguaSettings:
         self.auto = None
         if self.algorithm == "auto":  # the algorithm's keyword arguments go to every candidate
             self.auto = auto_settings(self.auto_candidates, self.auto_warmup_steps, self.auto_trial_steps,
-                                      prefix="auto_", candidate_kwargs=self.bagua_kwargs)
+                                      prefix="auto_", candidate_kwargs=self.bagua_kwargs,
+                                      max_runoffs=self.auto_max_runoffs)
         elif self.auto_candidates is not None:
             raise ConfigurationError(f"auto_candidates={list(self.auto_candidates)} needs algorithm='auto' "
                                      f"(algorithm={self.algorithm!r} is fixed).")

@@ -72,7 +72,8 @@ class BaguaStrategy(DDPStrategy):
             ``"low_precision_decentralized"``, ``"qadam"``, ``"async"``) or ``"auto"`` (measure
             ``auto_candidates`` while training and keep the fastest: :mod:`bagua_lightning.engine.autotune.selection`).
         flatten, autotune, bucket_size, autotune_service, autotune_interval, autotune_token, autotune_tls,
-            autotune_model_name, auto_candidates, auto_warmup_steps, auto_trial_steps: the strategy's settings,
+            autotune_model_name, auto_candidates, auto_warmup_steps, auto_trial_steps, auto_max_runoffs: the
+            strategy's settings,
             each documented in :class:`~bagua_lightning.strategy.settings.BaguaSettings`, which validates them
             (:class:`~bagua_lightning.core.errors.ConfigurationError` naming a bad value and the fix).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, start_method,
@@ -107,13 +108,15 @@ class BaguaStrategy(DDPStrategy):
         auto_candidates: list[str] | tuple[str, ...] | None = None,
         auto_warmup_steps: int = 3,
         auto_trial_steps: int = 10,
+        auto_max_runoffs: int = 3,
         **bagua_kwargs: Any,
     ) -> None:
         self.settings = BaguaSettings(
             algorithm=algorithm, flatten=flatten, autotune=autotune, bucket_size=bucket_size,
             autotune_service=autotune_service, autotune_interval=autotune_interval, autotune_token=autotune_token,
             autotune_tls=autotune_tls, autotune_model_name=autotune_model_name, auto_candidates=auto_candidates,
-            auto_warmup_steps=auto_warmup_steps, auto_trial_steps=auto_trial_steps, bagua_kwargs=dict(bagua_kwargs))
+            auto_warmup_steps=auto_warmup_steps, auto_trial_steps=auto_trial_steps,
+            auto_max_runoffs=auto_max_runoffs, bagua_kwargs=dict(bagua_kwargs))
         self._autotune: AutotuneController | None = None
         self._autotune_state: AutotuneState | None = None  # the latest state (kept after the fit for checkpoints)
         self._resume_autotune: AutotuneState | None = None  # from the checkpoint a fit resumes

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...core.errors import ConfigurationError
-from ..autotune.selection import DEFAULT_CANDIDATES, AlgorithmSelector, AutoSettings, Selection
+from ..autotune.selection import DEFAULT_CANDIDATES, MAX_RUNOFFS, AlgorithmSelector, AutoSettings, Selection
 from ..parameters import average_module_parameters
 from .base import ALGORITHMS, Algorithm, get_algorithm_class, register_algorithm, switchable_algorithms
 
@@ -36,13 +36,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def auto_settings(candidates: Sequence[str] | None, warmup_steps: int, trial_steps: int, *, prefix: str = "",
-                  candidate_kwargs: Mapping[str, Any] | None = None) -> AutoSettings:
+                  candidate_kwargs: Mapping[str, Any] | None = None, max_runoffs: int = MAX_RUNOFFS) -> AutoSettings:
     """Validated settings of ``auto``; ConfigurationError names a bad value and the fix.
 
     ``prefix`` is how the front door spells the arguments (``"auto_"`` for ``BaguaStrategy``).
     """
     settings = AutoSettings(candidates=DEFAULT_CANDIDATES if candidates is None else candidates,  # type: ignore[arg-type]
-                            warmup_steps=warmup_steps, trial_steps=trial_steps, prefix=prefix)
+                            warmup_steps=warmup_steps, trial_steps=trial_steps, max_runoffs=max_runoffs,
+                            prefix=prefix)
     selectable = switchable_algorithms()
     unknown = [c for c in settings.candidates if c not in selectable]
     if unknown:
@@ -77,11 +78,13 @@ class AutoAlgorithm(Algorithm):
         warmup_steps: untimed steps after each switch (>= 1).
         trial_steps: timed steps per candidate (>= 3; their median counts).
         candidate_kwargs: keyword arguments given to every candidate (e.g. ``{"hierarchical": False}``).
+        max_runoffs: at most this many runoffs of candidates too close to tell apart (0: none).
     """
 
     def __init__(self, candidates: Sequence[str] | None = None, warmup_steps: int = 3, trial_steps: int = 10,
-                 candidate_kwargs: Mapping[str, Any] | None = None) -> None:
-        self.settings = auto_settings(candidates, warmup_steps, trial_steps, candidate_kwargs=candidate_kwargs)
+                 candidate_kwargs: Mapping[str, Any] | None = None, max_runoffs: int = MAX_RUNOFFS) -> None:
+        self.settings = auto_settings(candidates, warmup_steps, trial_steps, candidate_kwargs=candidate_kwargs,
+                                      max_runoffs=max_runoffs)
         self.candidates = list(self.settings.candidates)
         self.warmup_steps = warmup_steps
         self.trial_steps = trial_steps
@@ -97,7 +100,8 @@ class AutoAlgorithm(Algorithm):
     @classmethod
     def of(cls, settings: AutoSettings, candidate_kwargs: Mapping[str, Any] | None = None) -> AutoAlgorithm:
         """An instance measuring as ``settings`` say (``BaguaStrategy(algorithm="auto")``'s, checked already)."""
-        return cls(settings.candidates, settings.warmup_steps, settings.trial_steps, candidate_kwargs)
+        return cls(settings.candidates, settings.warmup_steps, settings.trial_steps, candidate_kwargs,
+                   settings.max_runoffs)
 
     # ------------------------------------------------------------------ what was measured
 

@@ -16,9 +16,11 @@ the job measures instead of guessing (:class:`AlgorithmSelector`, driven by the 
    (linear drift then weighs the same on every candidate), each visit after ``warmup_steps`` untimed steps
    (buckets, communicators and compression kernels warm up; the last candidate of the first round goes
    straight on into the second).
-   When the fastest candidates end within :data:`RUNOFF_MARGIN` of one another, those leaders run a second
-   pair of mirrored rounds (a runoff) and are judged on all their timed steps: candidates a few percent apart
-   are told apart by twice the evidence, the clear cases cost nothing more.
+   When the fastest candidates end within :data:`RUNOFF_MARGIN` of one another, or within the trial's own
+   noise (:data:`RUNOFF_NOISE_Z` standard errors of the difference of two medians, from the steps' spread),
+   those leaders run another pair of mirrored rounds (a runoff, at most :data:`MAX_RUNOFFS`) and are judged
+   on all their timed steps: candidates a few percent apart on a noisy machine are told apart by more
+   evidence, the clear cases cost nothing more.
 3. **The slowest rank decides**: each rank takes the median of each candidate's timed steps, the group takes
    the maximum per candidate (a job is as slow as its slowest rank), and every rank picks the argmin of the
    same numbers: the same algorithm on every rank, at the same step, without a broadcast.
@@ -33,6 +35,7 @@ others are opt-in. Which algorithms may be candidates is derived from the regist
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -51,8 +54,15 @@ log = logging.getLogger(__name__)
 DEFAULT_CANDIDATES = ("gradient_allreduce", "bytegrad")
 #: How many rounds a candidate's trial steps are spread over (mirrored order: A B | B A).
 ROUNDS = 2
-#: Candidates whose step time is within this fraction of the fastest's run a runoff (ROUNDS more rounds).
+#: Candidates whose step time is within this fraction of the fastest's run a runoff (ROUNDS more rounds) ...
 RUNOFF_MARGIN = 0.03
+#: ... or within this many standard errors of the difference (the trial's own noise, from its spread).
+RUNOFF_NOISE_Z = 2.0
+#: At most this many runoffs by default (``AutoSettings.max_runoffs``); then the lowest median of the last
+#: one's candidates is kept.
+MAX_RUNOFFS = 3
+#: Standard error of a median of n normal samples from their median absolute deviation: 1.2533 * 1.4826 * MAD / sqrt(n).
+_SE_OF_MEDIAN = 1.2533 * 1.4826
 
 
 @dataclass(kw_only=True)
@@ -65,6 +75,8 @@ class AutoSettings:
         warmup_steps: untimed steps after each switch, >= 1.
         trial_steps: timed steps per candidate, >= 3 (the median of them is its step time), spread over
             :data:`ROUNDS` rounds.
+        max_runoffs: at most this many runoffs of candidates too close to tell apart (0: none; then the choice
+            comes at :attr:`steps_to_decide` exactly).
         prefix: how the front door spells these arguments, for error messages (``BaguaStrategy``'s
             ``auto_candidates``; ``""`` for ``AutoAlgorithm(candidates=...)``).
     """
@@ -72,6 +84,7 @@ class AutoSettings:
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     warmup_steps: int = 3
     trial_steps: int = 10
+    max_runoffs: int = MAX_RUNOFFS
     prefix: str = "auto_"
 
     def __post_init__(self) -> None:
@@ -83,10 +96,13 @@ class AutoSettings:
         if not self.candidates or len(set(self.candidates)) != len(self.candidates):
             raise ConfigurationError(f"{p}candidates={list(self.candidates)}; name each algorithm once, at "
                                      "least one.")
-        for name in ("warmup_steps", "trial_steps"):
+        for name in ("warmup_steps", "trial_steps", "max_runoffs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigurationError(f"{p}{name}={value!r} is not a number of steps; give a whole number.")
+                noun = "runoffs" if name == "max_runoffs" else "steps"
+                raise ConfigurationError(f"{p}{name}={value!r} is not a number of {noun}; give a whole number.")
+        if self.max_runoffs < 0:
+            raise ConfigurationError(f"{p}max_runoffs={self.max_runoffs}; give 0 (no runoff) or more.")
         if self.warmup_steps < 1:
             raise ConfigurationError(f"{p}warmup_steps={self.warmup_steps}; give at least 1.")
         if self.trial_steps < 3:
@@ -120,8 +136,8 @@ class AutoSettings:
         """What a candidate's step time is, in words (the summary line and the docs say the same)."""
         clock = "CUDA events" if device.type == "cuda" else "monotonic clock"
         return (f"step = forward start to optimizer step end ({clock}), median of {self.trial_steps} steps per "
-                f"candidate in {ROUNDS} mirrored rounds (twice that for a runoff of those within "
-                f"{RUNOFF_MARGIN:.0%} of the fastest), slowest of {ranks} rank{'s' if ranks != 1 else ''}")
+                f"candidate in {ROUNDS} mirrored rounds, as many more in a runoff of those within "
+                f"{RUNOFF_MARGIN:.0%} or the noise of the fastest, slowest of {ranks} rank{'s' if ranks != 1 else ''}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +147,18 @@ class Block:
     candidate: str
     warmup: int
     timed: int
+
+
+def _median(times: Sequence[float]) -> float:
+    return statistics.median(times) if times else float("inf")
+
+
+def _se_of_median(times: Sequence[float]) -> float:
+    """Standard error of the median of ``times`` from their spread (0 for fewer than 3: no spread to see)."""
+    if len(times) < 3:
+        return 0.0
+    mid = statistics.median(times)
+    return _SE_OF_MEDIAN * statistics.median(abs(t - mid) for t in times) / math.sqrt(len(times))
 
 
 def choose(step_ms: Sequence[float]) -> int:
@@ -150,7 +178,8 @@ class Selection:
         decided_at: the training step at which it was switched to for good.
         job_id: the job that measured it, when it came from the autotune service ("" for this job's own).
         measured: what a step time is (:meth:`AutoSettings.measured`; "" when not known).
-        runoff: the leaders measured a second time (within :data:`RUNOFF_MARGIN` of the fastest); () when none.
+        runoff: the candidates of the last runoff (too close to tell apart before it); () when none was held.
+        runoffs: how many runoffs were held.
     """
 
     step_ms: dict[str, float] = field(default_factory=dict)
@@ -159,6 +188,7 @@ class Selection:
     job_id: str = ""
     measured: str = ""
     runoff: tuple[str, ...] = ()
+    runoffs: int = 0
 
     def reason(self) -> str:
         """``bytegrad: 48.1 ms/step (kept); gradient_allreduce: 170.0 ms/step (3.53x slower)``."""
@@ -169,7 +199,10 @@ class Selection:
         for name, ms in sorted(self.step_ms.items(), key=lambda kv: kv[1]):
             if name != self.chosen:
                 parts.append(f"{name}: {ms:.1f} ms/step ({ms / best:.2f}x slower)")
-        runoff = f" after a runoff of {' and '.join(self.runoff)}" if self.runoff else ""
+        runoff = ""
+        if self.runoff:
+            runoff = f" after {'a runoff' if self.runoffs <= 1 else f'{self.runoffs} runoffs, the last'} of " \
+                     f"{' and '.join(self.runoff)}"
         return "; ".join(parts) + runoff
 
     def line(self) -> str:
@@ -241,7 +274,8 @@ class AlgorithmSelector:
         self._end: Any = None  # the latest optimizer step end of that step
         self._samples: list[tuple[str, Any, Any]] = []
         self._times: dict[str, list[float]] = {name: [] for name in settings.candidates}  # this rank's, in ms
-        self._leaders: tuple[str, ...] = ()  # the candidates of the runoff, once one is scheduled
+        self._leaders: tuple[str, ...] = ()  # the candidates of the latest runoff, once one is scheduled
+        self._runoffs = 0
         self.selection = Selection()
 
     @property
@@ -293,30 +327,32 @@ class AlgorithmSelector:
         for name, start, end in self._samples:
             self._times[name].append(self._marks.elapsed_ms(start, end))
         self._samples.clear()
-        local = torch.tensor([statistics.median(self._times[n]) if self._times[n] else float("inf") for n in names],
+        local = torch.tensor([_median(self._times[n]) for n in names] + [_se_of_median(self._times[n]) for n in names],
                              dtype=torch.float64, device=self._reduce_device)
         ranks = 1
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)  # the job's pace: its slowest rank
             ranks = dist.get_world_size(self._group)
-        step_ms = dict(zip(names, (float(v) for v in local.cpu()), strict=True))
-        if not self._leaders:
-            best = min(step_ms.values())
-            leaders = tuple(n for n in names if step_ms[n] <= best * (1 + RUNOFF_MARGIN))
-            if len(leaders) > 1:  # the same numbers on every rank: the same runoff
-                self._leaders = leaders
-                self._schedule_runoff(leaders)
-                log.info("algorithm='auto': %s within %.0f%% of one another (%s); measuring them again",
-                         ", ".join(leaders), RUNOFF_MARGIN * 100,
-                         ", ".join(f"{n} {step_ms[n]:.1f} ms/step" for n in leaders))
-                return None
-        eligible = self._leaders or tuple(names)  # after a runoff only its candidates were measured again
-        chosen = names[choose([step_ms[n] if n in eligible else float("inf") for n in names])]
-        self.selection = Selection(step_ms=step_ms, chosen=chosen, decided_at=step,
+        values = [float(v) for v in local.cpu()]
+        step_ms = dict(zip(names, values[:len(names)], strict=True))
+        se = dict(zip(names, values[len(names):], strict=True))
+        contenders = self._leaders or tuple(names)  # after a runoff only its candidates were measured again
+        best = min(contenders, key=lambda n: (step_ms[n], names.index(n)))
+        leaders = tuple(n for n in contenders if step_ms[n] - step_ms[best] <= max(
+            RUNOFF_MARGIN * step_ms[best], RUNOFF_NOISE_Z * math.hypot(se[n], se[best])))
+        if len(leaders) > 1 and self._runoffs < self.settings.max_runoffs:  # the same numbers on every rank: the same runoff
+            self._leaders = leaders
+            self._runoffs += 1
+            self._schedule_runoff(leaders)
+            log.info("algorithm='auto': %s too close to tell apart (%s); measuring them again (runoff %d of at most %d)",
+                     ", ".join(leaders), ", ".join(f"{n} {step_ms[n]:.1f} +- {se[n]:.1f} ms/step" for n in leaders),
+                     self._runoffs, self.settings.max_runoffs)
+            return None
+        self.selection = Selection(step_ms=step_ms, chosen=best, decided_at=step,
                                    measured=self.settings.measured(self._marks.device, ranks),
-                                   runoff=self._leaders)
-        if chosen != self._blocks[-1].candidate:
-            self._switch(chosen)
+                                   runoff=self._leaders, runoffs=self._runoffs)
+        if best != self._blocks[-1].candidate:
+            self._switch(best)
         log.info("%s", self.selection.line())
         return self.selection
 

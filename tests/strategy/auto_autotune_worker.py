@@ -16,7 +16,7 @@ from tests.strategy.lightning_workers import trainer, worker_main
 
 def torchrun_mode(out: Path) -> dict[str, Any]:
     strategy = BaguaStrategy(algorithm="auto", auto_candidates=["gradient_allreduce", "bytegrad"],
-                             auto_warmup_steps=1, auto_trial_steps=3, autotune=True,
+                             auto_warmup_steps=1, auto_trial_steps=3, auto_max_runoffs=0, autotune=True,
                              autotune_service=os.environ["AUTO_TEST_SERVICE"], autotune_interval=3,
                              autotune_model_name="auto-net", bucket_size=4096)
     model = Record()

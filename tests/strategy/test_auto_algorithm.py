@@ -16,6 +16,7 @@ from bagua_lightning.engine.algorithms.auto import auto_settings
 from bagua_lightning.engine.algorithms.base import switchable_algorithms
 from bagua_lightning.engine.autotune.selection import (
     DEFAULT_CANDIDATES,
+    MAX_RUNOFFS,
     AlgorithmSelector,
     AutoSettings,
     Block,
@@ -41,11 +42,13 @@ AUTOTUNE_WORKER = str(Path(__file__).with_name("auto_autotune_worker.py"))
     ({"trial_steps": 2}, "auto_trial_steps=2; give at least 3"),
     ({"warmup_steps": 0}, "auto_warmup_steps=0"),
     ({"warmup_steps": 1.5}, "is not a number of steps"),
+    ({"max_runoffs": -1}, r"auto_max_runoffs=-1; give 0 \(no runoff\) or more"),
+    ({"max_runoffs": True}, "auto_max_runoffs=True is not a number of runoffs"),
 ])
 def test_settings_refuse_what_cannot_be_measured(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigurationError, match=match):
         auto_settings(kwargs.get("candidates"), kwargs.get("warmup_steps", 3), kwargs.get("trial_steps", 10),
-                      prefix="auto_")
+                      prefix="auto_", max_runoffs=kwargs.get("max_runoffs", 3))
 
 
 def test_candidates_come_from_the_registry() -> None:
@@ -151,13 +154,34 @@ def test_close_leaders_run_a_runoff_and_are_judged_on_all_their_steps() -> None:
         now[0] += cost(running[0]) * (10 if switches and step[0] == switches[-1][0] else 1)
         selector.on_step_end()
     # The first rounds as before (a is ahead by 2 %, c 2x behind), then a runoff of a and b, a first without a
-    # warm-up (it was running): a (0+2) b (2+4) a (2+2), and b's runoff steps decide.
-    assert switches == [(4, b), (8, c), (14, b), (18, a), (24, b), (30, a), (34, b)]
-    assert decided is not None and decided.chosen == b and decided.decided_at == 34
-    assert decided.runoff == (a, b)
-    # medians over all of a leader's timed steps: b's 4 first-round steps at 10.2 and 4 runoff steps at 9.0
-    assert decided.step_ms == pytest.approx({a: 10.0, b: 9.6, c: 20.0})
-    assert decided.reason().endswith("after a runoff of gradient_allreduce and bytegrad")
+    # warm-up (it was running): a (0+2) b (2+4) a (2+2). After it b's steps spread over 9.0 and 10.2 ms (median
+    # 9.6, 0.4 from a: within two standard errors of the difference), so a second runoff; then b's median is
+    # 9.0 with no spread, a clear lead, and b is kept.
+    assert switches == [(4, b), (8, c), (14, b), (18, a), (24, b), (30, a), (36, b), (42, a), (46, b)]
+    assert decided is not None and decided.chosen == b and decided.decided_at == 46
+    assert decided.runoff == (a, b) and decided.runoffs == 2
+    # medians over all of a leader's timed steps: b's 4 first-round steps at 10.2 and 8 runoff steps at 9.0
+    assert decided.step_ms == pytest.approx({a: 10.0, b: 9.0, c: 20.0})
+    assert decided.reason().endswith("after 2 runoffs, the last of gradient_allreduce and bytegrad")
+
+
+def test_runoffs_end_after_the_most_allowed() -> None:
+    # Two candidates 1 % apart under +-30 % noise: never told apart, so MAX_RUNOFFS runoffs, then the lower median.
+    a, b = "gradient_allreduce", "bytegrad"
+    noise = [0.7, 1.3, 1.0, 0.8, 1.2, 1.1, 0.9]
+    now = [0.0]
+    running = [a]
+    settings = AutoSettings(candidates=(a, b), warmup_steps=2, trial_steps=4)
+    selector = AlgorithmSelector(settings, lambda name: running.__setitem__(0, name), clock=lambda: now[0])
+    decided = None
+    for step in range(200):
+        decided = decided or selector.on_forward_start(step)
+        now[0] += {a: 0.0100, b: 0.0101}[running[0]] * noise[step % len(noise)]
+        selector.on_step_end()
+    assert decided is not None and decided.runoffs == MAX_RUNOFFS == 3 and decided.runoff == (a, b)
+    # each runoff of two: the running one 0 + 2 steps, the other 2 + 4, the running one again 2 + 2
+    assert decided.decided_at == settings.steps_to_decide + MAX_RUNOFFS * 12
+    assert decided.chosen == min((a, b), key=lambda n: decided.step_ms[n])
 
 
 def test_a_clear_leader_needs_no_runoff() -> None:

@@ -28,7 +28,7 @@ from torch import nn
 import bagua_lightning.torch_api as bagua
 from bagua_lightning.engine.algorithms.base import register_algorithm
 from bagua_lightning.engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
-from bagua_lightning.engine.autotune.selection import AutoSettings
+from bagua_lightning.engine.autotune.selection import MAX_RUNOFFS, AutoSettings
 from bagua_lightning.torch_api.algorithms import AutoAlgorithm
 
 WARMUP, TRIALS = 1, 3
@@ -65,9 +65,12 @@ def main(out: Path, candidates: list[str], busy_loop: bool) -> None:
     algorithm = AutoAlgorithm(candidates=candidates, warmup_steps=WARMUP, trial_steps=TRIALS)
     model = model.with_bagua([opt], algorithm)
     decide_at = AutoSettings(candidates=tuple(candidates), warmup_steps=WARMUP, trial_steps=TRIALS).steps_to_decide
+    most = decide_at + MAX_RUNOFFS * 2 * (WARMUP + TRIALS)  # every runoff held, of two candidates
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     used: list[str] = []
-    for _ in range(decide_at + 6):
+    while len(used) < most + 6:  # every rank decides at the same step, so every rank stops at the same one
+        if algorithm.selection.decided_at is not None and len(used) >= algorithm.selection.decided_at + 6:
+            break
         data, target = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
         opt.zero_grad()
         loss = F.mse_loss(model(data), target)
@@ -81,6 +84,7 @@ def main(out: Path, candidates: list[str], busy_loop: bool) -> None:
     result = {
         "chosen": selection.chosen, "step_ms": selection.step_ms, "decided_at": selection.decided_at,
         "reason": selection.reason(), "used": used, "log": lines.lines, "decide_at": decide_at,
+        "runoffs": selection.runoffs, "runoff_steps": 2 * (WARMUP + TRIALS),
         "driven": type(model._bagua_driver.algorithm).__name__,
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     }

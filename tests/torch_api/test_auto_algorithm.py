@@ -31,10 +31,15 @@ def test_every_rank_keeps_the_same_measured_candidate(tmp_path: Path, candidates
     for r in results:
         assert list(r["step_ms"]) == candidates and r["step_ms"] == results[0]["step_ms"]  # the group's numbers
         assert all(ms > 0 for ms in r["step_ms"].values())
-        # A (1+2) B (1+3) A (1+1): 3 timed steps each over two mirrored rounds, then the kept one.
+        # A (1+2) B (1+3) A (1+1): 3 timed steps each over two mirrored rounds; then, when the two were too
+        # close to tell apart on this CPU, runoffs of 8 steps each (A 0+2, B 1+3, A 1+1); then the kept one.
         a, b = candidates
         assert r["decide_at"] == 9 and r["used"][:9] == [a] * 3 + [b] * 4 + [a] * 2
-        assert set(r["used"][9:]) == {chosen}
+        assert r["decided_at"] == 9 + r["runoffs"] * r["runoff_steps"]
+        for k in range(r["runoffs"]):
+            start = 9 + k * 8
+            assert r["used"][start:start + 8] == [a] * 2 + [b] * 4 + [a] * 2
+        assert set(r["used"][r["decided_at"]:]) == {chosen} and len(r["used"]) == r["decided_at"] + 6
         # Handed over: the driver calls the chosen algorithm itself, nothing of auto in between.
         assert r["driven"] == get_algorithm_class(chosen).__name__
         assert any(f"chose {chosen}" in line for line in r["log"]), r["log"]
