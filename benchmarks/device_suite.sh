@@ -108,9 +108,9 @@ for what in "$@"; do
       } >> "$log"
       cat "$log" ;;
     autonv)
-      timeout "${AUTONV_TIMEOUT:-560}" torchrun --nproc_per_node "$ngpu" benchmarks/allreduce_vs_ddp.py \
-        --model "${AUTONV_MODELS:-resnet50,100m,vgg16}" --rounds "${AUTONV_ROUNDS:-360}" --warmup 3 \
-        --auto-warmup 3 --auto-trials 10 \
+      timeout "${AUTONV_TIMEOUT:-580}" torchrun --nproc_per_node "$ngpu" benchmarks/allreduce_vs_ddp.py \
+        --model "${AUTONV_MODELS:-resnet50,100m,vgg16}" --rounds "${AUTONV_ROUNDS:-300}" --warmup 3 \
+        --auto-warmup 2 --auto-trials 12 \
         --variants "ddp,gradient_allreduce,bytegrad,decentralized,low_precision_decentralized,auto:gradient_allreduce+bytegrad+decentralized+low_precision_decentralized" \
         --json "$out/autonv_${ngpu}gpu.json" 2>&1 | tee "$out/autonv_${ngpu}gpu.log" || rc=1 ;;
     cache)
