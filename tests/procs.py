@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import ssl
@@ -18,6 +19,43 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+#: Port blocks for servers lie wholly below Linux's ephemeral range (32768-60999), their cluster bus (+10000)
+#: and TLS (+20000) ports too, so no client socket of any process takes one while a test starts its servers;
+#: each pytest-xdist worker draws from its own slice, so two workers never race for one block.
+BLOCK_LOW, EPHEMERAL_LOW = 10000, 32768
+
+
+def bindable(port: int) -> bool:
+    """Whether a listening socket could bind ``port`` on 127.0.0.1 now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(n: int, with_bus: bool = True, tls: bool = False) -> int:
+    """First of ``n`` consecutive free ports, with their cluster bus ports (+10000) unless ``with_bus`` is False
+    and their TLS ports (+20000, :func:`~bagua_lightning.core.redis_server.tls_port` there) when ``tls``.
+
+    Drawn at random from this xdist worker's slice of the ports below the ephemeral range.
+    """
+    offsets = [0] + ([10000] if with_bus else []) + ([20000] if tls else [])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(worker[2:]) % count if worker[2:].isdigit() else 0
+    width = (EPHEMERAL_LOW - max(offsets) - BLOCK_LOW) // count
+    low = BLOCK_LOW + index * width
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(low, low + width - n)
+        if all(bindable(base + i + o) for i in range(n) for o in offsets):
+            return base
+    raise RuntimeError(f"no block of {n} free ports found in {low}..{low + width - 1}")
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05) -> None:

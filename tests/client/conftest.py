@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,30 +10,9 @@ import pytest
 from bagua_lightning.client.cache import RedisStore
 from bagua_lightning.core.local_redis import stop_server
 from bagua_lightning.services.redis_cluster import ClusterInfo, ClusterSpec, running_cluster
-from tests.procs import free_port
+from tests.procs import free_port_block
 
 TEST_PASSWORD = "cache-test-password"
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_block(n: int, with_bus: bool = True) -> int:
-    """First of ``n`` consecutive free ports (and their cluster bus ports, +10000), all below 55000."""
-    for _ in range(200):
-        base = free_port()
-        if base + n > 55000:
-            base = 20000 + base % 30000
-        ports = [base + i for i in range(n)] + ([base + i + 10000 for i in range(n)] if with_bus else [])
-        if all(_bindable(p) for p in ports):
-            return base
-    raise RuntimeError(f"no block of {n} free ports found")
 
 
 def deployment(tmp_root: Path, **kwargs: object) -> Iterator[ClusterInfo]:

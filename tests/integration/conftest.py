@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from bagua_lightning.core.services_file import (
 from bagua_lightning.core.tls_trust import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY
 from bagua_lightning.services import deploy
 from tests.integration.compose import COMPOSE_FILE
-from tests.procs import free_port
+from tests.procs import free_port, free_port_block
 
 DOCKER_PROJECT = f"bagua-lightning-test-{os.getpid()}"
 
@@ -144,28 +143,6 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[st
     return result
 
 
-def free_port_block(count: int, offset: int = 10000) -> int:
-    """A base port such that ``base .. base+count-1`` and the same ports + ``offset`` are free."""
-    for _ in range(200):
-        base = free_port()
-        if base + count - 1 + offset > 65535:
-            continue
-        ports = [base + i for i in range(count)] + [base + i + offset for i in range(count)]
-        if all(_is_free(p) for p in ports):
-            return base
-    raise RuntimeError(f"no block of {count} free ports (and +{offset}) found")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @contextlib.contextmanager
 def native_deployment(state: Path) -> Iterator[Deployment]:
     env = dict(os.environ)
@@ -173,7 +150,7 @@ def native_deployment(state: Path) -> Iterator[Deployment]:
         env.pop(name, None)
     env.update({"XDG_STATE_HOME": str(state), ENV_FILE: str(state / "services.json"),
                 "NO_PROXY": "127.0.0.1,localhost"})
-    autotune_port, redis_port = free_port(), free_port_block(3)
+    autotune_port, redis_port = free_port(), free_port_block(6)  # 3 masters, 3 replicas
     dep = Deployment(kind="native", autotune=f"127.0.0.1:{autotune_port}",
                      redis_hosts=[{"host": "127.0.0.1", "port": redis_port + i} for i in range(3)], env=env,
                      up_args=["--autotune-port", str(autotune_port), "--redis-port", str(redis_port),

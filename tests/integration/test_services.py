@@ -23,7 +23,8 @@ from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
 from bagua_lightning.services import deploy, health
 from bagua_lightning.services.autotune.mirror import open_store
 from bagua_lightning.services.autotune.persistence import StoredPlan
-from tests.integration.conftest import Deployment, _is_free
+from tests.integration.conftest import Deployment
+from tests.procs import bindable
 
 
 @pytest.fixture(autouse=True)
@@ -133,5 +134,5 @@ def test_down_leaves_no_process(services: Deployment) -> None:
         pids = [recorded.pids["autotune"], *recorded.pids["redis"]]
         assert not [p for p in pids if processes.pid_alive(int(p))], "a process outlived `down`"
         assert services.recorded() is None, "`down` must remove the services file"
-        assert all(_is_free(p) for p in services.ports()), "a port is still taken after `down`"
+        assert all(bindable(p) for p in services.ports()), "a port is still taken after `down`"
     assert not health.check_autotune(services.autotune, timeout_s=1.0).healthy

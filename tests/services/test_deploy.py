@@ -143,7 +143,7 @@ def test_taken_port_fails_before_starting_anything(state: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ConfigurationError, match=rf"port {port} on 127\.0\.0\.1 is not free.*--autotune-port"):
-            deploy.up(deploy.UpConfig(autotune_port=port, redis_port=free_port_block(3)))
+            deploy.up(deploy.UpConfig(autotune_port=port, redis_port=free_port_block(6)))
     assert read_services_file() is None
     assert not (state / "bagua-lightning" / "redis").exists() or not any((state / "bagua-lightning" / "redis").iterdir())
 

@@ -33,35 +33,18 @@ from bagua_lightning.core.redis_server import (
     NodeTLS,
     client_for,
     cluster_info,
-    tls_port,
 )
 from bagua_lightning.core.services_file import ENV_FILE, ServicesInfo, read_services_file
 from bagua_lightning.core.tls_trust import TLS_ENV, ClientTLS
 from bagua_lightning.services import deploy
-from tests.procs import free_port, stop_process, wait_until
+from tests.procs import bindable, free_port, free_port_block, stop_process, wait_until
 
 ROGUE_WATCH_S = 8.0  # how long the rogue keeps trying before we conclude it stayed out
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def cluster_ports(count: int) -> int:
     """A first port such that the ``count`` client ports, their bus ports and their TLS ports are free."""
-    for _ in range(200):
-        base = free_port()
-        if base + count - 1 + 10000 > 65535:
-            continue
-        ports = [p for i in range(count) for p in (base + i, base + i + 10000, tls_port(base + i))]
-        if all(_bindable(p) for p in ports):
-            return base
-    raise RuntimeError(f"no block of {count} free cluster ports found")
+    return free_port_block(count, tls=True)
 
 
 @contextlib.contextmanager
@@ -111,7 +94,7 @@ def _known_nodes(host: str, port: int, password: str, tls: ClientTLS | None = No
 def rogue_node() -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     """A password-less cluster-enabled redis-server, as an unprivileged user would start one."""
     port = free_port()
-    while port + 10000 > 65535 or not _bindable(port + 10000):
+    while port + 10000 > 65535 or not bindable(port + 10000):
         port = free_port()
     folder = Path(tempfile.mkdtemp(prefix="rogue-redis-"))  # in /tmp: reachable by `nobody`
     os.chmod(folder, 0o777)
