@@ -33,7 +33,9 @@ batches, same AdamW, fused where torch has it); all copies live side by side and
 (on CPU then as many more as an ``auto`` variant's selection took, so all start timing at the same step).
 Then each of ``--rounds`` rounds runs ONE step of every variant, in an order shuffled
 per round (the same on every rank), each step timed between two device synchronisations
-(``benchmarks/interleaved.py``). Reported per variant: the median step time and the speed
+(``benchmarks/interleaved.py``); a step's time is then that of its slowest rank (one all-reduce after the
+rounds: a decentralized step can end early on one rank and leave the wait to the next variant), rank 0's own
+in the JSON beside it. Reported per variant: the median step time and the speed
 against DDP, ``median(DDP) / median(variant)``, with its 95 % bootstrap interval; an
 interval that contains 1 is "no difference".
 """
@@ -245,6 +247,22 @@ def select(runners: list[Runner], device: torch.device, seed: int) -> int:
     return rounds
 
 
+def slowest_rank(times: dict[str, list[float]], device: torch.device) -> dict[str, list[float]]:
+    """Each step's time on the slowest rank (one all-reduce after the rounds; the rounds themselves add nothing).
+
+    A synchronous algorithm ends its step on every rank at once (its last collective), so rank 0's time is the
+    job's. A decentralized one couples a rank only to its peers: a rank can finish its step early, and the
+    wait for a slower one then falls on the next variant's first collective, in another variant's time. The
+    slowest rank's time of each step is what the job waits for, for every variant alike.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return times
+    names = list(times)
+    local = torch.tensor([times[n] for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return {n: [float(v) for v in row] for n, row in zip(names, local.cpu(), strict=True)}
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device (no barrier: the ranks are in lockstep through the step's collectives)."""
     if device.type == "cuda":
@@ -300,8 +318,8 @@ def run_model(args: argparse.Namespace, comm: CommContext, device: torch.device,
     most = max(runner.i for runner in runners)
     for runner in runners if not cuda else ():
         runner.warm_up(most - runner.i)
-    times = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device),
-                       seed=args.seed)
+    own = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device), seed=args.seed)
+    times = slowest_rank(own, device if cuda else torch.device("cpu"))
     timings = {runner.variant: runner.timings() for runner in runners}
     selections = {runner.variant: runner.selection() for runner in runners}
     autos = auto_report(times, runners)
@@ -318,14 +336,15 @@ def run_model(args: argparse.Namespace, comm: CommContext, device: torch.device,
         return doc
     print(f"model {args.model} ({n_params / 1e6:.1f}M params), {comm.world_size} x {name} on {comm.num_nodes} "
           f"node(s), batch {args.batch_size}{'' if args.model in VISION + tuple(MLPS) else f'x{args.seq_len}'} "
-          f"per rank, {args.rounds} interleaved steps per variant; "
+          f"per rank, {args.rounds} interleaved steps per variant, each step's time that of its slowest rank; "
           "speed vs DDP = median(DDP) / median(variant) [95 % bootstrap interval]")
     baseline = "ddp" if "ddp" in times else next(iter(times))
     result = {}
     for sp in speeds(times, baseline):
         result[sp.variant] = {**sp.to_json(), "samples_per_s":
                               1000.0 * args.batch_size * comm.world_size / sp.median_ms,
-                              "step_ms": times[sp.variant]}
+                              "step_ms": times[sp.variant], "rank0_step_ms": own[sp.variant],
+                              "rank0_median_ms": statistics.median(own[sp.variant])}
         print(sp.row())
         if selections.get(sp.variant):
             print(f"{'':>32}{selections[sp.variant]}")
