@@ -61,7 +61,12 @@ from bagua_lightning.engine.comm import CommContext
 from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interleaved import bootstrap_ratio, interleave, speeds  # a sibling module of the benchmarks
+from interleaved import (  # a sibling module of the benchmarks
+    bootstrap_ratio,
+    interleave,
+    slowest_rank,
+    speeds,
+)
 
 SIZES = {  # vocab, width, layers, heads
     "100m": (32000, 768, 12, 12),
@@ -247,22 +252,6 @@ def select(runners: list[Runner], device: torch.device, seed: int) -> int:
     return rounds
 
 
-def slowest_rank(times: dict[str, list[float]], device: torch.device) -> dict[str, list[float]]:
-    """Each step's time on the slowest rank (one all-reduce after the rounds; the rounds themselves add nothing).
-
-    A synchronous algorithm ends its step on every rank at once (its last collective), so rank 0's time is the
-    job's. A decentralized one couples a rank only to its peers: a rank can finish its step early, and the
-    wait for a slower one then falls on the next variant's first collective, in another variant's time. The
-    slowest rank's time of each step is what the job waits for, for every variant alike.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return times
-    names = list(times)
-    local = torch.tensor([times[n] for n in names], dtype=torch.float64, device=device)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    return {n: [float(v) for v in row] for n, row in zip(names, local.cpu(), strict=True)}
-
-
 def sync(device: torch.device) -> None:
     """Wait for the device (no barrier: the ranks are in lockstep through the step's collectives)."""
     if device.type == "cuda":
@@ -319,7 +308,7 @@ def run_model(args: argparse.Namespace, comm: CommContext, device: torch.device,
     for runner in runners if not cuda else ():
         runner.warm_up(most - runner.i)
     own = interleave({r.variant: r.step for r in runners}, args.rounds, sync=lambda: sync(device), seed=args.seed)
-    times = slowest_rank(own, device if cuda else torch.device("cpu"))
+    times = slowest_rank(own, device if cuda else None)
     timings = {runner.variant: runner.timings() for runner in runners}
     selections = {runner.variant: runner.selection() for runner in runners}
     autos = auto_report(times, runners)

@@ -81,7 +81,7 @@ def worker(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(HERE))
     from allreduce_vs_ddp import Transformer  # the same code-built model as the DDP benchmark
-    from interleaved import bootstrap_ratio, interleave
+    from interleaved import bootstrap_ratio, interleave, slowest_rank
 
     from bagua_lightning.engine.algorithms.base import get_algorithm_class
     from bagua_lightning.engine.autotune import AutotuneController, AutotuneSettings
@@ -200,7 +200,8 @@ def worker(args: argparse.Namespace) -> None:
                 step(w, o, counters[name])
                 counters[name] += 1
             return run
-        times = interleave({name: one_step(name) for name in variants}, args.rounds, sync=sync)
+        times = slowest_rank(interleave({name: one_step(name) for name in variants}, args.rounds, sync=sync),
+                             device if cuda else None)
         median = {k: statistics.median(v) for k, v in times.items()}  # ms per step
         phases = phase_times(variants, step, args.steps, cuda) if args.phases else {}
         all_phases: list[Any] = [None] * world

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interleaved import interleave, speeds
+from interleaved import interleave, slowest_rank, speeds
 
 ALGORITHMS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async")
 
@@ -143,7 +143,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         stats.sort_stats("cumulative").print_stats(args.top)
         result = {"profile": out.getvalue()}
     else:
-        times = interleave({n: v.step for n, v in variants.items()}, args.rounds, sync=sync)
+        times = slowest_rank(interleave({n: v.step for n, v in variants.items()}, args.rounds, sync=sync),
+                             device if cuda else None)
         result = {"speeds": [s.to_json() | {"variant": s.variant, "row": s.row()}
                              for s in speeds(times, names[0])]}
     for v in variants.values():

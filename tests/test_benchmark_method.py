@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from interleaved import Speed, bootstrap_ratio, interleave, round_order, speeds
+from interleaved import Speed, bootstrap_ratio, interleave, round_order, slowest_rank, speeds
 
 
 def noisy(median_ms: float, n: int, seed: int) -> list[float]:
@@ -65,6 +65,11 @@ def test_paired_rounds_take_the_shared_drift_out_of_the_interval() -> None:
     assert high - low > 2 * (phigh - plow)
     with pytest.raises(ValueError, match="paired series of 2 and 1 step times"):
         bootstrap_ratio([1.0, 2.0], [1.0], paired=True)
+
+
+def test_slowest_rank_without_a_group_returns_the_times() -> None:
+    times = {"a": [1.0, 2.0], "b": [3.0, 4.0]}
+    assert slowest_rank(times) == times and slowest_rank(times) is not times
 
 
 def test_speeds_needs_its_baseline() -> None:
