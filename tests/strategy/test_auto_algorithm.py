@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +95,13 @@ def test_selection_explains_itself() -> None:
     assert Selection().reason() == "still measuring"
 
 
-def test_selector_times_the_step_not_the_loop_and_spreads_the_trials() -> None:
-    a, b, c = "gradient_allreduce", "bytegrad", "decentralized"
-    cost = {a: 0.030, b: 0.010, c: 0.020}  # seconds per step (forward start to optimizer step end)
-    loop = {a: 0.0, b: 0.500, c: 0.0}  # other work in the loop between steps: the fastest step has the most
+def drive(settings: AutoSettings, cost: Callable[[str, int], float], steps: int,
+          loop: Callable[[str], float] = lambda name: 0.0) -> tuple[list[tuple[int, str]], Selection | None]:
+    """Run a selector for ``steps`` steps on a fake clock: ``cost(candidate, step)`` seconds per step (forward
+    start to optimizer step end), ``loop(candidate)`` seconds of the loop's other work after it. Returns the
+    switches (step, candidate) and the selection at the step it was made."""
     now = [0.0]
-    running = [a]
+    running = [settings.candidates[0]]
     switches: list[tuple[int, str]] = []
     step = [0]
 
@@ -107,52 +109,44 @@ def test_selector_times_the_step_not_the_loop_and_spreads_the_trials() -> None:
         switches.append((step[0], name))
         running[0] = name
 
-    selector = AlgorithmSelector(AutoSettings(candidates=(a, b, c), warmup_steps=2, trial_steps=4), switch,
-                                 clock=lambda: now[0])
+    selector = AlgorithmSelector(settings, switch, clock=lambda: now[0])
     decided = None
-    for step[0] in range(40):
+    for step[0] in range(steps):
         got = selector.on_forward_start(step[0])
         if got is not None:
+            assert decided is None
             decided = got
         assert selector.current == running[0]
         # A warm-up step after a switch is slow (buckets, communicators): never counted.
-        now[0] += cost[running[0]] * (10 if switches and step[0] == switches[-1][0] else 1)
+        now[0] += cost(running[0], step[0]) * (10 if switches and step[0] == switches[-1][0] else 1)
         selector.on_step_end()
-        now[0] += loop[running[0]]
+        now[0] += loop(running[0])
+    assert selector.done and selector.on_forward_start(steps + 1) is None
+    return switches, decided
+
+
+def test_selector_times_the_step_not_the_loop_and_spreads_the_trials() -> None:
+    a, b, c = "gradient_allreduce", "bytegrad", "decentralized"
+    cost = {a: 0.030, b: 0.010, c: 0.020}  # seconds per step (forward start to optimizer step end)
+    loop = {a: 0.0, b: 0.500, c: 0.0}  # other work in the loop between steps: the fastest step has the most
+    switches, decided = drive(AutoSettings(candidates=(a, b, c), warmup_steps=2, trial_steps=4),
+                              lambda name, step: cost[name], 40, loop.__getitem__)
     # A (2+2) B (2+2) C (2+4) B (2+2) A (2+2), then the fastest step: b.
     assert switches == [(4, b), (8, c), (14, b), (18, a), (22, b)]
     assert decided is not None and decided.chosen == b and decided.decided_at == 22
     assert decided.step_ms == pytest.approx({a: 30.0, b: 10.0, c: 20.0})
     assert "median of 4 steps per candidate in 2 mirrored rounds" in decided.measured
     assert decided.line().startswith("algorithm='auto' chose bytegrad at step 22: bytegrad: 10.0 ms/step (kept)")
-    assert selector.done and selector.on_forward_start(41) is None
+    assert decided.runoffs == 0  # c is 2x, a 3x behind: nothing to run off
 
 
 def test_close_leaders_run_a_runoff_and_are_judged_on_all_their_steps() -> None:
     a, b, c = "gradient_allreduce", "bytegrad", "decentralized"
-    now = [0.0]
-    running = [a]
-    switches: list[tuple[int, str]] = []
-    step = [0]
 
-    def cost(name: str) -> float:  # b is 2 % slower than a in the first rounds and 10 % faster in the runoff
-        return {a: 0.0100, b: 0.0102 if step[0] < 22 else 0.0090, c: 0.0200}[name]
+    def cost(name: str, step: int) -> float:  # b is 2 % slower than a in the first rounds, 10 % faster after
+        return {a: 0.0100, b: 0.0102 if step < 22 else 0.0090, c: 0.0200}[name]
 
-    def switch(name: str) -> None:
-        switches.append((step[0], name))
-        running[0] = name
-
-    selector = AlgorithmSelector(AutoSettings(candidates=(a, b, c), warmup_steps=2, trial_steps=4), switch,
-                                 clock=lambda: now[0])
-    decided = None
-    for step[0] in range(50):
-        got = selector.on_forward_start(step[0])
-        if got is not None:
-            assert decided is None
-            decided = got
-        assert selector.current == running[0]
-        now[0] += cost(running[0]) * (10 if switches and step[0] == switches[-1][0] else 1)
-        selector.on_step_end()
+    switches, decided = drive(AutoSettings(candidates=(a, b, c), warmup_steps=2, trial_steps=4), cost, 50)
     # The first rounds as before (a is ahead by 2 %, c 2x behind), then a runoff of a and b, a first without a
     # warm-up (it was running): a (0+2) b (2+4) a (2+2). After it b's steps spread over 9.0 and 10.2 ms (median
     # 9.6, 0.4 from a: within two standard errors of the difference), so a second runoff; then b's median is
@@ -169,34 +163,24 @@ def test_runoffs_end_after_the_most_allowed() -> None:
     # Two candidates 1 % apart under +-30 % noise: never told apart, so MAX_RUNOFFS runoffs, then the lower median.
     a, b = "gradient_allreduce", "bytegrad"
     noise = [0.7, 1.3, 1.0, 0.8, 1.2, 1.1, 0.9]
-    now = [0.0]
-    running = [a]
     settings = AutoSettings(candidates=(a, b), warmup_steps=2, trial_steps=4)
-    selector = AlgorithmSelector(settings, lambda name: running.__setitem__(0, name), clock=lambda: now[0])
-    decided = None
-    for step in range(200):
-        decided = decided or selector.on_forward_start(step)
-        now[0] += {a: 0.0100, b: 0.0101}[running[0]] * noise[step % len(noise)]
-        selector.on_step_end()
+    _, decided = drive(settings, lambda name, step: {a: 0.0100, b: 0.0101}[name] * noise[step % len(noise)], 200)
     assert decided is not None and decided.runoffs == MAX_RUNOFFS == 3 and decided.runoff == (a, b)
     # each runoff of two: the running one 0 + 2 steps, the other 2 + 4, the running one again 2 + 2
     assert decided.decided_at == settings.steps_to_decide + MAX_RUNOFFS * 12
     assert decided.chosen == min((a, b), key=lambda n: decided.step_ms[n])
+    # max_runoffs=0: the first rounds decide, at steps_to_decide exactly
+    _, first = drive(AutoSettings(candidates=(a, b), warmup_steps=2, trial_steps=4, max_runoffs=0),
+                     lambda name, step: {a: 0.0100, b: 0.0101}[name] * noise[step % len(noise)], 40)
+    assert first is not None and first.runoffs == 0 and first.decided_at == settings.steps_to_decide
 
 
 def test_a_clear_leader_needs_no_runoff() -> None:
     a, b = "gradient_allreduce", "bytegrad"
-    now = [0.0]
-    running = [a]
-    selector = AlgorithmSelector(AutoSettings(candidates=(a, b), warmup_steps=1, trial_steps=4),
-                                 lambda name: running.__setitem__(0, name), clock=lambda: now[0])
-    decided = None
-    for step in range(30):
-        decided = decided or selector.on_forward_start(step)
-        now[0] += {a: 0.0100, b: 0.0104}[running[0]]  # 4 % apart: outside the runoff margin
-        selector.on_step_end()
-    assert decided is not None and decided.chosen == a and decided.runoff == ()
-    assert decided.decided_at == AutoSettings(candidates=(a, b), warmup_steps=1, trial_steps=4).steps_to_decide
+    settings = AutoSettings(candidates=(a, b), warmup_steps=1, trial_steps=4)
+    _, decided = drive(settings, lambda name, step: {a: 0.0100, b: 0.0104}[name], 30)  # 4 % apart, no noise
+    assert decided is not None and decided.chosen == a and decided.runoff == () and decided.runoffs == 0
+    assert decided.decided_at == settings.steps_to_decide
 
 
 def _results(tmp_path: Path, n: int) -> list[dict[str, Any]]:
