@@ -11,8 +11,11 @@
 #   BAGUA_LIGHTNING_REDIS_PASSWORD_FILE  a file holding the password instead (a Compose secret)
 #   BAGUA_LIGHTNING_REDIS_TLS_CA, _CERT, _KEY  PEM files: speak TLS to the nodes with this client certificate
 #
-# Idempotent: a cluster that already serves every slot is left as it is. Exits 0 once all 16384 slots are
-# served by every master, 1 after the deadline.
+# Idempotent: a cluster whose nodes all serve every slot is left as it is. A node that forgot the cluster (a
+# restarted container: its tmpfs, nodes.conf included, is new) is brought back as a replica of the master
+# with the fewest, after the failed entry of its address is forgotten on every node; the others keep their
+# data. Exits 0 once every listed node reports all 16384 slots served and knows exactly the listed nodes,
+# 1 after the deadline.
 set -eu
 if [ -n "${BAGUA_LIGHTNING_REDIS_PASSWORD_FILE:-}" ]; then
   REDISCLI_AUTH=$(cat "$BAGUA_LIGHTNING_REDIS_PASSWORD_FILE")
@@ -35,11 +38,25 @@ info_field() {  # info_field PORT FIELD: one field of CLUSTER INFO, empty when t
   redis-cli $tls -h "$host" -p "$1" cluster info 2>/dev/null | tr -d '\r' | sed -n "s/^$2://p"
 }
 
-served() {
-  for p in $masters; do
-    [ "$(info_field "$p" cluster_state)" = ok ] && [ "$(info_field "$p" cluster_slots_ok)" = 16384 ] || return 1
+serves() {  # serves PORT: the node is a member of a cluster that serves every slot
+  [ "$(info_field "$1" cluster_state)" = ok ] && [ "$(info_field "$1" cluster_slots_ok)" = 16384 ]
+}
+
+served() {  # every listed node serves every slot and knows exactly the listed nodes (gossip has converged)
+  # shellcheck disable=SC2086  # lists of words on purpose
+  set -- $masters $listed_replicas
+  n=$#
+  for p in $masters $listed_replicas; do
+    serves "$p" && [ "$(info_field "$p" cluster_known_nodes)" = "$n" ] || return 1
   done
 }
+
+# Replicas count once the first answers (a deployment with them); then every listed node must be served.
+listed_replicas=""
+# shellcheck disable=SC2086
+if [ -n "$replicas" ] && redis-cli $tls -h "$host" -p "${replicas%% *}" ping >/dev/null 2>&1; then
+  listed_replicas=$replicas
+fi
 
 if served; then
   echo "redis-cluster-init: the cluster already serves all 16384 slots"
@@ -47,16 +64,69 @@ if served; then
 fi
 
 nodes=""
-for p in $masters; do nodes="$nodes $host:$p"; done
+for p in $masters $listed_replicas; do nodes="$nodes $host:$p"; done
 per_master=0
-# shellcheck disable=SC2086
-if [ -n "$replicas" ] && redis-cli $tls -h "$host" -p "${replicas%% *}" ping >/dev/null 2>&1; then
-  for p in $replicas; do nodes="$nodes $host:$p"; done
-  per_master=1
-fi
+[ -z "$listed_replicas" ] || per_master=1
 
-# Nodes that already hold slots cannot be joined again: create only while no slot is assigned.
-if [ "$(info_field "$first" cluster_slots_assigned)" = 0 ]; then
+anchor=""
+for p in $masters $listed_replicas; do
+  if serves "$p"; then anchor=$p; break; fi
+done
+
+if [ -n "$anchor" ]; then
+  # The cluster is formed. Bring back every listed node that answers alone, with no slot: it restarted
+  # without its nodes.conf. The others know its old identity as failed, or without an address once they
+  # met a new id at it ("noaddr"). A "noaddr" master is never pinged again, so never flagged failed, and its
+  # replica would wait forever: the replica is told to take the slots over (CLUSTER FAILOVER TAKEOVER, asked
+  # again every 5 s until they move; safe here, the old identity is gone for good, a new one holds its port).
+  # Once no such entry holds slots, they are forgotten on every node, and the node is added back as a replica.
+  for p in $masters $listed_replicas; do
+    if [ "$(info_field "$p" cluster_known_nodes)" != 1 ] || [ "$(info_field "$p" cluster_slots_assigned)" != 0 ]; then
+      continue
+    fi
+    tries=0
+    forced=""
+    # shellcheck disable=SC2086
+    me=$(redis-cli $tls -h "$host" -p "$p" cluster myid | tr -d '\r')
+    while :; do
+      # Its old identity: another id at its port, or without an address; and any node flagged failed.
+      # shellcheck disable=SC2086
+      old=$(redis-cli $tls -h "$host" -p "$anchor" cluster nodes | tr -d '\r' \
+            | awk -v port=":$p@" -v me="$me" '$1 != me && $3 !~ /myself/ \
+                  && (index($2, port) || $3 ~ /noaddr/ || $3 ~ /(^|,)fail(,|$)/)')
+      [ -n "$(echo "$old" | awk 'NF > 8')" ] || break  # fields 9 on are slots: none left to hand over
+      [ $((tries % 10)) = 0 ] && forced=""  # ask again every 5 s
+      for id in $(echo "$old" | awk -v port=":$p@" 'NF > 8 && (index($2, port) || $3 ~ /noaddr/) {print $1}'); do
+        case " $forced " in *" $id "*) continue ;; esac
+        # shellcheck disable=SC2086
+        replica=$(redis-cli $tls -h "$host" -p "$anchor" cluster nodes | tr -d '\r' \
+                  | awk -v m="$id" '$4 == m && $3 ~ /slave/ && $3 !~ /fail/ {split($2, a, "[:@]"); print a[2]; exit}')
+        [ -n "$replica" ] || continue
+        echo "redis-cluster-init: master $id of port $p is gone with its slots; its replica $replica takes over"
+        # shellcheck disable=SC2086
+        redis-cli $tls -h "$host" -p "$replica" cluster failover takeover >/dev/null || true
+        forced="$forced $id"
+      done
+      tries=$((tries + 1))
+      if [ "$tries" -gt $((timeout_s * 2)) ]; then
+        echo "redis-cluster-init: node $p restarted empty, and a failed node still holds slots after" \
+             "${timeout_s} s (no replica took them over)" >&2
+        exit 1
+      fi
+      sleep 0.5
+    done
+    for id in $(echo "$old" | awk '{print $1}'); do
+      for q in $masters $listed_replicas; do
+        # shellcheck disable=SC2086
+        [ "$q" = "$p" ] || redis-cli $tls -h "$host" -p "$q" cluster forget "$id" >/dev/null 2>&1 || true
+      done
+    done
+    echo "redis-cluster-init: node $p restarted without its cluster state; adding it back as a replica"
+    # shellcheck disable=SC2086
+    redis-cli $tls --cluster add-node "$host:$p" "$host:$anchor" --cluster-slave
+  done
+elif [ "$(info_field "$first" cluster_slots_assigned)" = 0 ]; then
+  # Nodes that already hold slots cannot be joined again: create only while no slot is assigned.
   # shellcheck disable=SC2086  # $tls and $nodes are lists of words on purpose
   redis-cli $tls --cluster create $nodes --cluster-replicas "$per_master" --cluster-yes
 fi
