@@ -1,5 +1,5 @@
 """docker-compose.yml on a real Docker engine, unmodified, under pytest-docker: up, two training jobs, a killed
-master, a restarted service, down without the secrets.
+master, a restarted service, the killed node back empty and rejoined by `up`, down without the secrets.
 
 The engine is the one that answers, else a private ``dockerd`` started here (root on Linux; see
 docker_engine.py), with stand-in base images when the registry's cannot be pulled; without either the
@@ -255,6 +255,24 @@ def test_two_jobs_share_the_cache_survive_a_killed_master_and_a_restarted_servic
         assert rank["wrong"] == 0 and rank["registered"], rank
         assert rank["steps"] == PER_RANK // 16, rank
         assert (rank["hits"], rank["misses"]) == (PER_RANK, 0), rank
+
+    # The killed node's container starts again, with a new tmpfs (a crash under `restart: unless-stopped` or a
+    # `compose restart` does the same): the node is alone, without its nodes.conf. The operator's next
+    # `compose up` brings it back as a replica, and nothing cached is lost.
+    t = time.monotonic()
+    started = stack.docker("start", f"{stack.project}-redis-0-1")
+    assert started.returncode == 0, started.stderr
+    up = stack.compose("up", "-d", "--wait")
+    assert up.returncode == 0, up.stdout + up.stderr
+    TIMINGS["rejoin"] = time.monotonic() - t
+    assert all(_cluster_ok(stack, port) for port in range(7000, 7006))
+    with stack.redis(7000) as client:
+        assert client.info("replication")["role"] == "slave"
+        table = client.execute_command("CLUSTER", "NODES")
+    table = table.decode() if isinstance(table, bytes) else str(table)
+    assert len(table.strip().splitlines()) == 6 and "fail" not in table and "noaddr" not in table, table
+    for rank in _run_job(stack, "job4", dataset):
+        assert rank["wrong"] == 0 and (rank["hits"], rank["misses"]) == (PER_RANK, 0), rank
 
 
 @pytest.mark.skipif(not client_reads_tls_env(), reason="the trainer-side clients do not read "
