@@ -198,7 +198,10 @@ class Selection:
         parts = [f"{self.chosen}: {best:.1f} ms/step (kept)"]
         for name, ms in sorted(self.step_ms.items(), key=lambda kv: kv[1]):
             if name != self.chosen:
-                parts.append(f"{name}: {ms:.1f} ms/step ({ms / best:.2f}x slower)")
+                # Out of the runoff: measured in the first rounds only (its median may even be below a leader's
+                # whose runoff steps were slower; it was judged out before them).
+                first = ", first rounds" if self.runoff and name not in self.runoff else ""
+                parts.append(f"{name}: {ms:.1f} ms/step ({ms / best:.2f}x{' slower' if ms >= best else ''}{first})")
         runoff = ""
         if self.runoff:
             runoff = f" after {'a runoff' if self.runoffs <= 1 else f'{self.runoffs} runoffs, the last'} of " \

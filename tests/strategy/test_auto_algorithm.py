@@ -93,6 +93,13 @@ def test_selection_explains_itself() -> None:
     assert sel.metrics() == {"bagua/auto/gradient_allreduce_step_ms": 170.0, "bagua/auto/bytegrad_step_ms": 48.0,
                              "bagua/auto/chosen_index": 1.0}
     assert Selection().reason() == "still measuring"
+    # After a runoff, a candidate judged out in the first rounds says so (its median may even be lower than the
+    # kept one's, whose runoff steps were slower).
+    ran_off = Selection(step_ms={"gradient_allreduce": 10.0, "bytegrad": 9.8, "decentralized": 10.1},
+                        chosen="gradient_allreduce", runoff=("gradient_allreduce", "decentralized"), runoffs=1)
+    assert ran_off.reason() == ("gradient_allreduce: 10.0 ms/step (kept); bytegrad: 9.8 ms/step (0.98x, first "
+                                "rounds); decentralized: 10.1 ms/step (1.01x slower) after a runoff of "
+                                "gradient_allreduce and decentralized")
 
 
 def drive(settings: AutoSettings, cost: Callable[[str, int], float], steps: int,
@@ -156,7 +163,9 @@ def test_close_leaders_run_a_runoff_and_are_judged_on_all_their_steps() -> None:
     assert decided.runoff == (a, b) and decided.runoffs == 2
     # medians over all of a leader's timed steps: b's 4 first-round steps at 10.2 and 8 runoff steps at 9.0
     assert decided.step_ms == pytest.approx({a: 10.0, b: 9.0, c: 20.0})
-    assert decided.reason().endswith("after 2 runoffs, the last of gradient_allreduce and bytegrad")
+    assert decided.reason() == ("bytegrad: 9.0 ms/step (kept); gradient_allreduce: 10.0 ms/step (1.11x slower); "
+                                "decentralized: 20.0 ms/step (2.22x slower, first rounds) after 2 runoffs, the last "
+                                "of gradient_allreduce and bytegrad")
 
 
 def test_runoffs_end_after_the_most_allowed() -> None:
