@@ -21,8 +21,8 @@ Variants: ``ddp``; an algorithm's name, optionally with keyword arguments and an
 in flight (``--auto-warmup`` untimed steps a visit, ``--auto-trials`` timed steps each, forward start to
 optimizer step end), in untimed interleaved rounds of every variant run exactly as the timed ones (so its
 trial sees the regime that the rounds then time), and hands the model to the fastest (reported with the step
-at which it settled); its timed steps are then interleaved with the other variants' like any other. Its choice joins the run as a
-variant of its own when it is not one already, and ``auto`` is reported against it (what a choice costs once
+at which it settled); its timed steps are then interleaved with the other variants' like any other. Its
+choice joins the run as a variant of its own when it is not one already, and ``auto`` is reported against it (what a choice costs once
 made) and against the best of its candidates in the run (what the choice is worth).
 
 ``--model`` takes a comma-separated list: one process measures each model in turn (one JSON per model,
@@ -235,8 +235,8 @@ class Runner:
             self.model.teardown()
 
 
-def select(runners: list[Runner], device: torch.device, seed: int) -> int:
-    """Untimed interleaved rounds of every variant until each ``auto`` has chosen; returns how many.
+def select(runners: list[Runner], device: torch.device, seed: int) -> None:
+    """Untimed interleaved rounds of every variant until each ``auto`` has chosen.
 
     auto's trial steps then run in the regime of the timed rounds (one step of each variant per round, a device
     synchronisation around each step: a step that starts on an idle device after another model's step pays
@@ -245,11 +245,10 @@ def select(runners: list[Runner], device: torch.device, seed: int) -> int:
     """
     rounds = 0
     while any(r.auto is not None and r.auto.selection.chosen is None for r in runners):  # decided on every rank alike
-        interleave({r.variant: r.step for r in runners}, 1, sync=lambda: sync(device), seed=seed + 7919 * (rounds + 1))
         rounds += 1
+        interleave({r.variant: r.step for r in runners}, 1, sync=lambda: sync(device), seed=seed + 7919 * rounds)
     for r in runners:  # handed over: the wrapper drives the chosen algorithm itself from now on
         assert r.auto is None or not isinstance(r.model.algorithm, AutoAlgorithm), "auto did not hand its choice over"
-    return rounds
 
 
 def sync(device: torch.device) -> None:

@@ -89,17 +89,16 @@ if [ -n "$anchor" ]; then
     # shellcheck disable=SC2086
     me=$(redis-cli $tls -h "$host" -p "$p" cluster myid | tr -d '\r')
     while :; do
-      # Its old identity: another id at its port, or without an address; and any node flagged failed.
       # shellcheck disable=SC2086
-      old=$(redis-cli $tls -h "$host" -p "$anchor" cluster nodes | tr -d '\r' \
-            | awk -v port=":$p@" -v me="$me" '$1 != me && $3 !~ /myself/ \
+      table=$(redis-cli $tls -h "$host" -p "$anchor" cluster nodes | tr -d '\r')
+      # Its old identity: another id at its port, or without an address; and any node flagged failed.
+      old=$(echo "$table" | awk -v port=":$p@" -v me="$me" '$1 != me && $3 !~ /myself/ \
                   && (index($2, port) || $3 ~ /noaddr/ || $3 ~ /(^|,)fail(,|$)/)')
       [ -n "$(echo "$old" | awk 'NF > 8')" ] || break  # fields 9 on are slots: none left to hand over
       [ $((tries % 10)) = 0 ] && forced=""  # ask again every 5 s
       for id in $(echo "$old" | awk -v port=":$p@" 'NF > 8 && (index($2, port) || $3 ~ /noaddr/) {print $1}'); do
         case " $forced " in *" $id "*) continue ;; esac
-        # shellcheck disable=SC2086
-        replica=$(redis-cli $tls -h "$host" -p "$anchor" cluster nodes | tr -d '\r' \
+        replica=$(echo "$table" \
                   | awk -v m="$id" '$4 == m && $3 ~ /slave/ && $3 !~ /fail/ {split($2, a, "[:@]"); print a[2]; exit}')
         [ -n "$replica" ] || continue
         echo "redis-cluster-init: master $id of port $p is gone with its slots; its replica $replica takes over"

@@ -37,14 +37,9 @@ from bagua_lightning.core.redis_server import (
 from bagua_lightning.core.services_file import ENV_FILE, ServicesInfo, read_services_file
 from bagua_lightning.core.tls_trust import TLS_ENV, ClientTLS
 from bagua_lightning.services import deploy
-from tests.procs import bindable, free_port, free_port_block, stop_process, wait_until
+from tests.procs import free_port, free_port_block, stop_process, wait_until
 
 ROGUE_WATCH_S = 8.0  # how long the rogue keeps trying before we conclude it stayed out
-
-
-def cluster_ports(count: int) -> int:
-    """A first port such that the ``count`` client ports, their bus ports and their TLS ports are free."""
-    return free_port_block(count, tls=True)
 
 
 @contextlib.contextmanager
@@ -70,7 +65,7 @@ def ha(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicesInfo]:
 def default_deployment(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[ServicesInfo]:
     """``up`` with its defaults on free ports in a private state folder (for a module fixture); ``down`` after."""
     with private_state(tmp_path_factory.mktemp(name)):
-        yield deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=cluster_ports(6),
+        yield deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=free_port_block(6, tls=True),
                                         maxmemory=64 * 1024**2, timeout_s=120))
 
 
@@ -93,9 +88,7 @@ def _known_nodes(host: str, port: int, password: str, tls: ClientTLS | None = No
 @contextlib.contextmanager
 def rogue_node() -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     """A password-less cluster-enabled redis-server, as an unprivileged user would start one."""
-    port = free_port()
-    while port + 10000 > 65535 or not bindable(port + 10000):
-        port = free_port()
+    port = free_port_block(1)  # its port and its bus port
     folder = Path(tempfile.mkdtemp(prefix="rogue-redis-"))  # in /tmp: reachable by `nobody`
     os.chmod(folder, 0o777)
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
@@ -255,7 +248,7 @@ def test_a_killed_master_is_failed_over_to_its_replica(ha: ServicesInfo) -> None
 def test_status_names_a_foreign_node_in_the_cluster(tmp_path: Path) -> None:
     # A deployment with a plain bus (no TLS, no replicas): the rogue really joins, and status must say so.
     with private_state(tmp_path / "state"):
-        info = deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=cluster_ports(3), replicas=0,
+        info = deploy.up(deploy.UpConfig(autotune_port=free_port(), redis_port=free_port_block(3, tls=True), replicas=0,
                                          bus_tls=False, maxmemory=32 * 1024**2, timeout_s=120))
         assert _status().returncode == 0
         password = _password(info)
