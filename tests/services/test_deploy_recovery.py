@@ -24,8 +24,8 @@ from bagua_lightning.core.redis_server import CLUSTER_SLOTS, client_for, cluster
 from bagua_lightning.core.services_file import ServicesInfo, read_services_file
 from bagua_lightning.services import deploy
 from bagua_lightning.services.health import check_autotune
-from tests.procs import free_port, wait_until
-from tests.services.test_deploy_cluster import cluster_ports, private_state
+from tests.procs import free_port, free_port_block, wait_until
+from tests.services.test_deploy_cluster import private_state
 
 KEYS = 300
 
@@ -68,7 +68,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[
     """``up`` through the CLI on free ports, and KEYS keys written to (and replicated by) every shard."""
     tmp = tmp_path_factory.mktemp("recovery")
     with private_state(tmp):
-        args = ["--autotune-port", str(free_port()), "--redis-port", str(cluster_ports(6)), "--maxmemory", "64mb",
+        args = ["--autotune-port", str(free_port()), "--redis-port", str(free_port_block(6, tls=True)), "--maxmemory", "64mb",
                 "--timeout", "120"]
         result = _cli("up", *args)
         assert result.returncode == 0, result.stderr

@@ -26,9 +26,9 @@ from bagua_lightning.services import deploy
 from bagua_lightning.services.deploy_config import UpConfig, deployment_ports
 from bagua_lightning.services.deploy_ports import claimed
 from bagua_lightning.services.health import Health, wait_healthy
-from tests.procs import free_port, wait_until
+from tests.procs import free_port, free_port_block, wait_until
 from tests.services.conftest import cli, one_line_error
-from tests.services.test_deploy_cluster import cluster_ports, private_state
+from tests.services.test_deploy_cluster import private_state
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ def test_up_with_no_port_named_records_the_ports_it_picked(tmp_path: Path) -> No
 
 
 def test_a_named_port_whose_bus_port_is_taken_fails_in_one_line(env: dict[str, str]) -> None:
-    base = cluster_ports(6)
+    base = free_port_block(6, tls=True)
     with listening(base + 2 + 10000):
         one_line_error(cli(env, "up", "--redis-port", str(base), "--autotune-port", str(free_port())), 2,
                        f"port {base + 2 + 10000} on 127.0.0.1 is not free", "cluster bus")
@@ -214,7 +214,7 @@ def test_a_full_disk_names_the_path_and_leaves_nothing_behind(env: dict[str, str
 
 
 def test_down_stops_everything_and_reports_every_record(env: dict[str, str]) -> None:
-    up = cli(env, "up", "--redis-port", str(cluster_ports(6)), "--autotune-port", str(free_port()),
+    up = cli(env, "up", "--redis-port", str(free_port_block(6, tls=True)), "--autotune-port", str(free_port()),
              "--maxmemory", "32mb", "--timeout", "120")
     assert up.returncode == 0, up.stderr
     info = read_services_file(Path(env["BAGUA_LIGHTNING_SERVICES_FILE"]))
