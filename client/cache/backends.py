@@ -68,11 +68,13 @@ class Backend(ABC):
     breakers: NodeBreakers
 
     @abstractmethod
-    def fetch(self, keys: Sequence[bytes], views: bool = False) -> tuple[list[Any], BaseException | None]:
+    def fetch(self, keys: Sequence[bytes], views: bool = False, *, open_reads: bool = False
+              ) -> tuple[list[Any], BaseException | None]:
         """Values of ``keys`` (encoded; None: missing or on a failed node) and the first error met, if any.
 
         ``views``: values may be read-only views of receive buffers instead of ``bytes`` (faster; for callers
-        that copy what they keep).
+        that copy what they keep). ``open_reads``: the caller authenticates and decrypts the entries itself
+        (sealed with the cache key), so they may come from the nodes' read ports where a cluster has them.
         """
 
     def _receiver(self, n: int) -> Receiver:
@@ -295,7 +297,8 @@ class NodesBackend(Backend):
             groups = {n: idx for n, idx in groups.items() if available(self.names[n])}
         return groups
 
-    def fetch(self, keys: Sequence[bytes], views: bool = False) -> tuple[list[Any], BaseException | None]:
+    def fetch(self, keys: Sequence[bytes], views: bool = False, *, open_reads: bool = False
+              ) -> tuple[list[Any], BaseException | None]:
         out: list[Any] = [None] * len(keys)
         conns: list[Sent] = []
         failed: list[tuple[str, BaseException]] = []

@@ -10,6 +10,13 @@ directly, grouped by the master that serves their slot, so that one failing mast
   regularly, so that a promoted replica serves its slots as soon as the cluster says so; reloads are
   rate-limited and back off while no node answers (a MOVED storm costs one reload per interval);
 * a key whose slot no master serves is a miss.
+
+Open reads (``open_reads``, the loader's reads of sealed entries): with a read port offset
+(:attr:`~.options.RedisOptions.read_port_offset`), the GETs of each master go to its plaintext read port
+as the password-less reader (:mod:`bagua_lightning.core.read_plane`), never with a secret; the slot map still
+comes from the client port. A read port that does not answer is left alone for :data:`READER_RETRY_S` (its
+keys are read through the client port meanwhile), and a key the reader may not read (``NOPERM``) is read
+again through the client port.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ from itertools import repeat
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import REDIS_CLUSTER_HASH_SLOTS, RedisCluster
 from redis.crc import key_slot
+from redis.retry import Retry
 
 from ...core.pinned_redis import close_cluster, cluster_client
 from .backends import (
@@ -41,9 +50,12 @@ from .options import RedisOptions
 from .resp import BufferPool, Replies, pack_gets
 
 log = logging.getLogger(__name__)
+NO_RETRY = Retry(NoBackoff(), 0)  # a read port that fails is left for the client port at once
 
 REFRESH_INTERVAL_S = 0.5  # the slot map is reloaded at most this often (failover, MOVED)
+READER_RETRY_S = 30.0  # a read port that failed is tried again after this long
 REDIRECTS = ("MOVED", "ASK")
+REFUSED = "NOPERM"  # the reader may not read this key: read through the client port
 
 
 class ClusterBackend(Backend):
@@ -61,6 +73,9 @@ class ClusterBackend(Backend):
         self.skipped: list[str] = []
         self.pool = BufferPool()
         self.held = HeldConnections()
+        self.read_offset = options.read_port_offset
+        self._readers: dict[tuple[str, int], redis.Redis] = {}  # (host, port) of a master -> its read port
+        self._reader_off: dict[tuple[str, int], float] = {}  # read ports that failed -> when to try again
 
     def _refresh(self, failed: str | None = None) -> bool:
         """Reload the slot map from a live node (a failover may have moved slots); rate-limited. Whether it ran."""
@@ -78,7 +93,7 @@ class ClusterBackend(Backend):
             return True
         self.breakers.success(CONNECT)
         nodes = self.rc.nodes_manager.nodes_cache.values()
-        self.held.forget([n.redis_connection for n in nodes])
+        self.held.forget([n.redis_connection for n in nodes] + list(self._readers.values()))
         self.breakers.keep({n.name for n in self._slot_table()[0]})
         return True
 
@@ -137,28 +152,56 @@ class ClusterBackend(Backend):
             self._refresh()
         return groups, uncovered
 
-    def fetch(self, keys: Sequence[bytes], views: bool = False, *, again: bool = True
+    def _reader(self, node: Any) -> redis.Redis | None:
+        """The read-port client of master ``node``, or None: no read ports, or this one failed lately."""
+        where = (node.host, node.port)
+        if self.read_offset is None or time.monotonic() < self._reader_off.get(where, 0.0):
+            return None
+        client = self._readers.get(where)
+        if client is None:
+            client = self._readers[where] = redis.Redis(host=node.host, port=node.port + self.read_offset,
+                                                        **self.options.reader_kwargs())
+        return client
+
+    def _send(self, node: Any, packed: bytes, open_reads: bool) -> Sent:
+        """Send the GETs ``packed`` to master ``node``: to its read port with ``open_reads`` where it has
+        one that answers, else to its client port."""
+        reader = self._reader(node) if open_reads else None
+        if reader is not None:
+            try:
+                return reader, self.held.send(reader, packed, NO_RETRY), [], node.name
+            except STORE_ERRORS as exc:
+                where = (node.host, node.port)
+                if where not in self._reader_off:
+                    log.warning("the read port %s:%d of cache node %s failed (%s); reading through its client "
+                                "port, trying the read port again in %.0f s", node.host, node.port + self.read_offset,
+                                node.name, exc, READER_RETRY_S)
+                self._reader_off[where] = time.monotonic() + READER_RETRY_S
+        client = node.redis_connection
+        if client is None:
+            raise redis.ConnectionError(f"no connection to cluster node {node.name}")
+        return client, self.held.send(client, packed, self.retry), [], node.name
+
+    def fetch(self, keys: Sequence[bytes], views: bool = False, *, again: bool = True, open_reads: bool = False
               ) -> tuple[list[Any], BaseException | None]:
         out: list[Any] = [None] * len(keys)
         groups, uncovered = self._prepare(keys)
         failed: list[tuple[str, BaseException]] = []
         conns: list[Sent] = []
         for node, idx in groups:
-            client = node.redis_connection
             try:
-                if client is None:
-                    raise redis.ConnectionError(f"no connection to cluster node {node.name}")
-                conns.append((client, self.held.send(client, pack_gets([keys[j] for j in idx]), self.retry), idx,
-                              node.name))
+                client, conn, _, name = self._send(node, pack_gets([keys[j] for j in idx]), open_reads)
+                conns.append((client, conn, idx, name))
             except STORE_ERRORS as exc:
                 failed.append((node.name, exc))
         errored: list[tuple[int, BaseException]] = []
         run = read_pipelined(conns, out, errored, views, self._receiver(len(keys)), self.held, failed)
-        redirected = self._errored(errored, conns, failed)
+        redirected, refused = self._errored(errored, conns, failed)
         error = self._account([c[3] for c in conns], failed, uncovered, keys)
-        if redirected and self._refresh() and again:  # read once more through the new slot map, else misses
-            values, err = self.fetch([keys[j] for j in redirected], views, again=False)
-            for j, v in zip(redirected, values, strict=True):
+        again_keys = refused if not (redirected and self._refresh() and again) else refused + redirected
+        if again_keys:  # read once more (through the new slot map, or the client port), else misses
+            values, err = self.fetch([keys[j] for j in again_keys], views, again=False)
+            for j, v in zip(again_keys, values, strict=True):
                 out[j] = v
             error = error or err
             run = None
@@ -166,19 +209,22 @@ class ClusterBackend(Backend):
         return Replies(out, run), error or backing_off(self.skipped)
 
     def _errored(self, errored: list[tuple[int, BaseException]], conns: list[Sent],
-                 failed: list[tuple[str, BaseException]]) -> list[int]:
-        """Sort error replies: redirections (returned, to be read again), nodes that cannot serve (to ``failed``),
-        anything else a miss."""
+                 failed: list[tuple[str, BaseException]]) -> tuple[list[int], list[int]]:
+        """Sort error replies: redirections and keys the reader may not read (returned, to be read again), nodes
+        that cannot serve (to ``failed``), anything else a miss."""
         if not errored:
-            return []
+            return [], []
         node_of = {j: name for _, _, idx, name in conns for j in idx}
-        redirected = []
+        redirected, refused = [], []
         for j, reply in errored:
-            if str(reply).startswith(REDIRECTS):
+            text = str(reply)
+            if text.startswith(REDIRECTS):
                 redirected.append(j)
+            elif text.startswith(REFUSED):
+                refused.append(j)
             elif node_down_reply(reply) and all(name != node_of[j] for name, _ in failed):
                 failed.append((node_of[j], reply))
-        return redirected
+        return redirected, refused
 
     def _account(self, tried: list[str], failed: list[tuple[str, BaseException]], uncovered: list[int],
                  keys: Sequence[Any]) -> BaseException | None:
@@ -238,4 +284,6 @@ class ClusterBackend(Backend):
 
     def close(self) -> None:
         self.held.close()
+        for reader in self._readers.values():
+            reader.close()
         close_cluster(self.rc)

@@ -46,7 +46,7 @@ class CacheLoader:
         serializer: ``"safe"`` (default) or ``"pickle"``, which stores any picklable value but runs code
             from the cache when reading it: only for a Redis that nobody untrusted can write to.
         store: an existing :class:`Store` to use instead of creating a ``RedisStore``.
-        cache_key: the secret that authenticates entries (AES-GMAC, docs/cache.md); None: the deployment's
+        cache_key: the secret that seals entries (AES-256-GCM, docs/cache.md); None: the deployment's
             (:func:`bagua_lightning.core.services_file.resolve_cache_key`), ``b""``: none (unkeyed digest). Every
             job sharing a cache must use the same key: an entry written without it, or with another, is a
             miss.
@@ -55,6 +55,11 @@ class CacheLoader:
         **kwargs: :class:`RedisStore` arguments (``hosts``, ``cluster_mode``, ``capacity_per_node``,
             ``password``, ``username``, ``ssl``, timeouts).
     """
+
+    # With a cache key, entries are sealed (encrypted and authenticated, docs/cache.md) and read from the
+    # deployment's read ports where it has them; False writes them authenticated only (the earlier format,
+    # for benchmarks and for readers of earlier releases).
+    seal: bool | None = None
 
     def __init__(self, backend: str = "redis", dataset_name: str = "", writer_buffer_size: int = 1, *,
                  version: str = DEFAULT_VERSION, serializer: str = "safe", store: Store | None = None,
@@ -135,7 +140,8 @@ class CacheLoader:
         if to_fetch and (outage is None or outage.available()):
             everything = len(to_fetch) == len(rkeys)
             fetch_keys = list(map(str.encode, rkeys if everything else [rkeys[j] for j in to_fetch]))
-            values, error = self.store.fetch_views(fetch_keys)
+            fetch = self.store.fetch_sealed if self._secret is not None else self.store.fetch_views
+            values, error = fetch(fetch_keys)
             decoded = codec.decode_many(values, fetch_keys, self._allow_pickle, self._secret)
             if everything and codec.Bad not in set(map(type, decoded)):  # every key a hit: the usual batch
                 out = decoded
@@ -173,7 +179,8 @@ class CacheLoader:
                 counters.add("write_errors", len(missing))
                 return out
             for j, value in zip(missing, loaded, strict=True):
-                entry = codec.encode(value, rkeys[j].encode(), allow_pickle=self._allow_pickle, secret=self._secret)
+                entry = codec.encode(value, rkeys[j].encode(), allow_pickle=self._allow_pickle, secret=self._secret,
+                                     seal=self.seal)
                 self._buffer[rkeys[j]] = (entry, overwrite[j])
             _pending[id(self)] = self  # kept alive until flushed, at the latest at exit
             if len(self._buffer) >= self.writer_buffer_size:

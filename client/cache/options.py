@@ -11,7 +11,8 @@ from redis.retry import Retry
 
 from ...core.errors import ConfigurationError
 from ...core.pinned_redis import pinned_kwargs
-from ...core.services_file import resolve_redis_password, resolve_redis_tls
+from ...core.read_plane import READER_USER
+from ...core.services_file import resolve_redis_password, resolve_redis_read_port_offset, resolve_redis_tls
 from ...core.tls_trust import ClientTLS
 
 # bytes per socket read: a batch of samples is hundreds of KB per node, read in a few large chunks
@@ -43,6 +44,10 @@ class RedisOptions:
         retries: retries of a failed network call (exponential backoff), 0 for none.
         backoff_cap_s: longest wait between retries, in seconds.
         start_timeout_s: deadline for a spawned local server to answer, in seconds.
+        read_port_offset: sealed entries are read from each node's plaintext read port, its port plus this
+            offset, as the password-less read-only user (no secret sent; docs/deployment.md, "Open reads").
+            None: ``$BAGUA_LIGHTNING_REDIS_READ_PORT_OFFSET``, else the services file's for the nodes it
+            records (:meth:`resolve_read_plane`), else every read goes through the client port.
     """
 
     password: str | None = None
@@ -60,6 +65,7 @@ class RedisOptions:
     retries: int = 2
     backoff_cap_s: float = 0.5
     start_timeout_s: float = 30.0
+    read_port_offset: int | None = None
     tls: ClientTLS | None = field(default=None, init=False)  # resolved by resolve_tls
 
     def __post_init__(self) -> None:
@@ -85,6 +91,23 @@ class RedisOptions:
             # redis-py's own TLS options with a CA: pinned to it as well (redis-py would add the system's roots)
             ca, cert, key = self.ssl_ca_certs, cert or self.ssl_certfile, key or self.ssl_keyfile
         self.tls = resolve_redis_tls(hosts, ca=ca, cert=cert, key=key)
+
+    def resolve_read_plane(self, hosts: Sequence[tuple[str, int]]) -> None:
+        """Settle the read port offset for ``hosts`` (:func:`~bagua_lightning.core.services_file.\
+resolve_redis_read_port_offset`), unless given."""
+        if self.read_port_offset is None:
+            self.read_port_offset = resolve_redis_read_port_offset(hosts)
+        elif isinstance(self.read_port_offset, bool) or not isinstance(self.read_port_offset, int) \
+                or not 0 < abs(self.read_port_offset) < 65535:
+            raise ConfigurationError(f"read_port_offset={self.read_port_offset!r}; give the difference between a "
+                                     "node's read port and its port (e.g. 20000), or None.")
+
+    def reader_kwargs(self) -> dict[str, Any]:
+        """redis-py arguments of a read-port connection: the password-less reader, plaintext, no password ever
+        (whatever ``password`` says), the same deadlines."""
+        return {"username": READER_USER, "password": "", "socket_read_size": SOCKET_READ_SIZE,
+                "socket_timeout": self.socket_timeout_s, "socket_connect_timeout": self.connect_timeout_s,
+                "driver_info": None}
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> RedisOptions:

@@ -108,6 +108,12 @@ class Store(ABC):
         long as they are referenced; the loader reads through this (stores that can skip copies override it)."""
         return self.fetch([k.decode() for k in keys])
 
+    def fetch_sealed(self, keys: Sequence[bytes]) -> Fetched:
+        """:meth:`fetch_views` of keys whose entries the reader authenticates and decrypts itself (sealed with
+        the cache key): a store may read them where no secret is sent, such as a deployment's read ports
+        (docs/deployment.md, "Open reads"). The loader reads through this when it has a cache key."""
+        return self.fetch_views(keys)
+
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> Written:
         """Write ``items`` (with ``overwrite=False`` existing keys are kept); per key whether it was written,
         and the first error met. Never raises for the store."""
@@ -166,13 +172,16 @@ class ClusterStore(Store):
     def fetch_views(self, keys: Sequence[bytes]) -> Fetched:
         return self._fetch(keys, True)
 
-    def _fetch(self, keys: Sequence[Any], views: bool) -> Fetched:
+    def fetch_sealed(self, keys: Sequence[bytes]) -> Fetched:
+        return self._fetch(keys, True, sealed=True)
+
+    def _fetch(self, keys: Sequence[Any], views: bool, sealed: bool = False) -> Fetched:
         out: list[Any] = [None] * len(keys)
         error: BaseException | None = None
         for i, idx in self._groups(keys).items():
             store = self.stores[i]
             sub = [keys[j] for j in idx]
-            values, err = store.fetch_views(sub) if views else store.fetch(sub)
+            values, err = store.fetch_sealed(sub) if sealed else store.fetch_views(sub) if views else store.fetch(sub)
             error = error or err
             for j, v in zip(idx, values, strict=True):
                 out[j] = v
@@ -287,6 +296,7 @@ class RedisStore(Store):
         if not self.local:  # a node-local server's password came with its address (and it speaks no TLS)
             self.options.resolve_tls(self.hosts)
             self.options.resolve_password(self.hosts)
+            self.options.resolve_read_plane(self.hosts)
         hint = "" if self.local else OUTAGE_HINT  # a node-local server is started by the jobs themselves
         self.breakers = NodeBreakers(f"the sample cache ({self!r})", outage_policy, hint=hint)
         self._backend_obj: Backend | None = None
@@ -344,12 +354,16 @@ class RedisStore(Store):
         """:meth:`fetch` of encoded keys, values as views of the receive buffers (two copies less per value)."""
         return self._fetch(keys, True)
 
-    def _fetch(self, keys: Sequence[bytes], views: bool) -> Fetched:
+    def fetch_sealed(self, keys: Sequence[bytes]) -> Fetched:
+        """:meth:`fetch_views`, from the nodes' read ports where the deployment has them (``read_port_offset``)."""
+        return self._fetch(keys, True, open_reads=True)
+
+    def _fetch(self, keys: Sequence[bytes], views: bool, open_reads: bool = False) -> Fetched:
         backend, error = self._usable()
         if backend is None:
             return [None] * len(keys), explain_untrusted(error)
         try:
-            values, error = backend.fetch(keys, views)
+            values, error = backend.fetch(keys, views, open_reads=open_reads)
         except STORE_ERRORS as exc:  # backends report node failures beside the values; this is anything else
             self._lost(exc)
             return [None] * len(keys), explain_untrusted(exc)

@@ -1,0 +1,54 @@
+"""Open reads: the cache's sealed entries read over a plaintext port, with no secret sent.
+
+A deployment with client TLS (``bagua-lightning up``, compose, the Kubernetes manifests) gives every Redis
+node a second client port, its *read port*: plaintext, where a client logs in as :data:`READER_USER`, a user
+without a password that may only ``GET``/``MGET`` string keys (never the autotune service's plans under
+:data:`PROTECTED_PREFIX`) and ``PING``. A trainer with the cache key reads its samples there:
+
+* nothing secret crosses that connection (the user name is public; there is no password), so a process that
+  squats a dead node's read port learns nothing it could use;
+* what it reads is sealed: AES-256-GCM ciphertext under a key derived from the cache key, bound to the Redis
+  key it is stored under (:mod:`bagua_lightning.client.cache.digests`). A forged or swapped reply fails its tag
+  and is a miss; an eavesdropper sees key names, lengths and ciphertext;
+* the slot map still comes from the TLS port (a node that proved it is the deployment's), and writes,
+  administration and replication stay there, with the password.
+
+Why not TLS for reads too: Python's TLS record layer decrypts one 16 KB record per call, which bounds a
+reader at about 0.6x of plaintext (docs/benchmarks.md); a sealed entry is decrypted in one call at the
+cipher's speed. docs/deployment.md ("Open reads") argues the trade.
+
+The read port of a node is its client port plus the deployment's *read port offset*, recorded in the
+services file (``redis.read_port_offset``) or given by :data:`READ_PORT_OFFSET_ENV`.
+"""
+
+from __future__ import annotations
+
+READER_USER = "bagua-reader"  # the ACL user of the read ports; it has no password (``nopass``)
+READ_PORT_OFFSET_ENV = "BAGUA_LIGHTNING_REDIS_READ_PORT_OFFSET"
+PROTECTED_PREFIX = "bagua_lightning:"  # keys the reader may not read (the autotune service's stored plans)
+READER_COMMANDS = ("get", "mget", "ping")
+
+
+def _excluding(prefix: str) -> list[str]:
+    """Read-key patterns that match every key except those starting with ``prefix``: for each position, the
+    keys that agree with ``prefix`` before it and differ at it, and the keys that are a proper prefix of it."""
+    def esc(text: str) -> str:
+        return "".join("\\" + c if c in "*?[]\\^" else c for c in text)
+
+    patterns = []
+    for i, char in enumerate(prefix):
+        patterns.append(f"%R~{esc(prefix[:i])}[^{esc(char)}]*")
+        if i:
+            patterns.append(f"%R~{esc(prefix[:i])}")
+    return patterns
+
+
+def reader_acl_rules() -> list[str]:
+    """The ACL rules of :data:`READER_USER` (after its name in a ``user`` line or ``ACL SETUSER``)."""
+    return ["reset", "on", "nopass", *_excluding(PROTECTED_PREFIX), "resetchannels", "-@all",
+            *(f"+{command}" for command in READER_COMMANDS)]
+
+
+def reader_acl_line() -> str:
+    """The ``redis.conf`` line that defines :data:`READER_USER`."""
+    return " ".join(["user", READER_USER, *reader_acl_rules()])

@@ -1,0 +1,214 @@
+"""Open reads: a keyed loader reads its sealed entries from the nodes' plaintext read ports, as the
+password-less reader, never with a secret (docs/deployment.md, "Open reads"). Real TLS clusters of real
+redis-servers; the squatter is a real listener on the read ports."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bagua_lightning.client import CachedDataset
+from bagua_lightning.client.cache import codec
+from bagua_lightning.core.read_plane import READER_USER
+from bagua_lightning.core.redis_server import client_for
+from bagua_lightning.core.tls_trust import ClientTLS
+from bagua_lightning.services.redis_cluster import ClusterInfo, ClusterSpec, running_cluster
+from bagua_lightning.services.redis_tls import client_tls
+from tests.client.cache_datasets import Source
+from tests.client.conftest import TEST_PASSWORD
+from tests.client.test_cache_faults import check_batch
+from tests.procs import free_port_block
+
+CACHE_KEY = b"open-reads cache key"
+
+
+@pytest.fixture(scope="module")
+def sealed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterInfo, ClientTLS]]:
+    """Three masters serving clients over TLS, each with its read port, as ``up`` deploys them."""
+    spec = ClusterSpec(nodes=3, port=free_port_block(3, tls=True), state_root=tmp_path_factory.mktemp("open"),
+                       timeout_s=60.0, bus_tls=True, client_tls=True, read_port_offset=20000,
+                       password=TEST_PASSWORD)
+    with running_cluster(spec) as info:
+        tls = client_tls(Path(str(info.tls_dir)))
+        assert tls is not None and info.read_port_offset is not None
+        yield info, tls
+
+
+def _dataset(info: ClusterInfo, tls: ClientTLS, name: str, source: Any, **kwargs: Any) -> CachedDataset:
+    kwargs.setdefault("read_port_offset", info.read_port_offset)
+    return CachedDataset(source, dataset_name=name, hosts=info.hosts, password=TEST_PASSWORD, tls_ca=tls.ca,
+                         tls_cert=tls.cert, tls_key=tls.key, writer_buffer_size=16, cache_key=CACHE_KEY, **kwargs)
+
+
+def _reader_connections(info: ClusterInfo, tls: ClientTLS) -> int:
+    """Connections of the reader, over all nodes."""
+    total = 0
+    for host, port in info.hosts:
+        with contextlib.closing(client_for(host, port, TEST_PASSWORD, tls=tls)) as c:
+            for line in c.execute_command("CLIENT", "LIST", "TYPE", "normal").decode().splitlines():
+                total += f" user={READER_USER} " in f" {line} "
+    return total
+
+
+def test_a_keyed_loader_reads_sealed_entries_from_the_read_ports(
+        sealed_cluster: tuple[ClusterInfo, ClientTLS]) -> None:
+    info, tls = sealed_cluster
+    ds = _dataset(info, tls, "open-reads", Source(64))
+    try:
+        batches = [list(range(s, s + 16)) for s in range(0, 64, 16)]
+        for b in batches:
+            check_batch(ds, b)
+        ds.flush()
+        for b in reversed(batches):
+            check_batch(ds, b)
+        assert ds.stats.hits == 64 and ds.stats.corrupt == 0 and ds.stats.errors == 0
+        assert _reader_connections(info, tls) == 3  # the hits came through the read ports, as the reader
+        backend: Any = ds.cache_loader.store.backend  # type: ignore[attr-defined]
+        ports = {client.connection_pool.connection_kwargs["port"] for client in backend._readers.values()}
+        assert ports == {port + info.read_port_offset for _, port in info.hosts}
+        assert all(c.connection_pool.connection_kwargs["password"] == "" for c in backend._readers.values())
+        # what the nodes hold is ciphertext: no sample's bytes appear in its entry
+        with contextlib.closing(client_for(*info.hosts[0], TEST_PASSWORD, tls=tls)) as c:
+            keys = [k for k in c.scan_iter(match="open-reads:*")]
+            assert keys
+            value = c.get(keys[0])
+        index = int(keys[0].rsplit(b":", 1)[1])
+        plain = ds.dataset[index][0].numpy().tobytes()  # type: ignore[index]
+        assert value[4] == codec.DIGEST_SEAL and plain[:64] not in value
+    finally:
+        ds.cache_loader.cleanup()
+
+
+def test_keys_the_reader_may_not_read_come_through_the_client_port(
+        sealed_cluster: tuple[ClusterInfo, ClientTLS]) -> None:
+    info, tls = sealed_cluster
+    # "bagua_lightning" is the protected prefix of the service's plans: the reader gets NOPERM for these keys
+    ds = _dataset(info, tls, "bagua_lightning", Source(32))
+    try:
+        check_batch(ds, list(range(32)))
+        ds.flush()
+        check_batch(ds, list(range(32)))
+        assert ds.stats.hits == 32 and ds.stats.misses == 32 and ds.stats.corrupt == 0
+    finally:
+        ds.cache_loader.cleanup()
+
+
+def test_a_read_port_that_does_not_answer_leaves_reads_on_the_client_port(
+        sealed_cluster: tuple[ClusterInfo, ClientTLS], caplog: pytest.LogCaptureFixture) -> None:
+    info, tls = sealed_cluster
+    closed = free_port_block(3, with_bus=False)  # nothing listens there
+    ds = _dataset(info, tls, "open-reads-closed", Source(32), read_port_offset=closed - info.hosts[0][1])
+    try:
+        check_batch(ds, list(range(32)))
+        ds.flush()
+        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.cluster_backend"):
+            check_batch(ds, list(range(32)))
+        assert ds.stats.hits == 32 and ds.stats.corrupt == 0
+        assert "read port" in caplog.text and "reading through its client port" in caplog.text
+    finally:
+        ds.cache_loader.cleanup()
+
+
+class Squatter:
+    """Plain listeners on the read ports that answer as Redis would, with forged entries, and keep every byte
+    they receive."""
+
+    def __init__(self, ports: list[int], forge: Any) -> None:
+        self.received = bytearray()
+        self.forge = forge
+        self.lock = threading.Lock()
+        self.socks = []
+        for port in ports:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            self.socks.append(s)
+        self.threads = [threading.Thread(target=self._accept, args=(s,), daemon=True) for s in self.socks]
+        for t in self.threads:
+            t.start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        with conn:
+            while True:
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                with self.lock:
+                    self.received += data
+                buf += data
+                replies, buf = self._commands(buf)
+                try:
+                    conn.sendall(replies)
+                except OSError:
+                    return
+
+    def _commands(self, buf: bytes) -> tuple[bytes, bytes]:
+        """The replies to every whole RESP command in ``buf``, and what is left of it."""
+        out = b""
+        while buf.startswith(b"*") and b"\r\n" in buf:
+            head, rest = buf.split(b"\r\n", 1)
+            args = []
+            for _ in range(int(head[1:])):
+                if b"\r\n" not in rest:
+                    return out, buf
+                size_line, rest = rest.split(b"\r\n", 1)
+                size = int(size_line[1:])
+                if len(rest) < size + 2:
+                    return out, buf
+                args.append(rest[:size])
+                rest = rest[size + 2:]
+            buf = rest
+            if args[0].upper() == b"GET":
+                value = bytes(self.forge(args[1]))
+                out += b"$%d\r\n%s\r\n" % (len(value), value)
+            else:
+                out += b"+OK\r\n"
+        return out, buf
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+def test_a_squatter_on_the_read_ports_gets_no_secret_and_its_replies_are_misses(
+        sealed_cluster: tuple[ClusterInfo, ClientTLS]) -> None:
+    info, tls = sealed_cluster
+    source = Source(32)
+    rogue_base = free_port_block(3, with_bus=False)
+    # forgeries a squatter can make: an entry sealed with another key, and a genuine-looking unkeyed one
+    forgeries = [lambda key: codec.encode(source[0], key, secret=b"the squatter's key"),
+                 lambda key: codec.encode(source[0], key)]
+    for forge in forgeries:
+        squatter = Squatter([rogue_base + i for i in range(3)], forge)
+        ds = _dataset(info, tls, "open-reads-squatted", source, read_port_offset=rogue_base - info.hosts[0][1])
+        try:
+            check_batch(ds, list(range(32)))  # misses: loaded and written through the client port (TLS)
+            ds.flush()
+            check_batch(ds, list(range(32)))  # every forged reply is a miss, and the samples are the source's
+            assert ds.stats.hits == 0 and ds.stats.corrupt == 64, ds.stats
+        finally:
+            ds.cache_loader.cleanup()
+            squatter.close()
+        assert b"GET" in squatter.received and READER_USER.encode() in squatter.received
+        for secret in (TEST_PASSWORD.encode(), CACHE_KEY, Path(tls.key).read_bytes()[40:80]):
+            assert secret not in squatter.received
