@@ -88,7 +88,7 @@ def main() -> None:
             password=PASSWORD, read_port_offset=OFFSETS[2])))
         tls = client_tls(Path(str(tls_info.tls_dir)))
         assert tls is not None
-        secure = {"hosts": tls_info.hosts, "password": PASSWORD, "tls_ca": tls.ca, "tls_cert": tls.cert,
+        secure: dict[str, Any] = {"hosts": tls_info.hosts, "password": PASSWORD, "tls_ca": tls.ca, "tls_cert": tls.cert,
                   "tls_key": tls.key, "cache_key": CACHE_KEY}
         readers = {
             "c": warmed(source, batches, "bench-c", hosts=plain.hosts, cache_key=b""),

@@ -12,10 +12,11 @@ afterwards. Any other entry, and every entry of a group that fails to build, goe
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Any
 
 from . import digests
-from .digests import DIGEST_XXH3, KEYED_KINDS
+from .digests import DIGEST_XXH3, MAC_KINDS
 from .digests import digest as _digest
 from .entry import (
     COVERED,
@@ -45,7 +46,8 @@ def decode_columns(values: list[Any], keys: list[bytes], allow_pickle: bool = Fa
                    secret: bytes | None = None) -> list[Any]:
     """The samples of ``values`` read under ``keys`` (see :func:`.codec.decode_many` for the result)."""
     out: list[Any] = [None] * len(values)
-    _build(_group(values, keys, allow_pickle, secret, out), values, keys, allow_pickle, secret, out)
+    groups = _group(values, keys, allow_pickle, secret, out)
+    build_groups(groups, lambda j: decode(values[j], keys[j], allow_pickle, secret), out)
     return out
 
 
@@ -59,7 +61,7 @@ def _batch_macs(values: list[Any], keys: list[bytes], secret: bytes) -> list[Any
         mv = value if type(value) is memoryview else memoryview(value)
         if mv.itemsize != 1 or mv.ndim != 1:
             mv = mv.cast("B")
-        if len(mv) >= HEADER_SIZE and mv[3] == FORMAT_VERSION and mv[4] in KEYED_KINDS:
+        if len(mv) >= HEADER_SIZE and mv[3] == FORMAT_VERSION and mv[4] in MAC_KINDS:
             try:
                 out[j] = _digest(mv[4], keys[j], secret, mv[COVERED:], mv[DIGEST_OFFSET:COVERED])
             except CorruptEntryError:  # a kind this process cannot verify: decode() says why
@@ -75,7 +77,7 @@ def _group(values: list[Any], keys: list[bytes], allow_pickle: bool, secret: byt
     xxhash = digests.xxhash
     fast = secret is not None or xxhash is not None
     macs = _batch_macs(values, keys, secret) if secret is not None else None
-    prefixes, wanted = ((XXH_PREFIX,), (DIGEST_XXH3,)) if macs is None else (KEYED_PREFIXES, KEYED_KINDS)
+    prefixes, wanted = ((XXH_PREFIX,), (DIGEST_XXH3,)) if macs is None else (KEYED_PREFIXES, MAC_KINDS)
     groups: Groups = {}
     unpack, plans, same = HEADER_XXH.unpack_from, PLANS, hmac.compare_digest
     xxh3: Any = xxhash.xxh3_64_intdigest if xxhash is not None else None
@@ -146,9 +148,8 @@ def _group(values: list[Any], keys: list[bytes], allow_pickle: bool, secret: byt
     return groups
 
 
-def _build(groups: Groups, values: list[Any], keys: list[bytes], allow_pickle: bool, secret: bytes | None,
-           out: list[Any]) -> None:
-    """Build each group by its plan's column into ``out``; a group that fails, entry by entry."""
+def build_groups(groups: Groups, one: Callable[[int], Any], out: list[Any]) -> None:
+    """Build each group by its plan's column into ``out``; a group that fails, entry by entry: ``one(j)``."""
     for plan, idx, tails, datas in groups.values():
         try:
             built = plan.column(tails, datas)
@@ -160,6 +161,6 @@ def _build(groups: Groups, values: list[Any], keys: list[bytes], allow_pickle: b
             continue
         for j in idx:
             try:
-                out[j] = decode(values[j], keys[j], allow_pickle, secret)
+                out[j] = one(j)
             except CorruptEntryError as exc:
                 out[j] = Bad(exc)

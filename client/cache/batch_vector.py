@@ -8,6 +8,11 @@ numbers are read as columns, and each tensor leaf is split into per-sample views
 :data:`~.plan_parts.Vector`). Anything else (a miss, another length, another kind of entry, shapes that
 differ, a damaged entry) is not such a batch: :func:`decode_rows` returns None and
 :func:`.codec.decode_many` goes on with :mod:`.batch_column`, which finds any culprit.
+
+Sealed entries are opened first (:mod:`.batch_sealed`), into one block of this process's making where opened
+entry ``i`` lies at ``i * stride``: :func:`decode_opened_rows` decodes that block the same way, where it lies,
+with no digest to verify (GCM's tags were). It is the only way in to that: :func:`decode_rows` refuses the
+opened entries' marker kind (:data:`~.entry.OPENED`), as every check of a value read does.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import struct
 from typing import Any
 
 from . import digests
-from .digests import DIGEST_GMAC, DIGEST_XXH3, KEYED_KINDS, NONCE_SIZE, gmac_tags, hmac_digest
+from .digests import DIGEST_GMAC, DIGEST_XXH3, MAC_KINDS, NONCE_SIZE, gmac_tags, hmac_digest
 from .entry import (
     COVERED,
     DIGEST_OFFSET,
@@ -25,6 +30,7 @@ from .entry import (
     HEADER_SIZE,
     HEADER_XXH,
     MAGIC,
+    OPENED,
     PAD16,
     whole_entry_reader,
 )
@@ -49,17 +55,22 @@ def _uniform_checks(plan: Any, tail_start: int, tail_len: int, start: int, np: A
     return xxh3_cols, xxh3_cols[(xxh3_cols < DIGEST_OFFSET) | (xxh3_cols >= COVERED)]
 
 
-def _head_plan(head: memoryview, secret: bytes | None, np: Any) -> tuple[Plan, Vector, int, int, int] | None:
+def _head_plan(head: memoryview, secret: bytes | None, np: Any,
+               opened: bool = False) -> tuple[Plan, Vector, int, int, int] | None:
     """The plan of the batch's first entry, with its vector reader, its digest kind, where its tail starts and its tail's
     length; None when that entry is not one a batch can be decoded by (flags, another version or digest kind,
-    a skeleton without a vector reader, a length that its header does not give)."""
+    a skeleton without a vector reader, a length that its header does not give). ``opened``: the entries are
+    opened ones (kind :data:`~.entry.OPENED`), the only kind then accepted; else that kind never is."""
     length = len(head)
     if head.itemsize != 1 or head.ndim != 1 or length < HEADER_SIZE:
         return None
     magic, version, kind, _, rest, flags, skel_len, tail_len, data_len = HEADER_XXH.unpack_from(head, 0)
     if flags or magic != MAGIC or version != FORMAT_VERSION:
         return None
-    if (kind != DIGEST_XXH3 or rest != PAD16) if secret is None else kind not in KEYED_KINDS:
+    if opened:
+        if kind != OPENED:
+            return None
+    elif (kind != DIGEST_XXH3 or rest != PAD16) if secret is None else kind not in MAC_KINDS:
         return None
     tail_start = HEADER_SIZE + skel_len
     skeleton = bytes(head[HEADER_SIZE:tail_start])
@@ -122,36 +133,58 @@ def decode_rows(values: list[Any], keys: list[bytes], secret: bytes | None) -> l
     else:
         head = values[0]
     head = memoryview(head)
-    found = _head_plan(head, secret, np)
-    if found is None:
-        return None
-    plan, vector, kind, tail_start, tail_len = found
-    length, start = len(head), plan.fast[3]
     if order is not None:  # the entries where they lie: row r is the value of key order[r]
         buf, first, stride = run[0], run[1], run[2]
-        if first + (n - 1) * stride + length > len(buf):
+        if first + (n - 1) * stride + len(head) > len(buf):
             return None
-        rows = np.ndarray((n, length), np.uint8, buf, first, (stride, 1))
         keys = list(map(keys.__getitem__, order))
     else:
-        buf = bytearray().join(values)
-        first, stride = 0, length
-        rows = np.frombuffer(buf, np.uint8).reshape(n, length)
-    # The bytes every entry shares, equal to the first's; then the digests, all at once.
-    same = rows[:, plan.uniform[secret is not None]]
-    if same.tobytes() != same[0].tobytes() * n:
-        return None
-    if not _digests_match(rows, buf, first, stride, length, keys, kind, secret):
-        return None
-    tail = np.ascontiguousarray(rows[:, tail_start:tail_start + tail_len]) if tail_len else None
-    align = (first | stride | 16) & -(first | stride | 16)  # receive buffers start on 16-byte boundaries
-    try:
-        built = vector(Rows(rows, tail, start, plan.tail.unpack_from(head, tail_start), align))
-    except Exception:  # shapes that numpy will not split, say: entry by entry
-        return None
-    if order is None:
+        buf = None
+        first = stride = 0
+    built = _decode(np, head, n, buf, first, stride, keys, secret, False, values)
+    if order is None or built is None:
         return built
     out: list[Any] = [None] * n
     for j, sample in zip(order, built, strict=True):
         out[j] = sample
     return out
+
+
+def decode_opened_rows(block: Any, stride: int, length: int, m: int) -> list[Any] | None:
+    """The samples of the ``m`` entries that :mod:`.batch_sealed` opened into ``block``, each ``length``
+    bytes, entry ``i`` at ``i * stride``, when they are of one skeleton; else None. Their tags have been
+    checked, so no digest is (only ever called on such a block: never on values read)."""
+    import numpy as np
+
+    return _decode(np, memoryview(block)[:length], m, block, 0, stride, [], None, True, None)
+
+
+def _decode(np: Any, head: memoryview, n: int, buf: Any, first: int, stride: int, keys: list[bytes],
+            secret: bytes | None, opened: bool, values: list[Any] | None) -> list[Any] | None:
+    """The samples of ``n`` entries of ``head``'s length, row ``r`` at ``first + r * stride`` in ``buf`` (or,
+    where ``buf`` is None, ``values`` side by side in a copy), read under ``keys`` in row order; None where
+    they are not a batch this module decodes."""
+    found = _head_plan(head, secret, np, opened)
+    if found is None:
+        return None
+    plan, vector, kind, tail_start, tail_len = found
+    length, start = len(head), plan.fast[3]
+    if buf is not None:
+        rows = np.ndarray((n, length), np.uint8, buf, first, (stride, 1))
+    else:
+        assert values is not None
+        buf = bytearray().join(values)
+        first, stride = 0, length
+        rows = np.frombuffer(buf, np.uint8).reshape(n, length)
+    # The bytes every entry shares, equal to the first's; then the digests, all at once.
+    same = rows[:, plan.uniform[secret is not None or opened]]
+    if same.tobytes() != same[0].tobytes() * n:
+        return None
+    if not opened and not _digests_match(rows, buf, first, stride, length, keys, kind, secret):
+        return None
+    tail = np.ascontiguousarray(rows[:, tail_start:tail_start + tail_len]) if tail_len else None
+    align = (first | stride | 16) & -(first | stride | 16)  # receive buffers start on 16-byte boundaries
+    try:
+        return vector(Rows(rows, tail, start, plan.tail.unpack_from(head, tail_start), align))
+    except Exception:  # shapes that numpy will not split, say: entry by entry
+        return None

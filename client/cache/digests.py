@@ -3,18 +3,28 @@
 Kinds (the byte after the format version in an entry's header, :mod:`.codec`); every kind fills the same
 24-byte field:
 
-* ``gmac-aes256``: written when a cache key is configured. The field is a random 12-byte nonce, drawn for
-  each written entry, then the first 12 bytes of the AES-256-GCM tag of (nonce, plaintext = the redis key,
-  associated data = the entry from the flags on), under an AES key derived from the cache key with
-  HKDF-SHA256. GCM's tag covers the associated data and the ciphertext of the key (their lengths too), so
-  the entry and the key it is stored under are both bound, and no copy of the entry is made. Needs the
-  ``cryptography`` package; without it, keyed entries are written as ``hmac-sha256`` (logged once).
+* ``aes256-gcm`` (sealed): written when a cache key is configured. The field is a random 12-byte nonce, drawn
+  for each written entry, then 12 zero bytes; everything after the 52-byte header (skeleton, tail, pad, data
+  region) is AES-256-GCM ciphertext (under an AES key derived from the cache key with HKDF-SHA256, its own
+  ``info``), and the full 16-byte tag follows it, at the very end of the entry. Associated data:
+  ``u64(len(redis key)) | redis key | flags and lengths`` (the header's bytes after the digest field). So the
+  sample is confidential (only the lengths stay in clear), and the entry, its lengths and the key it is stored
+  under are authenticated: what :func:`seal_into` writes and :func:`opener` opens. Needs ``cryptography``;
+  without it, keyed entries are written as ``hmac-sha256``.
+* ``gmac-aes256``: what a cache key gave before sealing (still read; written with ``seal=False``). The field
+  is a random 12-byte nonce, drawn for each written entry, then the first 12 bytes of the AES-256-GCM tag of
+  (nonce, plaintext = the redis key, associated data = the entry from the flags on), under an AES key derived
+  from the cache key with HKDF-SHA256. GCM's tag covers the associated data and the ciphertext of the key
+  (their lengths too), so the entry and the key it is stored under are both bound, and no copy of the entry
+  is made. The entry itself stays in clear. Needs the ``cryptography`` package; without it, keyed entries are
+  written as ``hmac-sha256`` (logged once).
 * ``hmac-sha256``, truncated to 24 bytes: HMAC-SHA256 with the cache key of ``u64(len(redis key)) | redis
   key | entry from the flags on``. Written by earlier releases (and where ``cryptography`` is missing);
   still verified, so a cache written by both is read.
 * ``xxh3-64`` (the ``xxhash`` package) or ``crc32`` (zlib) without a key: corruption, not forgery.
 
-Why GMAC and why it is secure: docs/cache.md ("What the keyed digest is").
+Why GMAC, what sealing adds and why both are secure: docs/cache.md ("What the keyed digest is", "What
+sealing adds").
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .values import CorruptEntryError
@@ -43,15 +53,22 @@ def _optional(module: str) -> Any:
 
 xxhash: Any = _optional("xxhash")  # ~30 GB/s checksums when installed; zlib's crc32 otherwise
 
-DIGEST_CRC32, DIGEST_XXH3, DIGEST_HMAC, DIGEST_GMAC = 1, 2, 3, 4
+DIGEST_CRC32, DIGEST_XXH3, DIGEST_HMAC, DIGEST_GMAC, DIGEST_SEAL = 1, 2, 3, 4, 5
 DIGEST_NAMES = {DIGEST_CRC32: "crc32", DIGEST_XXH3: "xxh3-64", DIGEST_HMAC: "hmac-sha256",
-                DIGEST_GMAC: "gmac-aes256"}
-KEYED_KINDS = frozenset((DIGEST_HMAC, DIGEST_GMAC))
+                DIGEST_GMAC: "gmac-aes256", DIGEST_SEAL: "aes256-gcm"}
+MAC_KINDS = frozenset((DIGEST_HMAC, DIGEST_GMAC))  # keyed kinds whose 24-byte field is all there is to check
+KEYED_KINDS = MAC_KINDS | {DIGEST_SEAL}  # the kinds accepted where a cache key is configured
 DIGEST_SIZE = 24  # bytes of the digest field
-NONCE_SIZE = 12  # bytes: GCM's 96-bit nonce, the first part of a gmac-aes256 field
+NONCE_SIZE = 12  # bytes: GCM's 96-bit nonce, the first part of a gmac-aes256 or aes256-gcm field
 TAG_SIZE = DIGEST_SIZE - NONCE_SIZE  # bytes of the GCM tag kept (of 16): NIST SP 800-38D allows 96 bits
-GMAC_MAX_BYTES = 2**31 - 1  # cryptography's AEAD limit on associated data: a larger entry is written hmac-sha256
+GMAC_MAX_BYTES = 2**31 - 1  # cryptography's AEAD limit per call: a larger entry is written hmac-sha256
 GMAC_KEY_INFO = b"bagua-lightning cache entry digest gmac-aes256 v1"  # HKDF info: this key serves only this
+SEAL_KEY_INFO = b"bagua-lightning cache entry seal aes256-gcm v1"  # HKDF info of the sealing key: another key
+SEAL_TAG_SIZE = 16  # bytes: a sealed entry ends with GCM's whole tag
+SEALED_NO_KEY = ("entry is sealed (aes256-gcm) with a cache key, and none is configured here: configure the job's "
+                 "cache key (cache_key=..., $BAGUA_LIGHTNING_CACHE_KEY or the services file) to read it")
+SEAL_MISMATCH = ("sealed entry does not open (corrupted, truncated, stored under another key, or not written "
+                 "with this cache key)")
 
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -77,13 +94,20 @@ def gmac_available() -> bool:
 
 @functools.cache
 def keyed_digest_kind() -> int:
-    """The keyed digest this process writes: ``gmac-aes256``, or ``hmac-sha256`` without ``cryptography``."""
+    """The keyed kind this process writes by default: ``aes256-gcm`` (sealed), or ``hmac-sha256`` without
+    ``cryptography`` (neither encrypted nor as fast to read; logged once)."""
     if not gmac_available():
         log.warning("the cryptography package is not installed: cache entries are authenticated with "
-                    "HMAC-SHA256, about 4x slower to read than AES-GMAC; to read at full speed, install it with "
-                    "`pip install -U cryptography`")
+                    "HMAC-SHA256, about 4x slower to read than AES-GCM, and not encrypted; to seal them and read "
+                    "at full speed, install it with `pip install -U cryptography`")
         return DIGEST_HMAC
-    return DIGEST_GMAC
+    return DIGEST_SEAL
+
+
+def mac_digest_kind() -> int:
+    """The keyed kind written where sealing is turned off (``seal=False``): ``gmac-aes256``, or ``hmac-sha256``
+    without ``cryptography``."""
+    return DIGEST_GMAC if keyed_digest_kind() == DIGEST_SEAL else DIGEST_HMAC
 
 
 def _hkdf_sha256(secret: bytes, info: bytes, length: int = 32) -> bytes:
@@ -106,6 +130,65 @@ def _gmac_cipher(secret: bytes) -> Any:
         raise CorruptEntryError("entry is authenticated with AES-GMAC; install the cryptography package "
                                 "(`pip install -U cryptography`) to read it")
     return aesgcm(_hkdf_sha256(secret, GMAC_KEY_INFO)).encrypt
+
+
+@functools.lru_cache(maxsize=8)
+def seal_cipher(secret: bytes) -> Any:
+    """AES-256-GCM (``cryptography``'s AESGCM object) under the sealing key derived from the cache key."""
+    aesgcm = _aesgcm_class()
+    if aesgcm is None:
+        raise CorruptEntryError("entry is sealed with AES-256-GCM; install the cryptography package "
+                                "(`pip install -U cryptography`) to read it")
+    return aesgcm(_hkdf_sha256(secret, SEAL_KEY_INFO))
+
+
+def seal_aad(key: bytes, clear: Any) -> bytes:
+    """The associated data of a sealed entry stored under ``key`` whose header bytes after the digest field
+    (flags, lengths) are ``clear``: ``u64(len(key)) | key | clear``."""
+    return b"".join((_U64.pack(len(key)), key, clear))
+
+
+def seal_into(secret: bytes, key: bytes, nonce: bytes, clear: Any, plain: Any, out: Any) -> None:
+    """Encrypt ``plain`` (the data region) into ``out`` (``len(plain) + 16`` bytes: ciphertext, then the tag)."""
+    cipher, aad = seal_cipher(secret), seal_aad(key, clear)
+    if hasattr(cipher, "encrypt_into"):  # cryptography >= 45: straight into the entry
+        cipher.encrypt_into(nonce, plain, aad, out)
+    else:
+        out[:] = cipher.encrypt(nonce, plain, aad)
+
+
+def raw_opener(secret: bytes) -> Any:
+    """``decrypt_into(nonce, sealed, associated data, out)`` of the sealing key derived from ``secret`` (raises
+    ``InvalidTag`` and the like, not :class:`CorruptEntryError`); None where ``cryptography`` is missing or
+    older than 45."""
+    try:
+        return getattr(seal_cipher(secret), "decrypt_into", None)
+    except CorruptEntryError:
+        return None
+
+
+def opener(secret: bytes) -> Callable[[bytes, Any, Any, Any, Any], None]:
+    """``open_into(key, nonce, clear, sealed, out)``: decrypt and check ``sealed`` (ciphertext then tag) into
+    ``out`` (``len(sealed) - 16`` bytes), for an entry stored under ``key`` whose header bytes after the digest
+    field (flags, lengths) are ``clear``, with the AES key derived from ``secret``. A wrong tag (any change to the entry, another
+    key, another cache key), a wrong length, anything: :class:`CorruptEntryError` (``out`` then holds nothing to
+    use). One of these serves a whole batch."""
+    cipher = seal_cipher(secret)
+    into = getattr(cipher, "decrypt_into", None)  # cryptography >= 45: straight into the caller's buffer
+    pack, join = _U64.pack, b"".join
+
+    def open_into(key: bytes, nonce: Any, clear: Any, sealed: Any, out: Any) -> None:
+        aad = join((pack(len(key)), key, clear))  # seal_aad's, inline: once per entry read
+        try:
+            if into is not None:
+                into(nonce, sealed, aad, out)
+            else:
+                out[:] = cipher.decrypt(nonce, sealed, aad)
+        except Exception as exc:  # InvalidTag, or a length or type that does not fit: never anything but a miss
+            raise CorruptEntryError(SEAL_MISMATCH if type(exc).__name__ == "InvalidTag"
+                                    else f"sealed entry does not open ({type(exc).__name__}: {exc})") from None
+
+    return open_into
 
 
 def gmac_digest(secret: bytes, key: bytes, covered: Any, nonce: Any) -> bytes:
@@ -164,7 +247,9 @@ def digest(kind: int, key: bytes, secret: bytes | None, covered: Any, stored: An
         if xxhash is None:
             raise CorruptEntryError("entry carries an xxh3 digest; install xxhash to verify it")
         return _U64.pack(xxhash.xxh3_64_intdigest(covered, xxhash.xxh3_64_intdigest(key))) + _PAD16
-    if kind in KEYED_KINDS:
+    if kind == DIGEST_SEAL:  # not a digest of the field alone: opened by opener()
+        raise CorruptEntryError(SEALED_NO_KEY if secret is None else "a sealed entry has no digest to compare")
+    if kind in MAC_KINDS:
         if secret is None:
             raise CorruptEntryError("entry is authenticated with a cache key, and none is configured here")
         if kind == DIGEST_HMAC:

@@ -1,7 +1,14 @@
 """One cache entry: its header layout (see :mod:`.codec` for the whole format), and reading one entry.
 
-The batch readers (:mod:`.batch_vector`, :mod:`.batch_column`) share these constants and fall back on
-:func:`decode` for any entry they do not take.
+The batch readers (:mod:`.batch_vector`, :mod:`.batch_column`, :mod:`.batch_sealed`) share these constants and
+fall back on :func:`decode` for any entry they do not take.
+
+A sealed entry (``aes256-gcm``: everything after its header encrypted, the GCM tag at its end) is *opened*
+before it is read: :func:`decode` decrypts it into a buffer of its own (:func:`open_entry`); :mod:`.batch_sealed`
+opens a batch into one block, each opened entry a copy of the entry's header with the kind byte set to
+:data:`OPENED` and the decrypted rest in place of the ciphertext, without the tag. :data:`OPENED` is an
+internal marker, never written: every check of an entry from the wire refuses it (it is no digest kind), and
+only :func:`decode_opened` (called by the opener on its own block) reads it, without a digest to verify.
 """
 
 from __future__ import annotations
@@ -12,7 +19,19 @@ import struct
 from typing import Any
 
 from . import digests
-from .digests import DIGEST_GMAC, DIGEST_HMAC, DIGEST_NAMES, DIGEST_SIZE, DIGEST_XXH3, KEYED_KINDS
+from .digests import (
+    DIGEST_GMAC,
+    DIGEST_HMAC,
+    DIGEST_NAMES,
+    DIGEST_SEAL,
+    DIGEST_SIZE,
+    DIGEST_XXH3,
+    KEYED_KINDS,
+    NONCE_SIZE,
+    SEAL_TAG_SIZE,
+    SEALED_NO_KEY,
+    opener,
+)
 from .digests import digest as _digest
 from .plans import PLANS, plan_for
 from .values import ALIGN, CorruptEntryError
@@ -32,6 +51,9 @@ PAD16 = bytes(16)
 
 XXH_PREFIX = MAGIC + bytes((FORMAT_VERSION, DIGEST_XXH3, 0, 0, 0))
 KEYED_PREFIXES = tuple(MAGIC + bytes((FORMAT_VERSION, kind, 0, 0, 0)) for kind in (DIGEST_GMAC, DIGEST_HMAC))
+SEAL_PREFIX = MAGIC + bytes((FORMAT_VERSION, DIGEST_SEAL, 0, 0, 0))
+SEAL_ZEROS = bytes(DIGEST_SIZE - NONCE_SIZE)  # what follows the nonce in a sealed entry's digest field
+OPENED = 0xF5  # the kind byte of an entry opened by this process (see the module's docstring); never on the wire
 
 MISMATCH = "digest mismatch (corrupted, truncated, stored under another key)"
 MISMATCH_KEYED = "digest mismatch (corrupted, truncated, stored under another key, or not written with this cache key)"
@@ -68,6 +90,11 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle
             raise CorruptEntryError(f"entry format version {version}, this reader understands {FORMAT_VERSION}")
         tail_start = HEADER_SIZE + skel_len
         data_start = (tail_start + tail_len + ALIGN - 1) & -ALIGN
+        if kind == DIGEST_SEAL:
+            if secret is None:
+                raise CorruptEntryError(SEALED_NO_KEY)
+            opened = open_entry(mv, key, secret, data_start, data_len)
+            return _build(opened, flags, tail_start, tail_len, opened[data_start:], allow_pickle, OWN)
         if data_start + data_len != size:
             raise CorruptEntryError(f"entry length {size} does not match its header ({data_start + data_len})")
         if secret is not None and kind not in KEYED_KINDS:
@@ -80,25 +107,85 @@ def decode(value: bytes | bytearray | memoryview, key: bytes = b"", allow_pickle
             expected = _digest(kind, key, secret, mv[COVERED:], digest)
         if not hmac.compare_digest(expected, digest):
             raise CorruptEntryError(MISMATCH_KEYED if kind in KEYED_KINDS else MISMATCH)
-        if flags:
-            if flags != FLAG_PICKLE:
-                raise CorruptEntryError(f"unknown flags {flags:#x}")
-            if not allow_pickle:
-                raise CorruptEntryError('entry was written with serializer="pickle"; not unpickling it')
-            return pickle.loads(mv[data_start:])
-        skeleton = bytes(mv[HEADER_SIZE:tail_start])
-        plan = PLANS.get(skeleton) or plan_for(skeleton)
-        if plan.tail.size != tail_len:
-            raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
-        tail = plan.tail.unpack_from(mv, tail_start)
-        data = mv[data_start:]
-        shared = owned and type(value) is bytes
-        # numpy arrays need a writable buffer; tensors view the reply when the caller owns it
-        writable = bytearray(data) if plan.arrays or (plan.tensors and not shared) else None
-        return plan.build(tail, data if shared or writable is None else writable, writable)
+        # tensors view the reply when the caller owns it
+        return _build(mv, flags, tail_start, tail_len, mv[data_start:], allow_pickle,
+                      SHARED if owned and type(value) is bytes else COPY)
     except CorruptEntryError:
         raise
     except Exception as exc:  # a damaged structure can fail anywhere in the decoder: always a miss
+        raise CorruptEntryError(f"malformed entry ({type(exc).__name__}: {exc})") from exc
+
+
+COPY, SHARED, OWN = 0, 1, 2  # how _build may use an entry's data region (see there)
+
+
+def _build(mv: memoryview, flags: int, tail_start: int, tail_len: int, data: Any, allow_pickle: bool,
+           mode: int) -> Any:
+    """The sample of an entry checked already, its data region ``data``. ``mode``: :data:`OWN` where ``data`` is
+    writable and this sample's alone, or its batch's (opened: arrays and tensors view it); :data:`SHARED` where
+    it is a reply the caller handed over (tensors view it, arrays a copy); :data:`COPY` else (both view one
+    copy)."""
+    if flags:
+        if flags != FLAG_PICKLE:
+            raise CorruptEntryError(f"unknown flags {flags:#x}")
+        if not allow_pickle:
+            raise CorruptEntryError('entry was written with serializer="pickle"; not unpickling it')
+        return pickle.loads(data)
+    skeleton = bytes(mv[HEADER_SIZE:tail_start])
+    plan = PLANS.get(skeleton) or plan_for(skeleton)
+    if plan.tail.size != tail_len:
+        raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
+    tail = plan.tail.unpack_from(mv, tail_start)
+    if mode == OWN:
+        return plan.build(tail, data, data)
+    # numpy arrays need a writable buffer
+    writable = bytearray(data) if plan.arrays or (plan.tensors and mode == COPY) else None
+    return plan.build(tail, data if mode == SHARED or writable is None else writable, writable)
+
+
+def check_sealed(mv: memoryview, size: int, data_start: int, data_len: int) -> None:
+    """The checks by value of a sealed entry of ``size`` bytes whose header says ``data_start``/``data_len``
+    (whatever else it holds is authenticated when it is opened)."""
+    if mv[:DIGEST_OFFSET] != SEAL_PREFIX or mv[DIGEST_OFFSET + NONCE_SIZE:COVERED] != SEAL_ZEROS:
+        raise CorruptEntryError("sealed entry with a damaged header")
+    if data_start + data_len + SEAL_TAG_SIZE != size:
+        raise CorruptEntryError(f"sealed entry length {size} does not match its header "
+                                f"({data_start + data_len + SEAL_TAG_SIZE})")
+
+
+def open_entry(mv: memoryview, key: bytes, secret: bytes, data_start: int, data_len: int) -> memoryview:
+    """The sealed entry ``mv`` stored under ``key``, opened into a new writable buffer: its header, then
+    everything after it decrypted (skeleton, tail, pad, data), without the tag."""
+    size = len(mv)
+    check_sealed(mv, size, data_start, data_len)
+    opened = bytearray(size - SEAL_TAG_SIZE)
+    out = memoryview(opened)
+    out[:HEADER_SIZE] = mv[:HEADER_SIZE]
+    opener(secret)(key, mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE], mv[COVERED:HEADER_SIZE], mv[HEADER_SIZE:],
+                   out[HEADER_SIZE:])
+    opened[4] = OPENED
+    return out
+
+
+def decode_opened(view: memoryview, allow_pickle: bool = False) -> Any:
+    """The sample of an entry that :mod:`.batch_sealed` opened into its own block (kind :data:`OPENED`): its tag
+    was checked when it was opened, so no digest is. Only ever called on such a block, never on a value read.
+
+    Raises:
+        CorruptEntryError: as :func:`decode`.
+    """
+    try:
+        _, _, kind, _, flags, skel_len, tail_len, data_len = HEADER.unpack_from(view, 0)
+        if kind != OPENED:
+            raise CorruptEntryError("not an opened entry")
+        tail_start = HEADER_SIZE + skel_len
+        data_start = (tail_start + tail_len + ALIGN - 1) & -ALIGN
+        if data_start + data_len != len(view):
+            raise CorruptEntryError(f"entry length {len(view)} does not match its header ({data_start + data_len})")
+        return _build(view, flags, tail_start, tail_len, view[data_start:], allow_pickle, OWN)
+    except CorruptEntryError:
+        raise
+    except Exception as exc:
         raise CorruptEntryError(f"malformed entry ({type(exc).__name__}: {exc})") from exc
 
 

@@ -1,6 +1,6 @@
-"""Entries authenticated with the cache key: AES-GMAC written, HMAC-SHA256 of earlier releases still read, and
-every entry that was not written with the key under its own redis key a miss (in the codec and in a real
-Redis)."""
+"""Entries authenticated with the cache key: sealed (AES-256-GCM) written by default, AES-GMAC written on request
+(``seal=False``) and read, HMAC-SHA256 of earlier releases still read, and every entry that was not written with
+the key under its own redis key a miss (in the codec and in a real Redis). Sealing itself: test_cache_sealed.py."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def _clear_caches() -> None:
     digests._aesgcm_class.cache_clear()
     digests.keyed_digest_kind.cache_clear()
     digests._gmac_cipher.cache_clear()
+    digests.seal_cipher.cache_clear()
 
 
 @pytest.fixture
@@ -43,9 +44,10 @@ def without_cryptography(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _clear_caches()
 
 
-def test_keyed_entries_are_gmac_and_need_the_key() -> None:
+def test_keyed_entries_are_sealed_by_default_gmac_on_request_and_need_the_key() -> None:
     sample = (torch.arange(5), "x")
-    keyed = bytes(encode(sample, KEY, secret=SECRET))
+    assert encode(sample, KEY, secret=SECRET)[4] == codec.DIGEST_SEAL
+    keyed = bytes(encode(sample, KEY, secret=SECRET, seal=False))
     assert keyed[4] == codec.DIGEST_GMAC
     assert_same_sample(decode(keyed, KEY, secret=SECRET), sample)
     with pytest.raises(CorruptEntryError, match="not written with this cache key"):
@@ -69,7 +71,7 @@ def test_gmac_digest_is_aes_gcm_of_the_key_with_the_entry_as_associated_data() -
     # The digest docs/cache.md defines, computed here with cryptography's own HKDF: a change cannot go unnoticed.
     aes_key = HKDF(hashes.SHA256(), 32, None, digests.GMAC_KEY_INFO).derive(SECRET)
     assert digests._hkdf_sha256(SECRET, digests.GMAC_KEY_INFO) == aes_key
-    entry = bytes(encode((torch.arange(6.0), "x"), KEY, secret=SECRET))
+    entry = bytes(encode((torch.arange(6.0), "x"), KEY, secret=SECRET, seal=False))
     nonce = entry[8:20]
     assert entry[20:32] == AESGCM(aes_key).encrypt(nonce, KEY, entry[32:])[-16:-4]
     # Not the HMAC key used as it is: the AES key is derived for this use alone.
@@ -78,7 +80,7 @@ def test_gmac_digest_is_aes_gcm_of_the_key_with_the_entry_as_associated_data() -
 
 def test_nonces_differ_across_writes_of_the_same_sample() -> None:
     sample = torch.ones(3, 32, 32)
-    entries = [bytes(encode(sample, KEY, secret=SECRET)) for _ in range(200)]
+    entries = [bytes(encode(sample, KEY, secret=SECRET, seal=False)) for _ in range(200)]
     assert len({e[8:20] for e in entries}) == 200
     assert len({e[32:] for e in entries}) == 1  # everything but the digest field is the same
     for e in entries[:5]:
@@ -92,7 +94,7 @@ def _flip(entry: bytes, at: int) -> bytes:
 def _batch(n: int) -> tuple[list[bytes], list[bytes], list[tuple[torch.Tensor, int]]]:
     samples = [(torch.randn(3, 32, 32), i) for i in range(n)]  # 12 KB entries, as in CIFAR
     keys = [f"ds:1:{i}".encode() for i in range(n)]
-    return [bytes(encode(s, k, secret=SECRET)) for s, k in zip(samples, keys, strict=True)], keys, samples
+    return [bytes(encode(s, k, secret=SECRET, seal=False)) for s, k in zip(samples, keys, strict=True)], keys, samples
 
 
 FORGERIES = ["none", "data_bit", "tag_bit", "tag_last_bit", "nonce_bit", "tag_zeroed", "nonce_reused",
@@ -155,7 +157,7 @@ def test_without_cryptography_keyed_entries_are_hmac_written_with_one_log_line(
 
 
 def test_a_gmac_entry_is_a_miss_where_cryptography_is_missing() -> None:
-    entry = bytes(encode(torch.ones(2), KEY, secret=SECRET))
+    entry = bytes(encode(torch.ones(2), KEY, secret=SECRET, seal=False))
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
         _clear_caches()
@@ -183,7 +185,7 @@ def test_hmac_entries_of_earlier_releases_are_read_among_gmac_ones(n: int) -> No
             mp.undo()
             _clear_caches()
     assert {e[4] for e in old} == {codec.DIGEST_HMAC}
-    new = [bytes(encode(s, k, secret=SECRET)) for s, k in zip(samples, keys, strict=True)]
+    new = [bytes(encode(s, k, secret=SECRET, seal=False)) for s, k in zip(samples, keys, strict=True)]
     for entries in (old, [o if j % 2 else e for j, (o, e) in enumerate(zip(old, new, strict=True))]):
         got = codec.decode_many(entries, keys, secret=SECRET)
         for value, sample in zip(got, samples, strict=True):
@@ -209,7 +211,7 @@ def test_entry_copied_to_another_key_in_redis_is_a_miss(store: RedisStore, redis
         out = ds.__getitems__([0, 1, 2, 3])
         assert [o[1] for o in out] == [0, 1, 2, 3] and torch.equal(out[2][0], Source(4)[2][0])
     assert ds.stats.corrupt == 1
-    assert (store.get(b) or b"")[4] == codec.DIGEST_GMAC
+    assert (store.get(b) or b"")[4] == codec.DIGEST_SEAL
 
 
 def test_entry_forged_with_another_cache_key_in_redis_is_a_miss(store: RedisStore,
@@ -227,7 +229,7 @@ def test_entry_forged_with_another_cache_key_in_redis_is_a_miss(store: RedisStor
     assert unkeyed.stats.corrupt == 2  # a job without the key cannot read keyed entries
 
 
-def test_hmac_entries_in_redis_are_hits_for_a_gmac_writer(store: RedisStore, redis_cluster3: ClusterInfo) -> None:
+def test_hmac_entries_in_redis_are_hits_for_a_sealing_writer(store: RedisStore, redis_cluster3: ClusterInfo) -> None:
     with pytest.MonkeyPatch.context() as mp:  # an earlier release (or one without cryptography) wrote these
         mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
         _clear_caches()
@@ -254,13 +256,15 @@ def test_forked_dataloader_workers_write_and_verify_keyed_entries(store: RedisSt
         assert labels == list(range(48))
     stats = ds.stats  # summed over the workers
     assert stats.corrupt == 0 and stats.hits >= 48
-    assert {(store.get(ds.cache_loader.redis_key(i)) or b"")[4] for i in range(48)} == {codec.DIGEST_GMAC}
+    assert {(store.get(ds.cache_loader.redis_key(i)) or b"")[4] for i in range(48)} == {codec.DIGEST_SEAL}
 
 
 def test_an_entry_over_the_aead_limit_is_written_hmac(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(digests, "GMAC_MAX_BYTES", 1000)  # stands for cryptography's 2 GiB
     small, large = torch.ones(10), torch.ones(1000)
-    assert encode(small, KEY, secret=SECRET)[4] == codec.DIGEST_GMAC
-    entry = bytes(encode(large, KEY, secret=SECRET))
-    assert entry[4] == codec.DIGEST_HMAC
-    assert torch.equal(decode(entry, KEY, secret=SECRET), large)
+    assert encode(small, KEY, secret=SECRET)[4] == codec.DIGEST_SEAL
+    assert encode(small, KEY, secret=SECRET, seal=False)[4] == codec.DIGEST_GMAC
+    for seal in (None, False):
+        entry = bytes(encode(large, KEY, secret=SECRET, seal=seal))
+        assert entry[4] == codec.DIGEST_HMAC
+        assert torch.equal(decode(entry, KEY, secret=SECRET), large)

@@ -50,8 +50,8 @@ def _dataset(info: ClusterInfo, tls: ClientTLS, name: str, source: Any, **kwargs
 def _reader_connections(info: ClusterInfo, tls: ClientTLS) -> int:
     """Connections of the reader, over all nodes."""
     total = 0
-    for host, port in info.hosts:
-        with contextlib.closing(client_for(host, port, TEST_PASSWORD, tls=tls)) as c:
+    for node in info.nodes:
+        with contextlib.closing(client_for(node.host, node.port, TEST_PASSWORD, tls=tls)) as c:
             for line in c.execute_command("CLIENT", "LIST", "TYPE", "normal").decode().splitlines():
                 total += f" user={READER_USER} " in f" {line} "
     return total
@@ -72,10 +72,10 @@ def test_a_keyed_loader_reads_sealed_entries_from_the_read_ports(
         assert _reader_connections(info, tls) == 3  # the hits came through the read ports, as the reader
         backend: Any = ds.cache_loader.store.backend  # type: ignore[attr-defined]
         ports = {client.connection_pool.connection_kwargs["port"] for client in backend._readers.values()}
-        assert ports == {port + info.read_port_offset for _, port in info.hosts}
+        assert ports == {node.port + info.read_port_offset for node in info.nodes}
         assert all(c.connection_pool.connection_kwargs["password"] == "" for c in backend._readers.values())
         # what the nodes hold is ciphertext: no sample's bytes appear in its entry
-        with contextlib.closing(client_for(*info.hosts[0], TEST_PASSWORD, tls=tls)) as c:
+        with contextlib.closing(client_for(info.nodes[0].host, info.nodes[0].port, TEST_PASSWORD, tls=tls)) as c:
             keys = [k for k in c.scan_iter(match="open-reads:*")]
             assert keys
             value = c.get(keys[0])
@@ -104,7 +104,7 @@ def test_a_read_port_that_does_not_answer_leaves_reads_on_the_client_port(
         sealed_cluster: tuple[ClusterInfo, ClientTLS], caplog: pytest.LogCaptureFixture) -> None:
     info, tls = sealed_cluster
     closed = free_port_block(3, with_bus=False)  # nothing listens there
-    ds = _dataset(info, tls, "open-reads-closed", Source(32), read_port_offset=closed - info.hosts[0][1])
+    ds = _dataset(info, tls, "open-reads-closed", Source(32), read_port_offset=closed - info.nodes[0].port)
     try:
         check_batch(ds, list(range(32)))
         ds.flush()
@@ -187,7 +187,11 @@ class Squatter:
 
     def close(self) -> None:
         for s in self.socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
             s.close()
+        for t in self.threads:
+            t.join(timeout=5)
 
 
 def test_a_squatter_on_the_read_ports_gets_no_secret_and_its_replies_are_misses(
@@ -198,17 +202,20 @@ def test_a_squatter_on_the_read_ports_gets_no_secret_and_its_replies_are_misses(
     # forgeries a squatter can make: an entry sealed with another key, and a genuine-looking unkeyed one
     forgeries = [lambda key: codec.encode(source[0], key, secret=b"the squatter's key"),
                  lambda key: codec.encode(source[0], key)]
-    for forge in forgeries:
-        squatter = Squatter([rogue_base + i for i in range(3)], forge)
-        ds = _dataset(info, tls, "open-reads-squatted", source, read_port_offset=rogue_base - info.hosts[0][1])
-        try:
-            check_batch(ds, list(range(32)))  # misses: loaded and written through the client port (TLS)
-            ds.flush()
-            check_batch(ds, list(range(32)))  # every forged reply is a miss, and the samples are the source's
-            assert ds.stats.hits == 0 and ds.stats.corrupt == 64, ds.stats
-        finally:
-            ds.cache_loader.cleanup()
-            squatter.close()
-        assert b"GET" in squatter.received and READER_USER.encode() in squatter.received
-        for secret in (TEST_PASSWORD.encode(), CACHE_KEY, Path(tls.key).read_bytes()[40:80]):
-            assert secret not in squatter.received
+    squatter = Squatter([rogue_base + i for i in range(3)], forgeries[0])
+    try:
+        for forge in forgeries:
+            squatter.forge = forge
+            ds = _dataset(info, tls, "open-reads-squatted", source, read_port_offset=rogue_base - info.nodes[0].port)
+            try:
+                check_batch(ds, list(range(32)))  # misses: loaded and written through the client port (TLS)
+                ds.flush()
+                check_batch(ds, list(range(32)))  # every forged reply is a miss; the samples are the source's
+                assert ds.stats.hits == 0 and ds.stats.corrupt == 64, ds.stats
+            finally:
+                ds.cache_loader.cleanup()
+    finally:
+        squatter.close()
+    assert b"GET" in squatter.received and READER_USER.encode() in squatter.received
+    for secret in (TEST_PASSWORD.encode(), CACHE_KEY, Path(tls.key).read_bytes()[40:80]):
+        assert secret not in squatter.received

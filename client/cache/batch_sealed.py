@@ -1,0 +1,198 @@
+"""Decoding a batch's sealed entries: each opened once, all into one block, then decoded where they lie.
+
+A sealed entry (``aes256-gcm``, :mod:`.digests`) is opened with one AES-GCM call that checks its tag and
+decrypts everything after its header. The sealed entries of a batch are opened into one block: opened entry
+``i`` at ``offsets[i]`` (``i * stride`` where the entries have one length), a copy of its 52-byte header with
+the kind byte set to :data:`~.entry.OPENED`, then its decrypted skeleton, tail and data where its ciphertext
+was; the tag is dropped. That copy is the only one: the decryption writes the plaintext into the block, and
+when the batch is one of one skeleton and one length the block is handed to
+:func:`~.batch_vector.decode_opened_rows` (as a receive buffer would be: numpy rows, tensors viewing the
+block). Otherwise the opened entries are grouped by plan and built by column, or read one by one
+(:func:`~.entry.decode_opened`). :func:`open_uniform` takes the usual batch (every entry sealed alike) in one
+tight loop into a pooled block; anything else goes through :func:`decode_sealed`, which says why an entry fails.
+
+Only what this module opened is read without a digest: the block is made here, the reader it calls takes the
+block from it alone, and the marker kind is refused wherever a value read is checked. An entry that does not
+open (a wrong tag: any change, another key, another cache key; a damaged header) is a :class:`~.entry.Bad`,
+and its place in the block is not read.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from .batch_column import Groups, build_groups
+from .batch_vector import UNIFORM_MIN, decode_opened_rows
+from .digests import DIGEST_SEAL, DIGEST_SIZE, NONCE_SIZE, SEAL_TAG_SIZE, opener, raw_opener
+from .entry import (
+    COVERED,
+    DIGEST_OFFSET,
+    HEADER,
+    HEADER_SIZE,
+    MAX_ENTRY_BYTES,
+    OPENED,
+    SEAL_PREFIX,
+    SEAL_ZEROS,
+    Bad,
+    check_sealed,
+    decode_opened,
+)
+from .plans import PLANS, plan_for
+from .resp import BufferPool
+from .values import ALIGN, CorruptEntryError
+
+# A sealed entry's header: prefix (magic, version, kind, zeros), nonce, zeros, (flags,) the three lengths
+_U64 = struct.Struct("<Q")
+_BLOCKS = BufferPool()  # the blocks batches are opened into, reused once no sample views them
+_SEALED = struct.Struct(f"<8s{NONCE_SIZE}s{DIGEST_SIZE - NONCE_SIZE}s4xIIQ")
+
+
+def sealed_indices(values: list[Any]) -> list[int]:
+    """Where ``values`` holds entries whose kind byte says sealed (whether they are is checked when opened)."""
+    out = []
+    for j, value in enumerate(values):
+        if value is not None and len(value) > HEADER_SIZE and value[4] == DIGEST_SEAL:
+            out.append(j)
+    return out
+
+
+def decode_sealed(values: list[Any], keys: list[bytes], allow_pickle: bool, secret: bytes) -> list[Any]:
+    """The samples of the sealed entries ``values`` read under ``keys`` (see :func:`.codec.decode_many`)."""
+    n = len(values)
+    out: list[Any] = [None] * n
+    try:
+        open_into = opener(secret)
+    except CorruptEntryError as exc:  # no cryptography here
+        return [Bad(exc)] * n
+    found = []  # (index, entry, nonce, data start, opened length)
+    unpack = _SEALED.unpack_from
+    for j in range(n):
+        value = values[j]
+        try:
+            mv = value if type(value) is memoryview else memoryview(value)
+            if mv.itemsize != 1 or mv.ndim != 1:
+                mv = mv.cast("B")
+            size = len(mv)
+            if size < HEADER_SIZE + SEAL_TAG_SIZE or size > MAX_ENTRY_BYTES:
+                raise CorruptEntryError(f"sealed entry of {size} bytes")
+            prefix, nonce, zeros, skel_len, tail_len, data_len = unpack(mv, 0)
+            data_start = (HEADER_SIZE + skel_len + tail_len + ALIGN - 1) & -ALIGN
+            if prefix != SEAL_PREFIX or zeros != SEAL_ZEROS or data_start + data_len + SEAL_TAG_SIZE != size:
+                check_sealed(mv, size, data_start, data_len)  # raises, saying what
+            found.append((j, mv, nonce, data_start, size - SEAL_TAG_SIZE))
+        except CorruptEntryError as exc:
+            out[j] = Bad(exc)
+        except Exception as exc:
+            out[j] = Bad(CorruptEntryError(f"malformed entry ({type(exc).__name__}: {exc})"))
+    if not found:
+        return out
+    length = found[0][4]
+    stride = (length + ALIGN - 1) & -ALIGN
+    uniform = all(f[4] == length for f in found)
+    if uniform:
+        offsets: list[int] = list(range(0, len(found) * stride, stride))
+        total = len(found) * stride
+    else:
+        offsets, total = [], 0
+        for f in found:
+            offsets.append(total)
+            total += (f[4] + ALIGN - 1) & -ALIGN
+    block = bytearray(total)
+    bmv = memoryview(block)
+    opened = []  # (index, offset, opened length)
+    for (j, mv, nonce, _, size), at in zip(found, offsets, strict=True):
+        try:
+            bmv[at:at + HEADER_SIZE] = mv[:HEADER_SIZE]
+            open_into(keys[j], nonce, mv[COVERED:HEADER_SIZE], mv[HEADER_SIZE:], bmv[at + HEADER_SIZE:at + size])
+        except CorruptEntryError as exc:
+            out[j] = Bad(exc)
+            continue
+        block[at + 4] = OPENED
+        opened.append((j, at, size))
+    if uniform and len(opened) == len(found) >= UNIFORM_MIN:
+        built = decode_opened_rows(block, stride, length, len(opened))
+        if built is not None and len(built) == n:  # every value opened, in order
+            return built
+        if built is not None:
+            for (j, _, _), sample in zip(opened, built, strict=True):
+                out[j] = sample
+            return out
+    _columns(bmv, opened, allow_pickle, out)
+    return out
+
+
+def open_uniform(values: list[Any], keys: list[bytes], secret: bytes) -> list[Any] | None:
+    """The common batch, fast: every value a sealed entry of one length and one header but the nonce, every
+    one opening, and of one skeleton; None for anything else (then entry by entry, saying why)."""
+    try:
+        lengths = set(map(len, values))
+    except TypeError:  # a None: a miss among them
+        return None
+    if len(lengths) != 1:
+        return None
+    size = lengths.pop()
+    views = [v if type(v) is memoryview and v.itemsize == 1 and v.ndim == 1 else memoryview(v).cast("B")
+             for v in values]
+    head = views[0]
+    if size < HEADER_SIZE + SEAL_TAG_SIZE or size > MAX_ENTRY_BYTES:
+        return None
+    prefix, _, zeros, skel_len, tail_len, data_len = _SEALED.unpack_from(head, 0)
+    data_start = (HEADER_SIZE + skel_len + tail_len + ALIGN - 1) & -ALIGN
+    if prefix != SEAL_PREFIX or zeros != SEAL_ZEROS or data_start + data_len + SEAL_TAG_SIZE != size:
+        return None
+    rest = bytes(head[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE])  # the zeros, flags and lengths: shared by all
+    clear = rest[DIGEST_SIZE - NONCE_SIZE:]
+    into = raw_opener(secret)
+    if into is None:
+        return None
+    length = size - SEAL_TAG_SIZE
+    stride = (length + ALIGN - 1) & -ALIGN
+    n = len(views)
+    block = _BLOCKS.take(n * stride)  # no view of it left: samples that still hold theirs keep theirs
+    bmv = memoryview(block)
+    pack = _U64.pack
+    try:
+        for at, mv, key in zip(range(0, n * stride, stride), views, keys, strict=True):
+            if mv[:DIGEST_OFFSET] != SEAL_PREFIX or mv[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE] != rest:
+                return None
+            bmv[at:at + HEADER_SIZE] = mv[:HEADER_SIZE]
+            into(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE], mv[HEADER_SIZE:], pack(len(key)) + key + clear,
+                 bmv[at + HEADER_SIZE:at + length])
+    except Exception:  # a tag that does not match, say: entry by entry, which says which and why
+        return None
+    block[4:n * stride:stride] = bytes((OPENED,)) * n
+    built = decode_opened_rows(block, stride, length, n)
+    del bmv
+    _BLOCKS.give([block])
+    return built
+
+
+def _columns(bmv: memoryview, opened: list[tuple[int, int, int]], allow_pickle: bool, out: list[Any]) -> None:
+    """Decode the entries ``opened`` (index, offset, length) in the block ``bmv`` into ``out``: grouped by plan and
+    built by column (:mod:`.batch_column`), pickled ones and any that fails on their own."""
+    groups: Groups = {}
+    views: dict[int, memoryview] = {}
+    for j, at, size in opened:
+        view = views[j] = bmv[at:at + size]
+        try:
+            _, _, _, _, flags, skel_len, tail_len, _ = HEADER.unpack_from(view, 0)
+            if flags:
+                out[j] = decode_opened(view, allow_pickle)
+                continue
+            tail_start = HEADER_SIZE + skel_len
+            skeleton = bytes(view[HEADER_SIZE:tail_start])
+            plan = PLANS.get(skeleton) or plan_for(skeleton)
+            if plan.tail.size != tail_len:
+                raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
+            group = groups.get(id(plan))
+            if group is None:
+                group = groups[id(plan)] = (plan, [], [], [])
+            group[1].append(j)
+            group[2].append(plan.tail.unpack_from(view, tail_start))
+            group[3].append(view[(tail_start + tail_len + ALIGN - 1) & -ALIGN:])
+        except CorruptEntryError as exc:
+            out[j] = Bad(exc)
+        except Exception as exc:
+            out[j] = Bad(CorruptEntryError(f"malformed entry ({type(exc).__name__}: {exc})"))
+    build_groups(groups, lambda j: decode_opened(views[j], allow_pickle), out)
