@@ -19,6 +19,7 @@ from .keys import entry_prefix
 from .stats import CacheStats, SharedCounters
 from .store import STORE_ERRORS, RedisStore, Store
 
+_UNSEALED_KEYED = frozenset((codec.DIGEST_GMAC, codec.DIGEST_HMAC))  # kinds rewritten sealed when read (_upgrade)
 log = logging.getLogger("bagua_lightning.client.cache")
 
 BACKENDS = ("redis",)
@@ -166,6 +167,8 @@ class CacheLoader:
             elif outage is not None:
                 outage.success()
             counters.add("bytes_read", nbytes)
+            if self._secret is not None and self.seal is not False:
+                self._upgrade(to_fetch, values, rkeys, out, found)
         missing = [j for j, hit in enumerate(found) if not hit]
         counters.add("hits", len(keys) - len(missing))
         if missing:
@@ -186,6 +189,23 @@ class CacheLoader:
             if len(self._buffer) >= self.writer_buffer_size:
                 self.flush()
         return out
+
+    def _upgrade(self, to_fetch: list[int], values: list[Any], rkeys: list[str], out: list[Any],
+                 found: list[bool]) -> None:
+        """Rewrite sealed the hits among ``values`` that an earlier release authenticated only (``gmac-aes256``,
+        ``hmac-sha256``): they were read in clear, and from the read ports anyone on the path saw them; once
+        sealed, never again."""
+        if not any(v is not None and v[4] in _UNSEALED_KEYED for v in values):
+            return
+        for j, value in zip(to_fetch, values, strict=True):
+            if found[j] and value[4] in _UNSEALED_KEYED:
+                entry = codec.encode(out[j], rkeys[j].encode(), allow_pickle=self._allow_pickle, secret=self._secret,
+                                     seal=self.seal)
+                if entry[4] == codec.DIGEST_SEAL:  # where cryptography is missing, nothing better to write
+                    self._buffer[rkeys[j]] = (entry, True)
+                    _pending[id(self)] = self
+        if len(self._buffer) >= self.writer_buffer_size:
+            self.flush()
 
     def _from_buffer(self, rkeys: list[str], out: list[Any], found: list[bool], to_fetch: list[int]) -> list[int]:
         rest = []

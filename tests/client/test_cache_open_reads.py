@@ -86,6 +86,30 @@ def test_a_keyed_loader_reads_sealed_entries_from_the_read_ports(
         ds.cache_loader.cleanup()
 
 
+def test_entries_an_earlier_release_authenticated_only_are_read_then_rewritten_sealed(
+        sealed_cluster: tuple[ClusterInfo, ClientTLS]) -> None:
+    info, tls = sealed_cluster
+    before = _dataset(info, tls, "open-reads-upgrade", Source(32))
+    before.cache_loader.seal = False  # what a cache key wrote before sealing: gmac-aes256
+    now = _dataset(info, tls, "open-reads-upgrade", Source(32))
+    try:
+        check_batch(before, list(range(32)))
+        before.flush()
+        with contextlib.closing(client_for(info.nodes[0].host, info.nodes[0].port, TEST_PASSWORD, tls=tls)) as c:
+            def kinds() -> set[int]:
+                return {c.get(k)[4] for k in c.scan_iter(match="open-reads-upgrade:*")}  # type: ignore[index]
+
+            assert kinds() == {codec.DIGEST_GMAC}
+            check_batch(now, list(range(32)))  # hits, still accepted
+            now.flush()
+            assert now.stats.hits == 32 and now.stats.misses == 0
+            assert kinds() == {codec.DIGEST_SEAL}  # and rewritten sealed
+        check_batch(now, list(range(32)))
+        assert now.stats.hits == 64 and now.stats.corrupt == 0
+    finally:
+        before.cache_loader.cleanup()
+
+
 def test_keys_the_reader_may_not_read_come_through_the_client_port(
         sealed_cluster: tuple[ClusterInfo, ClientTLS]) -> None:
     info, tls = sealed_cluster
