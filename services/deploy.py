@@ -24,6 +24,11 @@ runs again. Only the deployment's nodes join its cluster: the bus and replicatio
 with certificates from a CA that ``up`` makes in ``<state_dir>/secrets/redis-tls`` (its key is deleted once
 the node certificates are signed), and the node ids are recorded so ``status`` names any foreign node.
 
+Open reads: with client TLS and a password (the default), every Redis node also listens in plaintext on its
+read port, port + 20000 (:func:`~bagua_lightning.core.redis_server.read_port_offset`), where only the
+password-less, read-only user of :mod:`bagua_lightning.core.read_plane` logs in; the services file records the
+offset (``redis.read_port_offset``). ``--no-auth`` starts none.
+
 Identity: every process carries the deployment's id; ``down`` signals a recorded process only when pid,
 start time and id match, and only when the state folder's marker names this deployment, this folder and
 this services file (a copied state folder or a stale file stops nothing; see :mod:`bagua_lightning.core.procs`).
@@ -188,7 +193,8 @@ def _start(cfg: UpConfig, folder: Path, report: Report) -> ServicesInfo:
             nodes=1 if cfg.single else cfg.nodes, replicas=cfg.replicas_per_master, port=cfg.first_redis_port,
             host=cfg.host, announce_ip=cfg.announce_ip, maxmemory=cfg.maxmemory,
             password=secrets.get("redis_password", ""), cluster=not cfg.single, bus_tls=cfg.bus_tls,
-            client_tls=cfg.bus_tls, service_hosts=[cfg.client_host] if cfg.bus_tls else None,
+            client_tls=cfg.bus_tls, read_port_offset=cfg.read_port_offset,
+            service_hosts=[cfg.client_host] if cfg.bus_tls else None,
             tls_dir=tls_dir, state_root=folder, timeout_s=cfg.timeout_s, deployment=deployment,
         )
         cluster = redis_cluster.start_cluster(spec)
@@ -203,6 +209,7 @@ def _start(cfg: UpConfig, folder: Path, report: Report) -> ServicesInfo:
             autotune=cfg.autotune_address, redis_hosts=cluster.hosts, redis_cluster=cluster.cluster,
             redis_node_ids=cluster.node_ids, state_dir=str(folder), deployment=deployment, secrets=secret_files,
             processes={"autotune": [autotune], "redis": cluster.processes}, tls=tls,
+            redis_read_port_offset=cluster.read_port_offset,
         )
         write_services_file(info)
     except BaseException:
@@ -212,8 +219,10 @@ def _start(cfg: UpConfig, folder: Path, report: Report) -> ServicesInfo:
             redis_cluster.stop_deployment(cluster, timeout_s=5.0)
         _remove_files(folder, secret_files, deployment)
         raise
+    offset = cluster.read_port_offset
     for node in cluster.nodes:
-        report(f"redis node {node.host}:{node.port}: started (pid {node.pid}, {node.role})")
+        read = f", read port {node.port + offset}" if offset is not None else ""
+        report(f"redis node {node.host}:{node.port}: started (pid {node.pid}, {node.role}{read})")
     report(f"autotune service {info.autotune}: started (pid {autotune.pid})")
     return info
 

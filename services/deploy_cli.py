@@ -8,6 +8,7 @@ under a second when nothing runs (connections to closed local ports fail at once
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from ..core.addresses import format_address, parse_address, parse_host_list
 from ..core.args import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
 from ..core.errors import ConfigurationError
+from ..core.read_plane import READ_PORT_OFFSET_ENV, READER_USER
 from ..core.services_file import (
     ENV_AUTOTUNE,
     ENV_REDIS_HOSTS,
@@ -33,16 +35,50 @@ from . import deploy
 from .health import Health, check_autotune, check_redis
 
 
+def _read_ports(info: ServicesInfo | None) -> list[tuple[str, int]]:
+    """``(host, port)`` of the recorded Redis hosts' plaintext read ports; empty without read ports."""
+    offset = info.redis_read_port_offset if info is not None else None
+    if info is None or offset is None:
+        return []
+    return [(str(h["host"]), int(h["port"]) + offset) for h in info.redis_hosts]
+
+
+def _read_ports_line(info: ServicesInfo, timeout_s: float | None = None) -> str | None:
+    """One line naming the read ports (with ``timeout_s``: how many let the reader in); None without any."""
+    from ..core.errors import ServiceUnavailableError
+    from ..core.redis_server import check_reader
+
+    ports = _read_ports(info)
+    if not ports:
+        return None
+    line = (f"redis read ports: {','.join(format_address(h, p) for h, p in ports)} (every node's port "
+            f"{info.redis_read_port_offset:+d}, replicas too; plaintext, user {READER_USER} without password: "
+            "GET/MGET/PING of sealed entries")
+    if timeout_s is None:
+        return line + ")"
+    answering = 0
+    for host, port in ports:
+        with contextlib.suppress(ServiceUnavailableError):
+            check_reader(host, port, timeout_s)
+            answering += 1
+    return line + f"; {answering} of {len(ports)} answer)"
+
+
 def _print_info(info: ServicesInfo) -> None:
     redis_hosts = ",".join(format_address(h["host"], h["port"]) for h in info.redis_hosts)
     print(f"autotune service: {info.autotune}")
     print(f"redis {'cluster' if info.redis_cluster else 'server'}: {redis_hosts}")
+    read_line = _read_ports_line(info)
+    if read_line:
+        print(read_line)
     print(f"services file: {services_file_path()}")
     print(f"logs and data: {info.state_dir}")
     if info.secrets:
         print(f"secrets (0600 files): {Path(next(iter(info.secrets.values()))).parent}")
+    offset = "" if info.redis_read_port_offset is None else f" {READ_PORT_OFFSET_ENV}={info.redis_read_port_offset}"
     print(f"trainers on this machine find them through the services file; elsewhere set "
-          f"{ENV_AUTOTUNE}={info.autotune} {ENV_REDIS_HOSTS}={redis_hosts} and the secrets (docs/deployment.md)")
+          f"{ENV_AUTOTUNE}={info.autotune} {ENV_REDIS_HOSTS}={redis_hosts}{offset} and the secrets "
+          "(docs/deployment.md)")
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -103,6 +139,7 @@ def _autotune_ca(address: str, given: Path | None) -> Path | None:
 def _cmd_status(args: argparse.Namespace) -> int:
     report: dict[str, Health]
     tls_ca = args.tls_ca
+    info = None
     if args.autotune or args.redis:
         report = {}
         if args.autotune:
@@ -132,11 +169,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if local is not None:
             report["node-local redis"] = local
     if args.json:
-        print(json.dumps({k: {"healthy": h.healthy, "detail": h.detail, **({"stale": True} if h.stale else {})}
-                          for k, h in report.items()}))
+        out = {k: {"healthy": h.healthy, "detail": h.detail, **({"stale": True} if h.stale else {})}
+               for k, h in report.items()}
+        if _read_ports(info) and "redis" in out:
+            out["redis"]["read_ports"] = [format_address(h, p) for h, p in _read_ports(info)]
+        print(json.dumps(out))
     else:
         for name, health in report.items():
             print(f"{name}: {health.label} ({health.detail})")
+        read_line = _read_ports_line(info, args.timeout) if info is not None else None
+        if read_line:
+            print(read_line)
     return 0 if all(h.ok for h in report.values()) else 1
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..core.addresses import check_port, format_address, is_loopback
 from ..core.errors import ConfigurationError
-from ..core.redis_server import BUS_PORT_OFFSET
+from ..core.redis_server import BUS_PORT_OFFSET, read_port_offset
 from ..core.services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,
     ENV_AUTOTUNE_TOKEN,
@@ -181,6 +181,16 @@ class UpConfig:
         return format_address(self.client_host, self.autotune_port or DEFAULT_AUTOTUNE_PORT)
 
     @property
+    def read_port_offset(self) -> int | None:
+        """Offset of the Redis nodes' plaintext read ports (:mod:`bagua_lightning.core.read_plane`): with client
+        TLS (``bus_tls``) and a password (``auth``), +20000 (-20000 where that passes 65535); else None."""
+        return self.read_port_offset_from(self.first_redis_port)
+
+    def read_port_offset_from(self, redis_port: int) -> int | None:
+        """:attr:`read_port_offset` of the deployment whose first Redis port is ``redis_port``."""
+        return read_port_offset(redis_port, self.redis_node_count) if self.bus_tls and self.auth else None
+
+    @property
     def first_redis_port(self) -> int:
         """The first Redis port; before one is chosen, the default."""
         return self.redis_port or DEFAULT_REDIS_PORT
@@ -192,11 +202,14 @@ class UpConfig:
 
 def deployment_ports(cfg: UpConfig, autotune_port: int, redis_port: int) -> list[tuple[str, int]]:
     """Every port a deployment with these first ports listens on, each with the flag that moves it:
-    the autotune port, the Redis client ports (TLS ports too when TLS is on) and, for a cluster, their bus
-    ports (+10000)."""
+    the autotune port, the Redis client ports (TLS ports too when TLS is on), for a cluster their bus
+    ports (+10000) and, with client TLS and a password, their plaintext read ports (+/-20000)."""
     wanted = [("--autotune-port", autotune_port)]
+    offset = cfg.read_port_offset_from(redis_port)
     for i in range(cfg.redis_node_count):
         wanted.append(("--redis-port", redis_port + i))
         if not cfg.single:
             wanted.append((f"--redis-port (cluster bus, port + {BUS_PORT_OFFSET})", redis_port + i + BUS_PORT_OFFSET))
+        if offset is not None:
+            wanted.append((f"--redis-port (read port, port {offset:+d})", redis_port + i + offset))
     return wanted

@@ -1,8 +1,9 @@
 """The ports of ``bagua-lightning up``: checked free, claimed machine-wide while services start on them, and,
 when the user named none, picked as a free block.
 
-A deployment listens on its autotune port and, per Redis node, on the client port, and for a cluster on the
-bus port (+10000); with TLS the client port is the TLS port: :func:`~.deploy_config.deployment_ports`.
+A deployment listens on its autotune port and, per Redis node, on the client port, for a cluster on the
+bus port (+10000) and, with client TLS and a password, on the read port (+20000); with TLS the client port is
+the TLS port: :func:`~.deploy_config.deployment_ports`.
 A named port that is taken fails at once with one line naming it and its flag; with no port named, the
 defaults (7000.., 29600) are used when every port they imply is free, else the first free block.
 """

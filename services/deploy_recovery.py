@@ -30,6 +30,7 @@ from ..core.redis_server import (
     BUS_PORT_OFFSET,
     CONFIG_FILE,
     NodeConfig,
+    check_reader,
     client_for,
     redis_server_binary,
     tls_port,
@@ -154,6 +155,8 @@ def _recover_redis(cluster: ClusterInfo, cfg: UpConfig, password: str | None, de
             for proc, node, _ in started:
                 wait_ready(node.host, node.port, password, proc, timeout_s=max(1.0, deadline - time.monotonic()),
                            tls=tls)
+                if cluster.read_port_offset is not None:  # its redis.conf opened the read port and the reader
+                    check_reader(node.host, node.port + cluster.read_port_offset)
                 _readd_previous_password(node, password, tls)
         except BaseException:
             for proc, _, _ in started:
@@ -166,9 +169,12 @@ def _recover_redis(cluster: ClusterInfo, cfg: UpConfig, password: str | None, de
 
 
 def _node_ports(port: int, cluster: ClusterInfo) -> list[int]:
-    # With client TLS the node's port is its TLS port; a TLS bus alone (`redis up`) adds a TLS port.
+    # With client TLS the node's port is its TLS port; a TLS bus alone (`redis up`) adds a TLS port. The read
+    # port (its redis.conf opens it again, with the reader user) must be free too.
     extra_tls = cluster.tls_dir is not None and cluster.client_tls() is None
-    return [port, *([port + BUS_PORT_OFFSET] if cluster.cluster else []), *([tls_port(port)] if extra_tls else [])]
+    offset = cluster.read_port_offset
+    return [port, *([port + BUS_PORT_OFFSET] if cluster.cluster else []), *([tls_port(port)] if extra_tls else []),
+            *([port + offset] if offset is not None else [])]
 
 
 def relaunch_node(cluster: ClusterInfo, node: NodeInfo, password: str | None) -> subprocess.Popen[bytes]:

@@ -11,8 +11,9 @@ For ``up`` and ``redis up`` the cluster bus and replication run over mutual TLS 
 client ports speak TLS only (the plain port is closed; ``CLUSTER SLOTS`` and ``MOVED`` give a TLS client the
 TLS ports) and clients verify each node against the deployment's CA before sending the password; without
 (``redis up``), clients keep the plain, password-protected ports (``CLUSTER SLOTS``/``CLUSTER NODES`` give a
-plain-port client the plain ports). The node ids are recorded at creation, so ``status`` can name a node
-that is not the deployment's.
+plain-port client the plain ports). With ``read_port_offset`` (``up``'s default) each node's one plaintext
+port is its read port, for the password-less reader of :mod:`bagua_lightning.core.read_plane` alone. The
+node ids are recorded at creation, so ``status`` can name a node that is not the deployment's.
 
 The cluster is created with the commands ``redis-cli --cluster create`` uses (CLUSTER MEET, ADDSLOTSRANGE,
 REPLICATE), issued from Python so one master and uneven counts work too; start-up waits, with a deadline,
@@ -41,6 +42,7 @@ from ..core.redis_server import (
     DEFAULT_NODE_TIMEOUT_MS,
     MAX_CLUSTER_PORT,
     NodeConfig,
+    check_reader,
     client_for,
     cluster_info,
     is_redis_pid,
@@ -92,6 +94,9 @@ class ClusterSpec:
             clusters only; ``bagua-lightning up`` and ``redis up`` always ask for TLS.
         client_tls: the nodes serve clients over TLS only, each node's port being its TLS port (implies
             TLS on the bus and replication); a client certificate is made for trainers.
+        read_port_offset: with ``client_tls`` and a password: every node also listens on port + this offset
+            in plaintext, for the password-less read-only user (:mod:`bagua_lightning.core.read_plane`;
+            :func:`~bagua_lightning.core.redis_server.read_port_offset` picks it); None: no read port.
         service_hosts: also make the autotune service's server certificate for these addresses, with the
             same CA (whose key is deleted after); None: none.
         tls_dir: where the CA certificate and the node keys and certificates go (made 0700); None: the
@@ -113,6 +118,7 @@ class ClusterSpec:
     node_timeout_ms: int = DEFAULT_NODE_TIMEOUT_MS
     bus_tls: bool = False
     client_tls: bool = False
+    read_port_offset: int | None = None
     service_hosts: list[str] | None = None
     tls_dir: Path | None = None
     announce_ip: str | None = None
@@ -140,6 +146,9 @@ class ClusterSpec:
                                      f"this machine that clients and the other nodes can reach.")
         if self.password is None:
             self.password = os.environ.get(ENV_REDIS_PASSWORD) or None
+        if self.read_port_offset is not None and not (self.client_tls and self.password):
+            raise ConfigurationError(f"read_port_offset={self.read_port_offset} needs client TLS and a password "
+                                     "(the read port is the only plaintext port; its reader needs none).")
         if self.deployment is None:
             self.deployment = procs.new_deployment_id()
 
@@ -154,12 +163,18 @@ class ClusterSpec:
 
     @property
     def ports(self) -> list[int]:
-        """Every port the deployment listens on: clients', and for a cluster the bus and TLS ports."""
+        """Every port the deployment listens on: clients', and for a cluster the bus and TLS ports, and the
+        read ports."""
         out = []
         for port in range(self.port, self.port + self.total_nodes):
             out += [port, *([port + BUS_PORT_OFFSET] if self.cluster else []),
-                    *([tls_port(port)] if self.tls and not self.client_tls else [])]
+                    *([tls_port(port)] if self.tls and not self.client_tls else []),
+                    *([port + self.read_port_offset] if self.read_port_offset is not None else [])]
         return out
+
+    def read_port(self, port: int) -> int | None:
+        """The read port of the node on ``port``; None without read ports."""
+        return None if self.read_port_offset is None else port + self.read_port_offset
 
 
 def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo:
@@ -201,7 +216,7 @@ def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo
             cfg = NodeConfig(port=port, host=spec.host, data_dir=folder / f"node-{port}", cluster=spec.cluster,
                              maxmemory=spec.maxmemory, password=spec.password, deployment=deployment,
                              node_timeout_ms=spec.node_timeout_ms, tls=certificates.get(port),
-                             announce_ip=spec.announce_ip if spec.cluster else None)
+                             announce_ip=spec.announce_ip if spec.cluster else None, read_port=spec.read_port(port))
             proc = launch_node(cfg)
             role = ("master" if i < spec.nodes else "replica") if spec.cluster else "standalone"
             started.append((proc, NodeInfo(host=address, port=port, role=role,
@@ -210,9 +225,13 @@ def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo
         for proc, node in started:
             wait_ready(node.host, node.port, spec.password, proc, timeout_s=max(1.0, deadline - time.monotonic()),
                        tls=tls)
+            read_port = spec.read_port(node.port)
+            if read_port is not None:
+                check_reader(node.host, read_port)
         info = ClusterInfo(nodes=[n for _, n in started], cluster=spec.cluster, replicas=spec.replicas,
                            state_dir=folder, deployment=deployment, maxmemory=spec.maxmemory,
-                           password_file=password_file, tls_dir=str(tls_dir) if spec.tls else None)
+                           password_file=password_file, tls_dir=str(tls_dir) if spec.tls else None,
+                           read_port_offset=spec.read_port_offset)
         if spec.cluster:
             _create_cluster(info, spec.password, deadline, tls)
         write_deployment(info)

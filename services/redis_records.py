@@ -61,6 +61,8 @@ class ClusterInfo:
         maxmemory: per-node byte limit (0: none).
         password_file: the 0600 file holding the password; None when the nodes have none.
         tls_dir: the folder of the bus certificates (CA certificate, node keys); None: a plain bus.
+        read_port_offset: each node's plaintext read port is its port + this (the reader user's,
+            :mod:`bagua_lightning.core.read_plane`); None: no read ports.
     """
 
     nodes: list[NodeInfo]
@@ -71,6 +73,7 @@ class ClusterInfo:
     maxmemory: int = 0
     password_file: str | None = None
     tls_dir: str | None = None
+    read_port_offset: int | None = None
 
     @property
     def node_ids(self) -> list[str]:
@@ -115,7 +118,8 @@ class ClusterInfo:
         return {"nodes": [{"host": n.host, "port": n.port, "role": n.role, "node_id": n.node_id,
                            "process": n.process.to_json()} for n in self.nodes],
                 "cluster": self.cluster, "replicas": self.replicas, "deployment": self.deployment,
-                "maxmemory": self.maxmemory, "password_file": self.password_file, "tls_dir": self.tls_dir}
+                "maxmemory": self.maxmemory, "password_file": self.password_file, "tls_dir": self.tls_dir,
+                "read_port_offset": self.read_port_offset}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], folder: Path) -> ClusterInfo:
@@ -130,6 +134,7 @@ class ClusterInfo:
             maxmemory=int(data.get("maxmemory", 0)),
             password_file=data.get("password_file"),
             tls_dir=data.get("tls_dir"),
+            read_port_offset=int(data["read_port_offset"]) if data.get("read_port_offset") is not None else None,
         )
 
 

@@ -195,7 +195,7 @@ class CacheLoader:
         """Rewrite sealed the hits among ``values`` that an earlier release authenticated only (``gmac-aes256``,
         ``hmac-sha256``): they were read in clear, and from the read ports anyone on the path saw them; once
         sealed, never again."""
-        if not any(v is not None and v[4] in _UNSEALED_KEYED for v in values):
+        if not any(v is not None and len(v) > 4 and v[4] in _UNSEALED_KEYED for v in values):
             return
         for j, value in zip(to_fetch, values, strict=True):
             if found[j] and value[4] in _UNSEALED_KEYED:

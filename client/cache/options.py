@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from ...core.errors import ConfigurationError
@@ -98,7 +98,7 @@ resolve_redis_read_port_offset`), unless given."""
         if self.read_port_offset is None:
             self.read_port_offset = resolve_redis_read_port_offset(hosts)
         elif isinstance(self.read_port_offset, bool) or not isinstance(self.read_port_offset, int) \
-                or not 0 < abs(self.read_port_offset) < 65535:
+                or not 0 < abs(self.read_port_offset) <= 65535:
             raise ConfigurationError(f"read_port_offset={self.read_port_offset!r}; give the difference between a "
                                      "node's read port and its port (e.g. 20000), or None.")
 
@@ -107,7 +107,7 @@ resolve_redis_read_port_offset`), unless given."""
         (whatever ``password`` says), the same deadlines."""
         return {"username": READER_USER, "password": "", "socket_read_size": SOCKET_READ_SIZE,
                 "socket_timeout": self.socket_timeout_s, "socket_connect_timeout": self.connect_timeout_s,
-                "driver_info": None}
+                "driver_info": None, "protocol": 2, "retry": Retry(NoBackoff(), 0)}  # a failing read port: the client port at once
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> RedisOptions:

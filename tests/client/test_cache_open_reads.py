@@ -144,7 +144,8 @@ class Squatter:
     """Plain listeners on the read ports that answer as Redis would, with forged entries, and keep every byte
     they receive."""
 
-    def __init__(self, ports: list[int], forge: Any) -> None:
+    def __init__(self, ports: list[int], forge: Any, refuse_auth: bool = False) -> None:
+        self.refuse_auth = refuse_auth
         self.received = bytearray()
         self.forge = forge
         self.lock = threading.Lock()
@@ -202,7 +203,9 @@ class Squatter:
                 args.append(rest[:size])
                 rest = rest[size + 2:]
             buf = rest
-            if args[0].upper() == b"GET":
+            if self.refuse_auth and b"AUTH" in [a.upper() for a in args[:3]]:  # AUTH, or HELLO 3 AUTH
+                out += b"-WRONGPASS invalid username-password pair or user is disabled.\r\n"
+            elif args[0].upper() == b"GET":
                 value = bytes(self.forge(args[1]))
                 out += b"$%d\r\n%s\r\n" % (len(value), value)
             else:
@@ -243,3 +246,23 @@ def test_a_squatter_on_the_read_ports_gets_no_secret_and_its_replies_are_misses(
     assert b"GET" in squatter.received and READER_USER.encode() in squatter.received
     for secret in (TEST_PASSWORD.encode(), CACHE_KEY, Path(tls.key).read_bytes()[40:80]):
         assert secret not in squatter.received
+
+
+def test_a_read_port_that_refuses_the_reader_leaves_reads_on_the_client_port(
+        sealed_cluster: tuple[ClusterInfo, ClientTLS], caplog: pytest.LogCaptureFixture) -> None:
+    info, tls = sealed_cluster
+    source = Source(32)
+    rogue_base = free_port_block(3, with_bus=False)
+    squatter = Squatter([rogue_base + i for i in range(3)], lambda key: b"", refuse_auth=True)
+    ds = _dataset(info, tls, "open-reads-refused", source, read_port_offset=rogue_base - info.nodes[0].port)
+    try:
+        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.cluster_backend"):
+            check_batch(ds, list(range(32)))
+            ds.flush()
+            check_batch(ds, list(range(32)))
+        assert ds.stats.misses == 32 and ds.stats.hits == 32 and ds.stats.corrupt == 0, ds.stats
+        assert caplog.text.count("reading through its client port") == 3  # once per node
+    finally:
+        ds.cache_loader.cleanup()
+        squatter.close()
+    assert b"GET" not in squatter.received and TEST_PASSWORD.encode() not in squatter.received

@@ -29,6 +29,7 @@ from redis.exceptions import RedisClusterException
 
 import bagua_lightning
 from bagua_lightning.cli import build_parser
+from bagua_lightning.core.read_plane import READ_PORT_OFFSET_ENV, READER_USER, reader_acl_line
 from bagua_lightning.services.autotune.persistence import RedisPlanStore
 from bagua_lightning.services.autotune.readiness import SERVICE_NAME
 from tests.procs import free_port, running, wait_until
@@ -237,6 +238,7 @@ def test_network_policies_deny_by_default_and_admit_only_the_expected_pods_to_ev
     expected = {
         ("StatefulSet", "bagua-redis", 6379): [trainer, autotune, init, redis_pods],  # clients and replication
         ("StatefulSet", "bagua-redis", 16379): [redis_pods],  # the cluster bus
+        ("StatefulSet", "bagua-redis", 7379): [trainer],  # the read port: open reads by trainers alone
         ("Deployment", "bagua-autotune", 29600): [trainer],
         ("Deployment", "bagua-autotune", 9464): [prometheus],
     }
@@ -362,10 +364,12 @@ def _cluster_ports(count: int) -> list[int]:
     return ports
 
 
-def _node_env(folder: Path, port: int, password_file: Path, tls: dict[str, Path], node: str) -> dict[str, str]:
+def _node_env(folder: Path, port: int, password_file: Path, tls: dict[str, Path], node: str,
+              read_port: int | None = None) -> dict[str, str]:
     data = folder / str(port)
     data.mkdir(exist_ok=True)
     return {**os.environ, "POD_IP": "127.0.0.1", "ANNOUNCE_HOSTNAME": "localhost", "REDIS_PORT": str(port),
+            "REDIS_READ_PORT": str(read_port or ""),
             "REDIS_BIND": "127.0.0.1", "REDIS_DATA": str(data), "REDIS_PASSWORD_FILE": str(password_file),
             "REDIS_CONFIG": str(folder / "redis.conf"), "REDIS_TLS_CA": str(tls["ca.crt"]),
             "REDIS_TLS_CERT": str(tls[f"{node}.crt"]), "REDIS_TLS_KEY": str(tls[f"{node}.key"])}
@@ -410,7 +414,9 @@ def test_scripts_form_a_mutual_tls_cluster_that_refuses_clients_without_the_clie
 
     for attempt in range(3):
         ports = _cluster_ports(6)
-        envs = [_node_env(tmp_path, port, password_file, nodes_tls, f"bagua-redis-{i}") for i, port in enumerate(ports)]
+        read_ports = [free_port() for _ in ports]
+        envs = [_node_env(tmp_path, port, password_file, nodes_tls, f"bagua-redis-{i}", read)
+                for i, (port, read) in enumerate(zip(ports, read_ports, strict=True))]
         stack = contextlib.ExitStack()
         procs = [stack.enter_context(running(["sh", str(scripts["start-node.sh"])], env=env,
                                              log_path=str(tmp_path / f"{port}.log")))
@@ -423,6 +429,7 @@ def test_scripts_form_a_mutual_tls_cluster_that_refuses_clients_without_the_clie
             stack.close()
             # Another process (a parallel test worker's client) may take a port between the check and the start.
             taken = any("Address already in use" in (tmp_path / f"{p}.log").read_text(errors="replace") for p in ports)
+            taken = taken or len(set(ports + read_ports)) < 2 * len(ports)
             if not taken or attempt == 2:
                 raise
     with stack:
@@ -439,10 +446,13 @@ def test_scripts_form_a_mutual_tls_cluster_that_refuses_clients_without_the_clie
             node_client(ports[0], password=secret, ssl=True, ssl_ca_certs=client_tls["ssl_ca_certs"]).ping()
         with pytest.raises(redis.ConnectionError):
             node_client(ports[0], password=secret, **_tls_options(files["bagua-autotune-tls"])).ping()
-        # The probe: a node answers its own certificate.
+        # The probe: a node answers its own certificate (and its read port the reader).
         probe = subprocess.run(["sh", str(scripts["ping-node.sh"])], capture_output=True, text=True, timeout=30,
                                env=envs[0])
         assert probe.returncode == 0, probe.stderr
+        wrong_read = subprocess.run(["sh", str(scripts["ping-node.sh"])], capture_output=True, text=True, timeout=30,
+                                    env={**envs[0], "REDIS_READ_PORT": str(ports[1])})  # a TLS port: no reader
+        assert wrong_read.returncode != 0
         env = {**os.environ, "REDIS_NODES": " ".join(f"localhost:{p}" for p in ports), "REDIS_MASTERS": "3",
                "REDIS_INIT_TIMEOUT_S": "60", "REDIS_PASSWORD_FILE": str(password_file),
                "REDIS_TLS_CA": client_tls["ssl_ca_certs"], "REDIS_TLS_CERT": client_tls["ssl_certfile"],
@@ -485,6 +495,69 @@ def test_scripts_form_a_mutual_tls_cluster_that_refuses_clients_without_the_clie
         again = subprocess.run(["sh", str(scripts["form-cluster.sh"])], capture_output=True, text=True, timeout=120,
                                env=env)
         assert again.returncode == 0 and "already serves all 16384 slots with 6 nodes" in again.stdout
+        _check_read_ports(ports, read_ports, secret, client_tls)
+
+
+def _check_read_ports(ports: list[int], read_ports: list[int], secret: str, client_tls: dict[str, Any]) -> None:
+    """Every node's read port: the reader GETs what its master serves (a replica sends it on with MOVED, to the
+    master's read port), nothing else; the default user needs the password there."""
+    for port, read_port in zip(ports, read_ports, strict=True):
+        admin = redis.Redis(host="localhost", port=port, password=secret, socket_timeout=5, **client_tls)
+        reader = redis.Redis(host="localhost", port=read_port, username=READER_USER, password="", socket_timeout=5)
+        try:
+            assert reader.ping()
+            if admin.info("replication")["role"] == "master":
+                key = next(f"bagua-cache:{i}" for i in range(10000)
+                           if admin.execute_command("CLUSTER", "KEYSLOT", f"bagua-cache:{i}")
+                           in _served_slots(admin, port))
+                admin.set(key, b"sealed")
+                assert reader.get(key) == b"sealed"
+            else:
+                with pytest.raises(redis.exceptions.MovedError) as moved:
+                    reader.get("bagua-cache:0")
+                assert moved.value.port in read_ports
+            for command in (("SET", "bagua-cache:0", "x"), ("GET", "bagua_lightning:autotune:plan:x"), ("KEYS", "*"),
+                            ("CONFIG", "GET", "*"), ("FLUSHALL",)):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    reader.execute_command(*command)
+            with pytest.raises(redis.AuthenticationError):
+                redis.Redis(host="localhost", port=read_port, password="not-it", socket_timeout=5).ping()
+        finally:
+            admin.close()
+            reader.close()
+
+
+def _served_slots(client: redis.Redis, port: int) -> set[int]:
+    return {slot for lo, hi, owner, *_ in client.execute_command("CLUSTER", "SLOTS") if int(owner[1]) == port
+            for slot in range(int(lo), int(hi) + 1)}
+
+
+def test_the_read_port_is_the_same_everywhere_and_the_reader_is_read_plane_s() -> None:
+    config = _one("ConfigMap", "bagua-redis")["data"]
+    assert reader_acl_line() in config["reader.conf"].splitlines()
+    assert 'include $(dirname "$0")/reader.conf' in config["start-node.sh"]
+    (node,) = _one("StatefulSet", "bagua-redis")["spec"]["template"]["spec"]["containers"]
+    env = _env(node)
+    read_port = int(env["REDIS_READ_PORT"])
+    assert {p["name"]: p["containerPort"] for p in node["ports"]}["read"] == read_port
+    service = {p["name"]: p for p in _one("Service", "bagua-redis")["spec"]["ports"]}
+    assert service["read"]["port"] == read_port and service["read"]["targetPort"] == "read"
+    clients = _one("ConfigMap", "bagua-lightning-clients")["data"]
+    assert int(env["REDIS_PORT"]) + int(clients[READ_PORT_OFFSET_ENV]) == read_port
+    # The trainers take it through the clients' ConfigMap.
+    (trainer,) = _one("Job", "bagua-trainer-example")["spec"]["template"]["spec"]["containers"]
+    assert {"configMapRef": {"name": "bagua-lightning-clients"}} in trainer["envFrom"]
+
+
+def test_start_node_refuses_a_bad_read_port(tmp_path: Path) -> None:
+    start = _scripts(tmp_path)["start-node.sh"]
+    files = _secret_files(tmp_path / "secrets")
+    port = free_port()
+    for bad in ("abc", "0", "70000", str(port), str(port + 10000)):
+        env = _node_env(tmp_path, port, files[SECRET]["redis-password"], files["bagua-redis-tls"], "bagua-redis-0",
+                        None) | {"REDIS_READ_PORT": bad}
+        result = subprocess.run(["sh", str(start)], capture_output=True, text=True, timeout=30, env=env)
+        assert result.returncode == 1 and f"REDIS_READ_PORT ('{bad}')" in result.stderr, result.stderr
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import jsonschema
 import pytest
 
 from bagua_lightning.cli import build_parser
+from bagua_lightning.core.read_plane import READ_PORT_OFFSET_ENV, READER_USER, reader_acl_rules
 from bagua_lightning.core.redis_server import DEFAULT_NODE_TIMEOUT_MS, NodeTLS
 from bagua_lightning.core.services_file import DEFAULT_AUTOTUNE_ADDRESS
 from bagua_lightning.services import deploy, deploy_cli
@@ -44,6 +45,7 @@ SCHEMA = json.loads((ROOT / "tests" / "data" / "compose-spec.json").read_text())
 DOCKERFILE = ROOT / "services" / "Dockerfile"
 MASTER_PORTS = [7000, 7001, 7002]
 REPLICA_PORTS = [7003, 7004, 7005]
+READ_PORT_OFFSET = 1000  # each node's plaintext read port (the reader's, docs/deployment.md "Open reads"): 8000-8005
 DEFAULT_AUTOTUNE_PORT = int(DEFAULT_AUTOTUNE_ADDRESS.rpartition(":")[2])
 # Variables a user may set, with their defaults; each must be documented in the file and in the docs.
 SETTINGS = {
@@ -300,6 +302,9 @@ def test_published_ports_match_client_defaults(services: dict[str, dict[str, Any
         assert target == port, f"port {port} is published to container port {target}"
         if port in MASTER_PORTS + REPLICA_PORTS:
             assert port + 10000 in published, f"cluster bus port {port + 10000} is not published"
+            # The read port: published where the TLS port is, to the same container port.
+            assert published.get(port + READ_PORT_OFFSET) == (ip, port + READ_PORT_OFFSET), \
+                f"read port {port + READ_PORT_OFFSET} is not published beside {port}"
     assert deploy.DEFAULT_AUTOTUNE_PORT == DEFAULT_AUTOTUNE_PORT
     assert MASTER_PORTS[0] == deploy.DEFAULT_REDIS_PORT
 
@@ -309,13 +314,60 @@ def test_redis_nodes_listen_where_published(services: dict[str, dict[str, Any]])
     for name in _redis_nodes(services):
         d = redis_directives(services[name]["command"])
         ports[name] = int(d["tls-port"])
-        assert d["port"] == "0", "clients on TLS only: the plain port is closed"
+        # Clients on TLS only; the plain port is the read port, for the password-less reader alone.
+        assert d["port"] == str(ports[name] + READ_PORT_OFFSET)
+        assert d["user"] == " ".join([READER_USER, *reader_acl_rules()])
         assert f"--tls -p {d['tls-port']}" in services[name]["healthcheck"]["test"][1]
     assert [ports[f"redis-{i}"] for i in range(3)] == MASTER_PORTS
     assert [ports[f"redis-{i}"] for i in range(3, 6)] == REPLICA_PORTS
     env = services["redis-init"]["environment"]
     assert [int(p) for p in env["BAGUA_LIGHTNING_REDIS_MASTERS"].split()] == MASTER_PORTS
     assert [int(p) for p in env["BAGUA_LIGHTNING_REDIS_REPLICAS"].split()] == REPLICA_PORTS
+
+
+def test_trainers_are_told_the_read_port_offset() -> None:
+    # The trainers' environment (the file's header, the docs, the compose test's jobs) names the offset of
+    # the read ports, which they then use for GET/MGET of sealed entries.
+    header = COMPOSE_FILE.read_text().split("\nname:", 1)[0]
+    assert f"export {READ_PORT_OFFSET_ENV}={READ_PORT_OFFSET}" in header
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    assert f"{READ_PORT_OFFSET_ENV}={READ_PORT_OFFSET}" in docs
+    compose_up = (ROOT / "tests" / "integration" / "test_compose_up.py").read_text()
+    assert f'"{READ_PORT_OFFSET_ENV}": "{READ_PORT_OFFSET}"' in compose_up
+
+
+def test_a_node_started_with_the_compose_arguments_lets_only_the_reader_in_on_its_read_port(
+        services: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    """redis-server itself (not a container) with the node's --port and --user arguments exactly as the file
+    spells them, and the password on stdin as the entrypoint hands it over."""
+    import redis
+
+    from tests.procs import free_port, running, wait_until
+
+    argv = services["redis-0"]["command"]
+    start = argv.index("--user")
+    user_args = argv[start:]
+    assert all(not a.startswith("--") for a in user_args[1:])  # one option: its words up to the end
+    port = free_port()
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path), "--save", "",
+           "--appendonly", "no", *user_args, "-"]
+    script = 'printf \'requirepass "pw"\\n\' | exec "$@"'
+    with running(["sh", "-c", script, "sh", *cmd], log_path=str(tmp_path / "redis.log")):
+        def reader(**options: Any) -> redis.Redis:
+            return redis.Redis(port=port, socket_timeout=5, **options)
+        admin = reader(password="pw")
+        wait_until(lambda: bool(admin.ping()), 20, "redis-server with the compose node's arguments")
+        admin.set("bagua-cache:v1:x", b"sealed")
+        admin.set("bagua_lightning:autotune:plan:x", b"plan")
+        r = reader(username=READER_USER, password="")
+        assert r.get("bagua-cache:v1:x") == b"sealed" and r.ping()
+        for command in (("SET", "bagua-cache:v1:x", "forged"), ("GET", "bagua_lightning:autotune:plan:x"),
+                        ("KEYS", "*"), ("CONFIG", "GET", "*"), ("FLUSHALL",)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                r.execute_command(*command)
+        with pytest.raises(redis.AuthenticationError):
+            reader().get("bagua-cache:v1:x")  # the default user: the password is still needed
+        assert admin.get("bagua-cache:v1:x") == b"sealed"
 
 
 # ----------------------------------------------------------------------- commands = the native launcher's
@@ -365,17 +417,17 @@ def test_autotune_healthcheck_is_the_status_command(services: dict[str, dict[str
 @pytest.mark.parametrize("name", [f"redis-{i}" for i in range(6)])
 def test_redis_node_settings_are_the_native_launchers(services: dict[str, dict[str, Any]], name: str) -> None:
     compose = redis_directives(services[name]["command"])
-    # Clients on TLS only: the node's port is its TLS port and the plain one is closed (`port 0`); the native
-    # launcher (until it serves clients on TLS too) opens the plain port and puts TLS at tls_port(port).
+    # Clients on TLS only: the node's port is its TLS port, the plain one its read port (port + 1000 here,
+    # + 20000 under `up`), where only the reader logs in: the same lines as the native launcher's.
     port = int(compose["tls-port"])
-    assert compose["port"] == "0"
+    assert compose["port"] == str(port + READ_PORT_OFFSET)
     tls = NodeTLS(cert_file=Path(f"{TLS_DIR}/node-{port}.crt"), key_file=Path(f"{TLS_DIR}/node-{port}.key"),
-                  ca_file=Path(f"{TLS_DIR}/ca.crt"))
+                  ca_file=Path(f"{TLS_DIR}/ca.crt"), clients=True)
     node = NodeConfig(port=port, data_dir=Path("/data"), cluster=True, deployment="d", tls=tls,
-                      maxmemory=deploy.DEFAULT_MAXMEMORY, announce_ip="127.0.0.1", password="pw")
+                      maxmemory=deploy.DEFAULT_MAXMEMORY, announce_ip="127.0.0.1", password="pw",
+                      read_port=port + READ_PORT_OFFSET)
     native = config_directives(node.config_text())
-    if native["port"] != "0":
-        native["port"], native["tls-port"] = "0", str(port)
+    assert native["user"] == compose["user"] and native["port"] == compose["port"]
     assert node.node_timeout_ms == DEFAULT_NODE_TIMEOUT_MS
     # The password is in neither: both hand it over on stdin.
     assert not {"requirepass", "masterauth"} & (set(compose) | set(native))

@@ -33,7 +33,7 @@ from tests.procs import wait_until
 from tests.ranks import run_ranks
 
 JOB = str(Path(__file__).with_name("compose_job.py"))
-PORTS = [*range(7000, 7006), *range(17000, 17006), 29600]
+PORTS = [*range(7000, 7006), *range(17000, 17006), *range(8000, 8006), 29600]  # TLS, bus, read ports
 SECRET_NAMES = ("BAGUA_LIGHTNING_REDIS_PASSWORD", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN")
 PER_RANK = 128  # compose_job.SAMPLES over 2 ranks
 TLS_ENV = "BAGUA_LIGHTNING_TLS_CA"
@@ -65,7 +65,7 @@ def _loopback_address() -> str:
         address = f"127.0.0.{last}"
         if all(_free_on(address, port) for port in PORTS):
             return address
-    pytest.skip("no 127.0.0.X address has ports 7000-7005, 17000-17005 and 29600 free")
+    pytest.skip("no 127.0.0.X address has ports 7000-7005, 17000-17005, 8000-8005 and 29600 free")
 
 
 class Stack:
@@ -87,6 +87,7 @@ class Stack:
     def job_env(self) -> dict[str, str]:
         return {name: self.env[name] for name in SECRET_NAMES} | {
             "BAGUA_LIGHTNING_REDIS_HOSTS": ",".join(f"{self.address}:{p}" for p in (7000, 7001, 7002)),
+            "BAGUA_LIGHTNING_REDIS_READ_PORT_OFFSET": "1000",  # open reads on 8000-8005 (docker-compose.yml)
             "BAGUA_LIGHTNING_AUTOTUNE_SERVICE": f"{self.address}:29600",
             "BAGUA_LIGHTNING_TLS_CA": str(self.tls_dir / "ca.crt"),
             "BAGUA_LIGHTNING_TLS_CERT": str(self.tls_dir / "client.crt"),

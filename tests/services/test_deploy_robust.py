@@ -77,7 +77,7 @@ def test_no_port_named_takes_another_free_block_when_the_first_is_taken() -> Non
         assert second.autotune_port and second.redis_port
         ports = [p for _, p in deployment_ports(second, second.autotune_port, second.redis_port)]
         assert taken_bus not in ports and first.autotune_port not in ports
-        assert len(ports) == 1 + 6 * 2
+        assert len(ports) == 1 + 6 * 3  # the autotune port; per node: client, bus, read port
         assert second.redis_port + 6 - 1 + 10000 <= 65535
 
 

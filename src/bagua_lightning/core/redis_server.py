@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # redis-py takes ~0.5 s to import: only where a connection is
 
 from . import procs
 from .errors import ConfigurationError, ServiceUnavailableError
+from .read_plane import READER_USER, reader_acl_line
 from .tls_trust import ClientTLS
 
 CLUSTER_SLOTS = 16384
@@ -46,6 +47,22 @@ def tls_port(port: int) -> int:
     """The TLS port of the node with client port ``port`` when its bus speaks TLS: ``port + 20000``, or
     ``port - 20000`` where that would pass 65535 (the bus takes ``port + 10000``, so ``port`` >= 45536)."""
     return port + TLS_PORT_OFFSET if port + TLS_PORT_OFFSET <= 65535 else port - TLS_PORT_OFFSET
+
+
+def read_port_offset(base_port: int, count: int = 1) -> int:
+    """The read port offset of the nodes on ``base_port .. base_port + count - 1`` (see
+    :mod:`~bagua_lightning.core.read_plane`): ``+20000``, the slot :func:`tls_port` uses (free when the client
+    port itself speaks TLS), when every node's port + 20000 <= 65535, else ``-20000``.
+
+    Raises:
+        ConfigurationError: neither fits every node (ports that straddle both limits).
+    """
+    ports = range(base_port, base_port + max(1, count))
+    for offset in (TLS_PORT_OFFSET, -TLS_PORT_OFFSET):
+        if all(1 <= p + offset <= 65535 for p in ports):
+            return offset
+    raise ConfigurationError(f"ports {ports.start}..{ports.stop - 1}: no read port offset (+/-{TLS_PORT_OFFSET}) "
+                             "fits every node; pick another --redis-port.")
 
 
 def redis_server_binary() -> str:
@@ -99,6 +116,9 @@ class NodeConfig:
             :func:`tls_port`) run over mutual TLS; None: a plain bus that any local process may join.
         announce_ip: ``cluster-announce-ip``, the address other nodes and clients are given (needed when
             ``host`` is a wildcard); None: the address Redis finds itself.
+        read_port: with ``tls.clients`` and a password: a plaintext *read port* where the password-less,
+            read-only user :data:`~bagua_lightning.core.read_plane.READER_USER` may GET/MGET/PING (see
+            :mod:`~bagua_lightning.core.read_plane`); None: no plaintext port at all.
     """
 
     port: int
@@ -112,6 +132,7 @@ class NodeConfig:
     node_timeout_ms: int = DEFAULT_NODE_TIMEOUT_MS
     tls: NodeTLS | None = None
     announce_ip: str | None = None
+    read_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.tls is not None and not self.cluster and not self.tls.clients:
@@ -122,17 +143,36 @@ class NodeConfig:
                 f"port {self.port!r} is out of range 1..{limit}"
                 + (f" (the cluster bus uses port + {BUS_PORT_OFFSET})" if self.cluster else "") + "; pick a lower --port."
             )
+        if self.read_port is not None:
+            self._check_read_port()
         if self.maxmemory < 0:
             raise ConfigurationError(f"maxmemory {self.maxmemory} is negative; give bytes, 0 for no limit.")
         if self.node_timeout_ms < 100:
             raise ConfigurationError(f"node_timeout_ms {self.node_timeout_ms} is below 100 ms.")
 
+    def _check_read_port(self) -> None:
+        port = self.read_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ConfigurationError(f"read port {port!r} of node {self.port} is out of range 1..65535.")
+        taken = {self.port: "its client port", **({self.port + BUS_PORT_OFFSET: "its cluster bus port"}
+                                                  if self.cluster else {})}
+        if port in taken:
+            raise ConfigurationError(f"read port {port} of node {self.port} is {taken[port]}; pick another offset.")
+        if self.tls is None or not self.tls.clients:
+            raise ConfigurationError(f"read port {port} of node {self.port}: a read port needs TLS on the client "
+                                     "port (it is the only plaintext port); without client TLS there is none.")
+        if not self.password:
+            raise ConfigurationError(f"read port {port} of node {self.port}: a node without a password would "
+                                     "give every plaintext client the default user; set a password.")
+
     def config_text(self) -> str:
         """The ``redis.conf`` text: everything but the password."""
         client_tls = self.tls is not None and self.tls.clients
+        # TLS for clients: the plain port is closed, the node's port speaks TLS only; with a read port, that
+        # plaintext port is open for the password-less reader (GET/MGET/PING of sealed entries) alone.
+        plain = self.port if not client_tls else self.read_port if self.read_port is not None else 0
         lines = [
-            # TLS for clients: the plain port is closed, the node's port speaks TLS only.
-            f"port {0 if client_tls else self.port}",
+            f"port {plain}",
             f"bind {self.host}",
             "protected-mode yes",
             "daemonize no",
@@ -173,6 +213,8 @@ class NodeConfig:
                 "tls-replication yes",
                 "tls-auth-clients yes",
             ]
+        if client_tls and self.read_port is not None:
+            lines.append(reader_acl_line())  # the user READER_USER: no password, GET/MGET/PING only
         return "\n".join(lines) + "\n"
 
     def secret_text(self) -> str:
@@ -224,6 +266,18 @@ def client_for(host: str, port: int, password: str | None = None, timeout_s: flo
                         retry=Retry(NoBackoff(), 0), **(pinned_kwargs(tls) if tls is not None else {}))
 
 
+def reader_client(host: str, read_port: int, timeout_s: float = 2.0) -> redis.Redis:
+    """A plaintext connection to a node's read port as :data:`~bagua_lightning.core.read_plane.READER_USER`;
+    no secret is sent (``AUTH bagua-reader ""``: the user has ``nopass``)."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from .pinned_redis import redis_client
+
+    return redis_client(host, read_port, username=READER_USER, password="", socket_timeout=timeout_s,
+                        socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+
+
 def wait_ready(host: str, port: int, password: str | None, proc: subprocess.Popen[bytes] | None = None,
                timeout_s: float = 15.0, tls: ClientTLS | None = None) -> None:
     """Wait until the server on ``host:port`` answers PING; fail fast if ``proc`` exited.
@@ -247,6 +301,19 @@ def wait_ready(host: str, port: int, password: str | None, proc: subprocess.Pope
             raise ServiceUnavailableError(f"{host}:{port} answers but refuses our password ({exc}); "
                                           "another server holds that port.") from exc
     procs.poll(ready, timeout_s, f"redis-server on {host}:{port}", retry_on=(redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError))
+
+
+def check_reader(host: str, read_port: int, timeout_s: float = 2.0) -> None:
+    """Check that ``host:read_port`` lets the password-less reader in (PING); :class:`ServiceUnavailableError`
+    naming the port otherwise."""
+    import redis
+
+    try:
+        with reader_client(host, read_port, timeout_s) as c:
+            c.ping()
+    except (redis.RedisError, OSError) as exc:
+        raise ServiceUnavailableError(f"the read port {host}:{read_port} does not let {READER_USER} in ({exc}); "
+                                      "see the node's redis.log.") from exc
 
 
 def is_redis_pid(pid: int) -> bool:

@@ -16,7 +16,8 @@ The file is JSON (mode 0600)::
      "deployment": "3f9c...",                      # id of the `up` that wrote it
      "autotune": "127.0.0.1:29600",
      "redis": {"hosts": [{"host": "127.0.0.1", "port": 7000}, ...], "cluster": true,
-               "node_ids": ["e4c1...", ...]},            # the cluster's own nodes, recorded at creation
+               "node_ids": ["e4c1...", ...],             # the cluster's own nodes, recorded at creation
+               "read_port_offset": 20000},               # each node's plaintext read port: port + this
      "state_dir": "/home/me/.local/state/bagua-lightning",
      "secrets": {"redis_password": "<state_dir>/secrets/redis-password",
                  "autotune_token": "<state_dir>/secrets/autotune-token",
@@ -48,6 +49,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -62,6 +64,7 @@ from .addresses import (
 )
 from .errors import ConfigurationError
 from .procs import ProcessRecord, read_secret
+from .read_plane import READ_PORT_OFFSET_ENV
 from .tls_trust import ClientTLS, resolve_client_tls
 
 DEFAULT_AUTOTUNE_ADDRESS = "127.0.0.1:29600"
@@ -105,6 +108,16 @@ def _host_entries(value: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def _offset(value: Any, where: str) -> int | None:
+    """A read port offset: None, or a non-zero int with ``abs(value) <= 65535``; ValueError naming ``value``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < abs(value) <= 65535:
+        raise ValueError(f"{where} {value!r} is not a read port offset (a non-zero whole number of at most "
+                         "65535 either way)")
+    return value
+
+
 # ------------------------------------------------------------------------------------------- the file
 
 
@@ -123,6 +136,8 @@ class ServicesInfo:
         processes: what ``bagua-lightning up`` started, by service, for ``down``.
         secrets: paths of the 0600 files holding ``redis_password``, ``autotune_token``, ``cache_key``.
         tls: the deployment's CA and the trainers' client certificate and key (paths), or None: plaintext.
+        redis_read_port_offset: every Redis node's plaintext read port is its port + this offset (the
+            password-less reader of :mod:`~bagua_lightning.core.read_plane`); None: no read ports.
     """
 
     autotune: str | None = None
@@ -134,6 +149,7 @@ class ServicesInfo:
     processes: dict[str, list[ProcessRecord]] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)
     tls: ClientTLS | None = None
+    redis_read_port_offset: int | None = None
 
     @property
     def pids(self) -> dict[str, Any]:
@@ -147,7 +163,9 @@ class ServicesInfo:
             "version": FILE_VERSION,
             "deployment": self.deployment,
             "autotune": self.autotune,
-            "redis": {"hosts": self.redis_hosts, "cluster": self.redis_cluster, "node_ids": self.redis_node_ids},
+            "redis": {"hosts": self.redis_hosts, "cluster": self.redis_cluster, "node_ids": self.redis_node_ids,
+                      **({"read_port_offset": self.redis_read_port_offset}
+                         if self.redis_read_port_offset is not None else {})},
             "state_dir": self.state_dir,
             "secrets": dict(self.secrets),
             "processes": {k: [r.to_json() for r in v] for k, v in self.processes.items()},
@@ -191,6 +209,7 @@ class ServicesInfo:
             processes={str(k): [ProcessRecord.from_json(r) for r in v] for k, v in processes.items()},
             secrets={str(k): v for k, v in secrets.items()},
             tls=ClientTLS.from_json(data.get("tls")),
+            redis_read_port_offset=_offset(redis.get("read_port_offset"), "'redis.read_port_offset'"),
         )
 
 
@@ -357,6 +376,30 @@ def resolve_cache_key(hosts: Iterable[Any] | None = None) -> bytes | None:
         if hosts is None or is_recorded_redis(hosts, info):
             key = _recorded_secret("cache_key", info)
     return key.encode() if key else None
+
+
+def resolve_redis_read_port_offset(hosts: Iterable[Any]) -> int | None:
+    """The offset from a Redis node's port to its plaintext read port (:mod:`~bagua_lightning.core.read_plane`).
+
+    ``$BAGUA_LIGHTNING_REDIS_READ_PORT_OFFSET`` when set (``""`` or ``none``: no read ports), else the services
+    file's offset when every node of ``hosts`` is one the same file records, else None (no read ports: read
+    over the client port).
+
+    Raises:
+        ConfigurationError: the variable is not a whole number with ``0 < abs(offset) <= 65535`` (the message
+            names the value).
+    """
+    if READ_PORT_OFFSET_ENV in os.environ:
+        text = os.environ[READ_PORT_OFFSET_ENV].strip()
+        if text.lower() in ("", "none"):
+            return None
+        try:
+            value: Any = int(text) if re.fullmatch(r"[+-]?[0-9]{1,6}", text) else text
+            return _offset(value, f"${READ_PORT_OFFSET_ENV}")
+        except ValueError as exc:
+            raise ConfigurationError(f"{exc}; give e.g. 20000, or none for no read ports.") from None
+    info = read_services_file()
+    return info.redis_read_port_offset if info is not None and is_recorded_redis(hosts, info) else None
 
 
 def resolve_redis_tls(hosts: Iterable[Any], *, ca: Any = None, cert: Any = None, key: Any = None) -> ClientTLS | None:
