@@ -24,7 +24,7 @@ from typing import Any
 
 from .batch_column import Groups, build_groups
 from .batch_vector import UNIFORM_MIN, decode_opened_rows
-from .digests import DIGEST_SEAL, DIGEST_SIZE, NONCE_SIZE, SEAL_TAG_SIZE, opener, raw_opener
+from .digests import DIGEST_SEAL, DIGEST_SIZE, NONCE_SIZE, SEAL_TAG_SIZE, opener, raw_opener, seal_cipher
 from .entry import (
     COVERED,
     DIGEST_OFFSET,
@@ -143,12 +143,17 @@ def open_uniform(values: list[Any], keys: list[bytes], secret: bytes) -> list[An
         return None
     rest = bytes(head[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE])  # the zeros, flags and lengths: shared by all
     clear = rest[DIGEST_SIZE - NONCE_SIZE:]
+    if clear[0]:  # flags (a pickle): decode_sealed, which knows whether to unpickle
+        return None
     into = raw_opener(secret)
     if into is None:
         return None
     length = size - SEAL_TAG_SIZE
-    stride = (length + ALIGN - 1) & -ALIGN
     n = len(views)
+    run = getattr(values, "run", None)
+    if run is not None and len(run[3]) == n and not any(v.readonly for v in views):
+        return _open_in_place(views, keys, secret, run, length, rest, clear)
+    stride = (length + ALIGN - 1) & -ALIGN
     block = _BLOCKS.take(n * stride)  # no view of it left: samples that still hold theirs keep theirs
     bmv = memoryview(block)
     pack = _U64.pack
@@ -166,6 +171,40 @@ def open_uniform(values: list[Any], keys: list[bytes], secret: bytes) -> list[An
     del bmv
     _BLOCKS.give([block])
     return built
+
+
+def _open_in_place(views: list[memoryview], keys: list[bytes], secret: bytes, run: Any, length: int, rest: bytes,
+                   clear: bytes) -> list[Any] | None:
+    """:func:`open_uniform` for entries that lie evenly in one writable receive buffer (``run``, see
+    :class:`~.resp.Replies`): each decrypted where it lies, so the batch is read without a copy, then decoded
+    there. Where one does not open, those already opened are sealed again as they were (GCM is deterministic
+    under a nonce) and None is returned, for :func:`decode_sealed` to say which and why."""
+    into, cipher = raw_opener(secret), seal_cipher(secret)
+    pack = _U64.pack
+    done = 0
+    try:
+        for mv, key in zip(views, keys, strict=True):
+            if mv[:DIGEST_OFFSET] != SEAL_PREFIX or mv[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE] != rest:
+                raise CorruptEntryError("not a batch of sealed entries alike")
+            into(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE], mv[HEADER_SIZE:], pack(len(key)) + key + clear,
+                 mv[HEADER_SIZE:length])
+            done += 1
+    except Exception:
+        for mv, key in zip(views[:done], keys[:done], strict=True):
+            cipher.encrypt_into(bytes(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE]), mv[HEADER_SIZE:length],
+                                pack(len(key)) + key + clear, mv[HEADER_SIZE:])
+        return None
+    for mv in views:
+        mv[4] = OPENED
+    buf, first, stride, order = run
+    built = decode_opened_rows(buf, stride, length, len(views), first)
+    out: list[Any] = [None] * len(views)
+    if built is None:  # not a batch numpy takes: grouped by plan and built by column, where they lie
+        _columns(memoryview(buf), [(j, first + r * stride, length) for r, j in enumerate(order)], False, out)
+        return out
+    for j, sample in zip(order, built, strict=True):
+        out[j] = sample
+    return out
 
 
 def _columns(bmv: memoryview, opened: list[tuple[int, int, int]], allow_pickle: bool, out: list[Any]) -> None:

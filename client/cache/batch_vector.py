@@ -150,13 +150,13 @@ def decode_rows(values: list[Any], keys: list[bytes], secret: bytes | None) -> l
     return out
 
 
-def decode_opened_rows(block: Any, stride: int, length: int, m: int) -> list[Any] | None:
+def decode_opened_rows(block: Any, stride: int, length: int, m: int, first: int = 0) -> list[Any] | None:
     """The samples of the ``m`` entries that :mod:`.batch_sealed` opened into ``block``, each ``length``
-    bytes, entry ``i`` at ``i * stride``, when they are of one skeleton; else None. Their tags have been
-    checked, so no digest is (only ever called on such a block: never on values read)."""
+    bytes, entry ``i`` at ``first + i * stride``, when they are of one skeleton; else None. Their tags have been
+    checked, so no digest is (only ever called on entries it opened: never on values as read)."""
     import numpy as np
 
-    return _decode(np, memoryview(block)[:length], m, block, 0, stride, [], None, True, None)
+    return _decode(np, memoryview(block)[first:first + length], m, block, first, stride, [], None, True, None)
 
 
 def _decode(np: Any, head: memoryview, n: int, buf: Any, first: int, stride: int, keys: list[bytes],

@@ -372,6 +372,35 @@ def test_pickled_entries_are_sealed_too() -> None:
     assert got[1] == ("a", 1)
 
 
+def _in_one_buffer(entries: list[bytes]) -> Replies:
+    """``entries`` as a fetch leaves them: views of one writable receive buffer, evenly spaced, in reverse order."""
+    length = len(entries[0])
+    n = len(entries)
+    buf = bytearray(16) + bytearray().join(reversed(entries))
+    order = list(reversed(range(n)))
+    return Replies([memoryview(buf)[16 + (n - 1 - j) * length:16 + (n - j) * length] for j in range(n)],
+                   (buf, 16, length, order))
+
+
+def test_a_batch_in_one_receive_buffer_is_opened_where_it_lies() -> None:
+    entries, keys, samples = batch(N)
+    run = _in_one_buffer(entries)
+    got = decode_many(run, keys, secret=SECRET)
+    assert_pairs(got, samples)
+    assert all(v[4] == OPENED for v in run)  # decrypted in place, marked opened
+    # a batch with one entry that does not open: every other entry is as it was, and said which
+    entries[N // 3] = _flip(entries[N // 3], len(entries[N // 3]) - 3)
+    run = _in_one_buffer(entries)
+    got = decode_many(run, keys, secret=SECRET)
+    assert type(got[N // 3]) is codec.Bad and "does not open" in str(got[N // 3].error)
+    assert_pairs(got, samples, skip=frozenset((N // 3,)))
+    # pickled, in one buffer: unpickled only when asked
+    pickled = [sealed(("p", i), key=k, allow_pickle=True) for i, k in enumerate(keys)]
+    assert {len(p) for p in pickled} == {len(pickled[0])}
+    assert decode_many(_in_one_buffer(pickled), keys, secret=SECRET, allow_pickle=True) == [("p", i) for i in range(N)]
+    assert all(type(v) is codec.Bad for v in decode_many(_in_one_buffer(pickled), keys, secret=SECRET))
+
+
 def test_without_cryptography_sealed_entries_are_misses_and_keyed_writes_hmac(without_cryptography: None) -> None:
     entry = bytes(encode(torch.ones(2), KEY, secret=SECRET))
     assert entry[4] == codec.DIGEST_HMAC
