@@ -7,7 +7,8 @@ Variants, all on the same samples (a 3x32x32 float32 image and an int label, as 
   (d) raw ceiling: RedisCluster.mget_nonatomic of the same entries, no decoding (redis-py alone)
   (d') transport floor: hand-written per-node GET pipelines of the same entries through redis-py, no decoding
   (h) hiredis ceiling: the same pipelines on raw sockets, replies parsed by hiredis in bulk, no decoding
-  (k) ours with a cache key: (c) with entries authenticated with it (as `bagua-lightning up` configures)
+  (k) ours with a cache key: (c) with entries sealed with it (aes256-gcm, as `bagua-lightning up` configures;
+      benchmarks/open_reads.py compares them read from the read ports with the earlier gmac entries)
   (t) ours over TLS: (c) against a second 3-master cluster that serves clients over TLS only, with a client
       certificate and a password, the server verified against its CA (as `bagua-lightning up` deploys it);
       each node's replies of a batch decrypted on its own thread (the store's opt-in

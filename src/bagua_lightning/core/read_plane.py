@@ -14,8 +14,9 @@ without a password that may only ``GET``/``MGET`` string keys (never the autotun
   administration and replication stay there, with the password.
 
 Why not TLS for reads too: Python's TLS record layer decrypts one 16 KB record per call, which bounds a
-reader at about 0.6x of plaintext (docs/benchmarks.md); a sealed entry is decrypted in one call at the
-cipher's speed. docs/deployment.md ("Open reads") argues the trade.
+reader at about 0.6x of plaintext; a sealed entry is decrypted in one call at the cipher's speed, where it
+lies in the receive buffer (0.92x the plaintext reads of a keyed deployment, docs/benchmarks.md, "Open
+reads"). docs/deployment.md ("Open reads") argues the trade.
 
 The read port of a node is its client port plus the deployment's *read port offset*, recorded in the
 services file (``redis.read_port_offset``) or given by :data:`READ_PORT_OFFSET_ENV`.
