@@ -79,7 +79,7 @@ def _group(values: list[Any], keys: list[bytes], allow_pickle: bool, secret: byt
     macs = _batch_macs(values, keys, secret) if secret is not None else None
     prefixes, wanted = ((XXH_PREFIX,), (DIGEST_XXH3,)) if macs is None else (KEYED_PREFIXES, MAC_KINDS)
     groups: Groups = {}
-    unpack, plans, same = HEADER_XXH.unpack_from, PLANS, hmac.compare_digest
+    unpack, same = HEADER_XXH.unpack_from, hmac.compare_digest
     xxh3: Any = xxhash.xxh3_64_intdigest if xxhash is not None else None
     # The last skeleton seen, read with its whole-entry struct (header, skeleton and tail in one unpack).
     l_unpack: Any = None
@@ -125,16 +125,8 @@ def _group(values: list[Any], keys: list[bytes], allow_pickle: bool, secret: byt
                             raise CorruptEntryError(MISMATCH)
                     elif not same(macs[j], mv[DIGEST_OFFSET:COVERED]):
                         raise CorruptEntryError(MISMATCH_KEYED)
-                    skeleton = bytes(mv[HEADER_SIZE:tail_start])
-                    plan = plans.get(skeleton) or plan_for(skeleton)
-                    if plan.tail.size != tail_len:
-                        raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
-                    group = groups.get(id(plan))
-                    if group is None:
-                        group = groups[id(plan)] = (plan, [], [], [])
-                    group[1].append(j)
-                    group[2].append(plan.tail.unpack_from(mv, tail_start))
-                    group[3].append(mv[data_start:])
+                    group = join_group(groups, j, mv, tail_start, tail_len, mv[data_start:])
+                    plan = group[0]
                     if plan.fast is None:
                         plan.fast = whole_entry_reader(plan.skeleton, plan.tail)
                     l_unpack, l_size, l_fixed, l_start = plan.fast
@@ -146,6 +138,23 @@ def _group(values: list[Any], keys: list[bytes], allow_pickle: bool, secret: byt
         except Exception as exc:
             out[j] = Bad(CorruptEntryError(f"malformed entry ({type(exc).__name__}: {exc})"))
     return groups
+
+
+def join_group(groups: Groups, j: int, mv: memoryview, tail_start: int, tail_len: int, data: Any
+               ) -> tuple[Plan, list[int], list[tuple[Any, ...]], list[Any]]:
+    """Put entry ``j`` (``mv``, checked already; its data region ``data``) in the group of its skeleton's plan;
+    the group. Raises :class:`CorruptEntryError` where its tail is not the plan's."""
+    skeleton = bytes(mv[HEADER_SIZE:tail_start])
+    plan = PLANS.get(skeleton) or plan_for(skeleton)
+    if plan.tail.size != tail_len:
+        raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
+    group = groups.get(id(plan))
+    if group is None:
+        group = groups[id(plan)] = (plan, [], [], [])
+    group[1].append(j)
+    group[2].append(plan.tail.unpack_from(mv, tail_start))
+    group[3].append(data)
+    return group
 
 
 def build_groups(groups: Groups, one: Callable[[int], Any], out: list[Any]) -> None:

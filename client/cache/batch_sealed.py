@@ -22,7 +22,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from .batch_column import Groups, build_groups
+from .batch_column import Groups, build_groups, join_group
 from .batch_vector import UNIFORM_MIN, decode_opened_rows
 from .digests import DIGEST_SEAL, DIGEST_SIZE, NONCE_SIZE, SEAL_TAG_SIZE, opener, raw_opener, seal_cipher
 from .entry import (
@@ -38,7 +38,6 @@ from .entry import (
     check_sealed,
     decode_opened,
 )
-from .plans import PLANS, plan_for
 from .resp import BufferPool
 from .values import ALIGN, CorruptEntryError
 
@@ -220,16 +219,7 @@ def _columns(bmv: memoryview, opened: list[tuple[int, int, int]], allow_pickle: 
                 out[j] = decode_opened(view, allow_pickle)
                 continue
             tail_start = HEADER_SIZE + skel_len
-            skeleton = bytes(view[HEADER_SIZE:tail_start])
-            plan = PLANS.get(skeleton) or plan_for(skeleton)
-            if plan.tail.size != tail_len:
-                raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
-            group = groups.get(id(plan))
-            if group is None:
-                group = groups[id(plan)] = (plan, [], [], [])
-            group[1].append(j)
-            group[2].append(plan.tail.unpack_from(view, tail_start))
-            group[3].append(view[(tail_start + tail_len + ALIGN - 1) & -ALIGN:])
+            join_group(groups, j, view, tail_start, tail_len, view[(tail_start + tail_len + ALIGN - 1) & -ALIGN:])
         except CorruptEntryError as exc:
             out[j] = Bad(exc)
         except Exception as exc:

@@ -122,24 +122,26 @@ def _hkdf_sha256(secret: bytes, info: bytes, length: int = 32) -> bytes:
     return out[:length]
 
 
-@functools.lru_cache(maxsize=8)
-def _gmac_cipher(secret: bytes) -> Any:
-    """AES-256-GCM under the key derived from the cache key ``secret`` (its ``encrypt`` method)."""
+def _aes_gcm(secret: bytes, info: bytes, what: str) -> Any:
+    """``cryptography``'s AESGCM under the key derived from the cache key ``secret`` for the purpose ``info``;
+    :class:`CorruptEntryError` saying to install the package (for an entry ``what``) where it is missing."""
     aesgcm = _aesgcm_class()
     if aesgcm is None:
-        raise CorruptEntryError("entry is authenticated with AES-GMAC; install the cryptography package "
+        raise CorruptEntryError(f"entry is {what}; install the cryptography package "
                                 "(`pip install -U cryptography`) to read it")
-    return aesgcm(_hkdf_sha256(secret, GMAC_KEY_INFO)).encrypt
+    return aesgcm(_hkdf_sha256(secret, info))
+
+
+@functools.lru_cache(maxsize=8)
+def _gmac_cipher(secret: bytes) -> Any:
+    """AES-256-GCM under the GMAC key derived from the cache key ``secret`` (its ``encrypt`` method)."""
+    return _aes_gcm(secret, GMAC_KEY_INFO, "authenticated with AES-GMAC").encrypt
 
 
 @functools.lru_cache(maxsize=8)
 def seal_cipher(secret: bytes) -> Any:
     """AES-256-GCM (``cryptography``'s AESGCM object) under the sealing key derived from the cache key."""
-    aesgcm = _aesgcm_class()
-    if aesgcm is None:
-        raise CorruptEntryError("entry is sealed with AES-256-GCM; install the cryptography package "
-                                "(`pip install -U cryptography`) to read it")
-    return aesgcm(_hkdf_sha256(secret, SEAL_KEY_INFO))
+    return _aes_gcm(secret, SEAL_KEY_INFO, "sealed with AES-256-GCM")
 
 
 def seal_aad(key: bytes, clear: Any) -> bytes:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bagua_lightning.client.cache import RedisStore
+from bagua_lightning.client.cache import RedisStore, digests
 from bagua_lightning.core.local_redis import stop_server
 from bagua_lightning.services.redis_cluster import ClusterInfo, ClusterSpec, running_cluster
 from tests.procs import free_port_block
@@ -74,3 +75,21 @@ def local_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
         monkeypatch.delenv(name, raising=False)
     yield tmp_path
     stop_server()
+
+
+def clear_digest_caches() -> None:
+    """Forget what the digests module found out and derived (the AES class, the kinds, the ciphers)."""
+    digests._aesgcm_class.cache_clear()
+    digests.keyed_digest_kind.cache_clear()
+    digests._gmac_cipher.cache_clear()
+    digests.seal_cipher.cache_clear()
+
+
+@pytest.fixture
+def without_cryptography(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process as one where the ``cryptography`` package is not installed (its import fails)."""
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
+    clear_digest_caches()
+    yield
+    monkeypatch.undo()
+    clear_digest_caches()

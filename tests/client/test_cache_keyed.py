@@ -7,7 +7,6 @@ from __future__ import annotations
 import hmac
 import logging
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,27 +20,11 @@ from bagua_lightning.client.cache import codec, digests
 from bagua_lightning.client.cache.codec import CorruptEntryError, decode, encode
 from bagua_lightning.services.redis_cluster import ClusterInfo
 from tests.client.cache_datasets import Source
+from tests.client.conftest import clear_digest_caches
 
 KEY = b"ds:1:7"
 SECRET = b"a cache key shared by the job"
 FIELD = slice(8, 32)  # the digest field: nonce (12 bytes), then the truncated tag (12 bytes)
-
-
-def _clear_caches() -> None:
-    digests._aesgcm_class.cache_clear()
-    digests.keyed_digest_kind.cache_clear()
-    digests._gmac_cipher.cache_clear()
-    digests.seal_cipher.cache_clear()
-
-
-@pytest.fixture
-def without_cryptography(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """This process as one where the ``cryptography`` package is not installed (its import fails)."""
-    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-    _clear_caches()
-    yield
-    monkeypatch.undo()
-    _clear_caches()
 
 
 def test_keyed_entries_are_sealed_by_default_gmac_on_request_and_need_the_key() -> None:
@@ -160,7 +143,7 @@ def test_a_gmac_entry_is_a_miss_where_cryptography_is_missing() -> None:
     entry = bytes(encode(torch.ones(2), KEY, secret=SECRET, seal=False))
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-        _clear_caches()
+        clear_digest_caches()
         try:
             with pytest.raises(CorruptEntryError, match="install the cryptography package"):
                 decode(entry, KEY, secret=SECRET)
@@ -168,7 +151,7 @@ def test_a_gmac_entry_is_a_miss_where_cryptography_is_missing() -> None:
             assert all(type(v) is codec.Bad for v in got)
         finally:
             mp.undo()
-            _clear_caches()
+            clear_digest_caches()
     assert torch.equal(decode(entry, KEY, secret=SECRET), torch.ones(2))
 
 
@@ -178,12 +161,12 @@ def test_hmac_entries_of_earlier_releases_are_read_among_gmac_ones(n: int) -> No
     keys = [f"ds:1:{i}".encode() for i in range(n)]
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-        _clear_caches()
+        clear_digest_caches()
         try:
             old = [bytes(encode(s, k, secret=SECRET)) for s, k in zip(samples, keys, strict=True)]
         finally:
             mp.undo()
-            _clear_caches()
+            clear_digest_caches()
     assert {e[4] for e in old} == {codec.DIGEST_HMAC}
     new = [bytes(encode(s, k, secret=SECRET, seal=False)) for s, k in zip(samples, keys, strict=True)]
     for entries in (old, [o if j % 2 else e for j, (o, e) in enumerate(zip(old, new, strict=True))]):
@@ -232,12 +215,12 @@ def test_entry_forged_with_another_cache_key_in_redis_is_a_miss(store: RedisStor
 def test_hmac_entries_in_redis_are_hits_for_a_sealing_writer(store: RedisStore, redis_cluster3: ClusterInfo) -> None:
     with pytest.MonkeyPatch.context() as mp:  # an earlier release (or one without cryptography) wrote these
         mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-        _clear_caches()
+        clear_digest_caches()
         try:
             _keyed(redis_cluster3, 16).__getitems__(list(range(16)))
         finally:
             mp.undo()
-            _clear_caches()
+            clear_digest_caches()
     ds = _keyed(redis_cluster3, 16)
     assert (store.get(ds.cache_loader.redis_key(0)) or b"")[4] == codec.DIGEST_HMAC
     source = ds.dataset

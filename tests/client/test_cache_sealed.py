@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from bagua_lightning.client.cache import batch_sealed, codec, digests
 from bagua_lightning.client.cache.backends import Replies
 from bagua_lightning.client.cache.codec import CorruptEntryError, decode, decode_many, encode
 from bagua_lightning.client.cache.entry import HEADER, OPENED
+from tests.client.conftest import clear_digest_caches
 
 from .test_cache_codec import SAMPLES, assert_same
 
@@ -27,22 +27,6 @@ KEY = b"ds:1:7"
 SECRET = b"a cache key shared by the job"
 PATTERN = b"SEALED-SAMPLE-PATTERN:0123456789"  # 32 bytes, recognisable in an entry
 N = 64
-
-
-def _clear_caches() -> None:
-    digests._aesgcm_class.cache_clear()
-    digests.keyed_digest_kind.cache_clear()
-    digests._gmac_cipher.cache_clear()
-    digests.seal_cipher.cache_clear()
-
-
-@pytest.fixture
-def without_cryptography(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-    _clear_caches()
-    yield
-    monkeypatch.undo()
-    _clear_caches()
 
 
 def sealed(sample: Any, key: bytes = KEY, secret: bytes = SECRET, **kw: Any) -> bytes:
@@ -207,12 +191,12 @@ def test_mixed_batches_merge_sealed_and_other_entries_by_index(n: int) -> None:
     gmac = batch(n, seal=False)[0]
     with pytest.MonkeyPatch.context() as mp:  # an earlier release, or one without cryptography: hmac-sha256
         mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-        _clear_caches()
+        clear_digest_caches()
         try:
             hmac_entries = batch(n)[0]
         finally:
             mp.undo()
-            _clear_caches()
+            clear_digest_caches()
     assert {e[4] for e in hmac_entries} == {codec.DIGEST_HMAC}
     unkeyed = batch(n, secret=None)[0]
     values: list[Any] = []
@@ -412,7 +396,7 @@ def test_a_sealed_entry_is_a_miss_where_cryptography_is_missing() -> None:
     entry = sealed(torch.ones(2))
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-        _clear_caches()
+        clear_digest_caches()
         try:
             with pytest.raises(CorruptEntryError, match="install the cryptography package"):
                 decode(entry, KEY, secret=SECRET)
@@ -420,7 +404,7 @@ def test_a_sealed_entry_is_a_miss_where_cryptography_is_missing() -> None:
             assert all(type(v) is codec.Bad and "cryptography" in str(v.error) for v in got)
         finally:
             mp.undo()
-            _clear_caches()
+            clear_digest_caches()
     assert torch.equal(decode(entry, KEY, secret=SECRET), torch.ones(2))
 
 
