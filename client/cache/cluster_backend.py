@@ -171,16 +171,20 @@ class ClusterBackend(Backend):
             try:
                 return reader, self.held.send(reader, packed, NO_RETRY), [], node.name
             except STORE_ERRORS as exc:
-                where = (node.host, node.port)
-                if where not in self._reader_off:
-                    log.warning("the read port %s:%d of cache node %s failed (%s); reading through its client "
-                                "port, trying the read port again in %.0f s", node.host, node.port + self.read_offset,
-                                node.name, exc, READER_RETRY_S)
-                self._reader_off[where] = time.monotonic() + READER_RETRY_S
+                self._reader_failed(node, exc)
         client = node.redis_connection
         if client is None:
             raise redis.ConnectionError(f"no connection to cluster node {node.name}")
         return client, self.held.send(client, packed, self.retry), [], node.name
+
+    def _reader_failed(self, node: Any, exc: BaseException) -> None:
+        """Leave the read port of master ``node`` alone for a while (warned once while it keeps failing)."""
+        where = (node.host, node.port)
+        if where not in self._reader_off:
+            log.warning("the read port %s:%d of cache node %s failed (%s); reading through its client port, "
+                        "trying the read port again in %.0f s", node.host, node.port + (self.read_offset or 0),
+                        node.name, exc, READER_RETRY_S)
+        self._reader_off[where] = time.monotonic() + READER_RETRY_S
 
     def fetch(self, keys: Sequence[bytes], views: bool = False, *, again: bool = True, open_reads: bool = False
               ) -> tuple[list[Any], BaseException | None]:
@@ -188,15 +192,24 @@ class ClusterBackend(Backend):
         groups, uncovered = self._prepare(keys)
         failed: list[tuple[str, BaseException]] = []
         conns: list[Sent] = []
+        by_reader: dict[str, tuple[Any, list[int]]] = {}  # masters read from their read port: node, key indices
         for node, idx in groups:
             try:
                 client, conn, _, name = self._send(node, pack_gets([keys[j] for j in idx]), open_reads)
                 conns.append((client, conn, idx, name))
+                if client is not node.redis_connection:
+                    by_reader[name] = (node, idx)
             except STORE_ERRORS as exc:
                 failed.append((node.name, exc))
         errored: list[tuple[int, BaseException]] = []
         run = read_pipelined(conns, out, errored, views, self._receiver(len(keys)), self.held, failed)
         redirected, refused = self._errored(errored, conns, failed)
+        if by_reader and failed:  # a read port that broke off is the read port's failure, not the master's
+            for name, lost in [f for f in failed if f[0] in by_reader]:
+                node, idx = by_reader[name]
+                self._reader_failed(node, lost)
+                refused += idx
+            failed = [f for f in failed if f[0] not in by_reader]
         error = self._account([c[3] for c in conns], failed, uncovered, keys)
         again_keys = refused if not (redirected and self._refresh() and again) else refused + redirected
         if again_keys:  # read once more (through the new slot map, or the client port), else misses

@@ -144,8 +144,9 @@ class Squatter:
     """Plain listeners on the read ports that answer as Redis would, with forged entries, and keep every byte
     they receive."""
 
-    def __init__(self, ports: list[int], forge: Any, refuse_auth: bool = False) -> None:
+    def __init__(self, ports: list[int], forge: Any, refuse_auth: bool = False, hang_up: bool = False) -> None:
         self.refuse_auth = refuse_auth
+        self.hang_up = hang_up  # close the connection at the first GET
         self.received = bytearray()
         self.forge = forge
         self.lock = threading.Lock()
@@ -181,6 +182,8 @@ class Squatter:
                 with self.lock:
                     self.received += data
                 buf += data
+                if self.hang_up and b"GET" in buf:
+                    return
                 replies, buf = self._commands(buf)
                 try:
                     conn.sendall(replies)
@@ -266,3 +269,26 @@ def test_a_read_port_that_refuses_the_reader_leaves_reads_on_the_client_port(
         ds.cache_loader.cleanup()
         squatter.close()
     assert b"GET" not in squatter.received and TEST_PASSWORD.encode() not in squatter.received
+
+
+def test_a_read_port_that_hangs_up_mid_read_costs_the_master_nothing(
+        sealed_cluster: tuple[ClusterInfo, ClientTLS], caplog: pytest.LogCaptureFixture) -> None:
+    # The read port breaks off after the GETs were sent: its keys are read again through the client port in the
+    # same fetch, and the master is not taken for down (no backing off, no error).
+    info, tls = sealed_cluster
+    rogue_base = free_port_block(3, with_bus=False)
+    squatter = Squatter([rogue_base + i for i in range(3)], lambda key: b"", hang_up=True)
+    ds = _dataset(info, tls, "open-reads-hang-up", Source(32))
+    try:
+        check_batch(ds, list(range(32)))
+        ds.flush()
+        reader = _dataset(info, tls, "open-reads-hang-up", Source(32), read_port_offset=rogue_base - info.nodes[0].port)
+        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.cluster_backend"):
+            check_batch(reader, list(range(32)))
+            check_batch(reader, list(range(32)))
+        assert reader.stats.hits == 64 and reader.stats.errors == 0 and reader.stats.corrupt == 0, reader.stats
+        assert caplog.text.count("reading through its client port") == 3
+        assert b"GET" in squatter.received
+    finally:
+        ds.cache_loader.cleanup()
+        squatter.close()
