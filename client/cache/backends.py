@@ -25,6 +25,7 @@ from ...core.pinned_redis import redis_client
 from .faults import NodeBreakers
 from .hashing import RendezvousHash
 from .options import RedisOptions
+from .read_ports import NO_RETRY, REFUSED, ReadPorts
 from .resp import BufferPool, Receiver, Replies, _raw_socket, pack_gets, read_replies
 from .tls_decrypt import DecryptWorkers
 from .tls_stream import take_connection
@@ -74,7 +75,7 @@ class Backend(ABC):
 
         ``views``: values may be read-only views of receive buffers instead of ``bytes`` (faster; for callers
         that copy what they keep). ``open_reads``: the caller authenticates and decrypts the entries itself
-        (sealed with the cache key), so they may come from the nodes' read ports where a cluster has them.
+        (sealed with the cache key), so they may come from the nodes' read ports where they have them.
         """
 
     def _receiver(self, n: int) -> Receiver:
@@ -281,6 +282,7 @@ class NodesBackend(Backend):
         self.ring = RendezvousHash(self.names)
         self.pool = BufferPool()
         self.held = HeldConnections()
+        self.reads = ReadPorts(options)
         self.skipped: list[str] = []
 
     def _group(self, keys: Sequence[str | bytes]) -> dict[int, list[int]]:
@@ -302,20 +304,40 @@ class NodesBackend(Backend):
         out: list[Any] = [None] * len(keys)
         conns: list[Sent] = []
         failed: list[tuple[str, BaseException]] = []
+        by_reader: dict[str, tuple[str, int, list[int]]] = {}  # nodes read from their read port (open reads)
         for node, idx in self._group(keys).items():
             client, name = self.clients[node], self.names[node]
+            packed = pack_gets([keys[j] for j in idx])
+            host, port = self.hosts[node]
+            reader = self.reads.client(host, port) if open_reads else None
             try:
-                conns.append((client, self.held.send(client, pack_gets([keys[j] for j in idx]), self.retry), idx,
-                              name))
+                if reader is not None:
+                    try:
+                        conns.append((reader, self.held.send(reader, packed, NO_RETRY), idx, name))
+                        by_reader[name] = (host, port, idx)
+                        continue
+                    except STORE_ERRORS as exc:
+                        self.reads.failed(host, port, name, exc)
+                conns.append((client, self.held.send(client, packed, self.retry), idx, name))
             except STORE_ERRORS as exc:
                 failed.append((name, exc))
-        # An error reply here (WRONGTYPE: a key of another type) leaves the value None, a miss, as MGET did.
+        # An error reply here (WRONGTYPE: a key of another type) leaves the value None, a miss, as MGET did;
+        # a key the reader may not read, or one whose read port broke off, is read again through the client port.
         errored: list[tuple[int, BaseException]] = []
         run = read_pipelined(conns, out, errored, views, self._receiver(len(keys)), self.held, failed)
+        again = [j for j, e in errored if str(e).startswith(REFUSED)]
+        if by_reader and failed:
+            again += self.reads.reclaim(failed, by_reader)
         down = {self.ring.node_of(keys[j]) for j, e in errored if node_down_reply(e)}
         failed += [(self.names[n], redis.exceptions.ResponseError(f"{self.names[n]} cannot serve")) for n in down]
+        error = self.breakers.account([c[3] for c in conns], failed) or backing_off(self.skipped)
+        if again:
+            values, err = self.fetch([keys[j] for j in again], views)
+            for j, v in zip(again, values, strict=True):
+                out[j] = v
+            error, run = error or err, None
         self._learn(out)
-        return Replies(out, run), self.breakers.account([c[3] for c in conns], failed) or backing_off(self.skipped)
+        return Replies(out, run), error
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool) -> tuple[list[bool], BaseException | None]:
         done = [False] * len(items)
@@ -347,6 +369,7 @@ class NodesBackend(Backend):
         self.held.close()
         for c in self.clients:
             c.close()
+        self.reads.close()
 
 
 def probe_is_cluster(hosts: list[tuple[str, int]], options: RedisOptions) -> bool:

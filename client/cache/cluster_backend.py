@@ -11,12 +11,9 @@ directly, grouped by the master that serves their slot, so that one failing mast
   rate-limited and back off while no node answers (a MOVED storm costs one reload per interval);
 * a key whose slot no master serves is a miss.
 
-Open reads (``open_reads``, the loader's reads of sealed entries): with a read port offset
-(:attr:`~.options.RedisOptions.read_port_offset`), the GETs of each master go to its plaintext read port
-as the password-less reader (:mod:`bagua_lightning.core.read_plane`), never with a secret; the slot map still
-comes from the client port. A read port that does not answer is left alone for :data:`READER_RETRY_S` (its
-keys are read through the client port meanwhile), and a key the reader may not read (``NOPERM``) is read
-again through the client port.
+Open reads (``open_reads``, the loader's reads of sealed entries) go to each master's read port
+(:mod:`.read_ports`); the slot map still comes from the client port, and a key the reader may not read, or
+one whose read port failed, is read again through the client port.
 """
 
 from __future__ import annotations
@@ -29,10 +26,8 @@ from itertools import repeat
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
 from redis.cluster import REDIS_CLUSTER_HASH_SLOTS, RedisCluster
 from redis.crc import key_slot
-from redis.retry import Retry
 
 from ...core.pinned_redis import close_cluster, cluster_client
 from .backends import (
@@ -47,15 +42,13 @@ from .backends import (
 )
 from .faults import CONNECT, NodeBreakers
 from .options import RedisOptions
+from .read_ports import NO_RETRY, REFUSED, ReadPorts
 from .resp import BufferPool, Replies, pack_gets
 
 log = logging.getLogger(__name__)
-NO_RETRY = Retry(NoBackoff(), 0)  # a read port that fails is left for the client port at once
 
 REFRESH_INTERVAL_S = 0.5  # the slot map is reloaded at most this often (failover, MOVED)
-READER_RETRY_S = 30.0  # a read port that failed is tried again after this long
 REDIRECTS = ("MOVED", "ASK")
-REFUSED = "NOPERM"  # the reader may not read this key: read through the client port
 
 
 class ClusterBackend(Backend):
@@ -73,9 +66,7 @@ class ClusterBackend(Backend):
         self.skipped: list[str] = []
         self.pool = BufferPool()
         self.held = HeldConnections()
-        self.read_offset = options.read_port_offset
-        self._readers: dict[tuple[str, int], redis.Redis] = {}  # (host, port) of a master -> its read port
-        self._reader_off: dict[tuple[str, int], float] = {}  # read ports that failed -> when to try again
+        self.reads = ReadPorts(options)
 
     def _refresh(self, failed: str | None = None) -> bool:
         """Reload the slot map from a live node (a failover may have moved slots); rate-limited. Whether it ran."""
@@ -93,7 +84,7 @@ class ClusterBackend(Backend):
             return True
         self.breakers.success(CONNECT)
         nodes = self.rc.nodes_manager.nodes_cache.values()
-        self.held.forget([n.redis_connection for n in nodes] + list(self._readers.values()))
+        self.held.forget([n.redis_connection for n in nodes] + self.reads.clients())
         self.breakers.keep({n.name for n in self._slot_table()[0]})
         return True
 
@@ -152,39 +143,19 @@ class ClusterBackend(Backend):
             self._refresh()
         return groups, uncovered
 
-    def _reader(self, node: Any) -> redis.Redis | None:
-        """The read-port client of master ``node``, or None: no read ports, or this one failed lately."""
-        where = (node.host, node.port)
-        if self.read_offset is None or time.monotonic() < self._reader_off.get(where, 0.0):
-            return None
-        client = self._readers.get(where)
-        if client is None:
-            client = self._readers[where] = redis.Redis(host=node.host, port=node.port + self.read_offset,
-                                                        **self.options.reader_kwargs())
-        return client
-
     def _send(self, node: Any, packed: bytes, open_reads: bool) -> Sent:
         """Send the GETs ``packed`` to master ``node``: to its read port with ``open_reads`` where it has
         one that answers, else to its client port."""
-        reader = self._reader(node) if open_reads else None
+        reader = self.reads.client(node.host, node.port) if open_reads else None
         if reader is not None:
             try:
                 return reader, self.held.send(reader, packed, NO_RETRY), [], node.name
             except STORE_ERRORS as exc:
-                self._reader_failed(node, exc)
+                self.reads.failed(node.host, node.port, node.name, exc)
         client = node.redis_connection
         if client is None:
             raise redis.ConnectionError(f"no connection to cluster node {node.name}")
         return client, self.held.send(client, packed, self.retry), [], node.name
-
-    def _reader_failed(self, node: Any, exc: BaseException) -> None:
-        """Leave the read port of master ``node`` alone for a while (warned once while it keeps failing)."""
-        where = (node.host, node.port)
-        if where not in self._reader_off:
-            log.warning("the read port %s:%d of cache node %s failed (%s); reading through its client port, "
-                        "trying the read port again in %.0f s", node.host, node.port + (self.read_offset or 0),
-                        node.name, exc, READER_RETRY_S)
-        self._reader_off[where] = time.monotonic() + READER_RETRY_S
 
     def fetch(self, keys: Sequence[bytes], views: bool = False, *, again: bool = True, open_reads: bool = False
               ) -> tuple[list[Any], BaseException | None]:
@@ -192,24 +163,20 @@ class ClusterBackend(Backend):
         groups, uncovered = self._prepare(keys)
         failed: list[tuple[str, BaseException]] = []
         conns: list[Sent] = []
-        by_reader: dict[str, tuple[Any, list[int]]] = {}  # masters read from their read port: node, key indices
+        by_reader: dict[str, tuple[str, int, list[int]]] = {}  # masters read from their read port
         for node, idx in groups:
             try:
                 client, conn, _, name = self._send(node, pack_gets([keys[j] for j in idx]), open_reads)
                 conns.append((client, conn, idx, name))
                 if client is not node.redis_connection:
-                    by_reader[name] = (node, idx)
+                    by_reader[name] = (node.host, node.port, idx)
             except STORE_ERRORS as exc:
                 failed.append((node.name, exc))
         errored: list[tuple[int, BaseException]] = []
         run = read_pipelined(conns, out, errored, views, self._receiver(len(keys)), self.held, failed)
         redirected, refused = self._errored(errored, conns, failed)
         if by_reader and failed:  # a read port that broke off is the read port's failure, not the master's
-            for name, lost in [f for f in failed if f[0] in by_reader]:
-                node, idx = by_reader[name]
-                self._reader_failed(node, lost)
-                refused += idx
-            failed = [f for f in failed if f[0] not in by_reader]
+            refused += self.reads.reclaim(failed, by_reader)
         error = self._account([c[3] for c in conns], failed, uncovered, keys)
         again_keys = refused if not (redirected and self._refresh() and again) else refused + redirected
         if again_keys:  # read once more (through the new slot map, or the client port), else misses
@@ -297,6 +264,5 @@ class ClusterBackend(Backend):
 
     def close(self) -> None:
         self.held.close()
-        for reader in self._readers.values():
-            reader.close()
+        self.reads.close()
         close_cluster(self.rc)

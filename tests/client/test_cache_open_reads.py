@@ -71,9 +71,9 @@ def test_a_keyed_loader_reads_sealed_entries_from_the_read_ports(
         assert ds.stats.hits == 64 and ds.stats.corrupt == 0 and ds.stats.errors == 0
         assert _reader_connections(info, tls) == 3  # the hits came through the read ports, as the reader
         backend: Any = ds.cache_loader.store.backend  # type: ignore[attr-defined]
-        ports = {client.connection_pool.connection_kwargs["port"] for client in backend._readers.values()}
+        ports = {client.connection_pool.connection_kwargs["port"] for client in backend.reads.clients()}
         assert ports == {node.port + info.read_port_offset for node in info.nodes}
-        assert all(c.connection_pool.connection_kwargs["password"] == "" for c in backend._readers.values())
+        assert all(c.connection_pool.connection_kwargs["password"] == "" for c in backend.reads.clients())
         # what the nodes hold is ciphertext: no sample's bytes appear in its entry
         with contextlib.closing(client_for(info.nodes[0].host, info.nodes[0].port, TEST_PASSWORD, tls=tls)) as c:
             keys = [k for k in c.scan_iter(match="open-reads:*")]
@@ -110,6 +110,23 @@ def test_entries_an_earlier_release_authenticated_only_are_read_then_rewritten_s
         before.cache_loader.cleanup()
 
 
+def test_a_standalone_server_is_read_from_its_read_port_too(tmp_path: Path) -> None:
+    spec = ClusterSpec(nodes=1, cluster=False, port=free_port_block(1, with_bus=False, tls=True), state_root=tmp_path,
+                       timeout_s=60.0, client_tls=True, read_port_offset=20000, password=TEST_PASSWORD)
+    with running_cluster(spec) as info:
+        tls = client_tls(Path(str(info.tls_dir)))
+        assert tls is not None
+        ds = _dataset(info, tls, "open-reads-single", Source(32))
+        try:
+            check_batch(ds, list(range(32)))
+            ds.flush()
+            check_batch(ds, list(range(32)))
+            assert ds.stats.hits == 32 and ds.stats.corrupt == 0 and ds.stats.errors == 0
+            assert _reader_connections(info, tls) == 1
+        finally:
+            ds.cache_loader.cleanup()
+
+
 def test_keys_the_reader_may_not_read_come_through_the_client_port(
         sealed_cluster: tuple[ClusterInfo, ClientTLS]) -> None:
     info, tls = sealed_cluster
@@ -132,7 +149,7 @@ def test_a_read_port_that_does_not_answer_leaves_reads_on_the_client_port(
     try:
         check_batch(ds, list(range(32)))
         ds.flush()
-        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.cluster_backend"):
+        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.read_ports"):
             check_batch(ds, list(range(32)))
         assert ds.stats.hits == 32 and ds.stats.corrupt == 0
         assert "read port" in caplog.text and "reading through its client port" in caplog.text
@@ -259,7 +276,7 @@ def test_a_read_port_that_refuses_the_reader_leaves_reads_on_the_client_port(
     squatter = Squatter([rogue_base + i for i in range(3)], lambda key: b"", refuse_auth=True)
     ds = _dataset(info, tls, "open-reads-refused", source, read_port_offset=rogue_base - info.nodes[0].port)
     try:
-        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.cluster_backend"):
+        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.read_ports"):
             check_batch(ds, list(range(32)))
             ds.flush()
             check_batch(ds, list(range(32)))
@@ -283,7 +300,7 @@ def test_a_read_port_that_hangs_up_mid_read_costs_the_master_nothing(
         check_batch(ds, list(range(32)))
         ds.flush()
         reader = _dataset(info, tls, "open-reads-hang-up", Source(32), read_port_offset=rogue_base - info.nodes[0].port)
-        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.cluster_backend"):
+        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.read_ports"):
             check_batch(reader, list(range(32)))
             check_batch(reader, list(range(32)))
         assert reader.stats.hits == 64 and reader.stats.errors == 0 and reader.stats.corrupt == 0, reader.stats
