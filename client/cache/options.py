@@ -6,12 +6,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from ...core.errors import ConfigurationError
 from ...core.pinned_redis import pinned_kwargs
-from ...core.read_plane import READER_USER
 from ...core.services_file import resolve_redis_password, resolve_redis_read_port_offset, resolve_redis_tls
 from ...core.tls_trust import ClientTLS
 
@@ -101,13 +100,6 @@ resolve_redis_read_port_offset`), unless given."""
                 or not 0 < abs(self.read_port_offset) <= 65535:
             raise ConfigurationError(f"read_port_offset={self.read_port_offset!r}; give the difference between a "
                                      "node's read port and its port (e.g. 20000), or None.")
-
-    def reader_kwargs(self) -> dict[str, Any]:
-        """redis-py arguments of a read-port connection: the password-less reader, plaintext, no password ever
-        (whatever ``password`` says), the same deadlines."""
-        return {"username": READER_USER, "password": "", "socket_read_size": SOCKET_READ_SIZE,
-                "socket_timeout": self.socket_timeout_s, "socket_connect_timeout": self.connect_timeout_s,
-                "driver_info": None, "protocol": 2, "retry": Retry(NoBackoff(), 0)}  # a failing read port: the client port at once
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> RedisOptions:

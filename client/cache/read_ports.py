@@ -18,7 +18,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .options import RedisOptions
+from ...core.redis_server import reader_client
+from .options import SOCKET_READ_SIZE, RedisOptions
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,9 @@ class ReadPorts:
             return None
         client = self._clients.get(where)
         if client is None:
-            client = self._clients[where] = redis.Redis(host=host, port=port + self.offset,
-                                                        **self.options.reader_kwargs())
+            client = self._clients[where] = reader_client(
+                host, port + self.offset, self.options.socket_timeout_s, self.options.connect_timeout_s,
+                socket_read_size=SOCKET_READ_SIZE)
         return client
 
     def failed(self, host: str, port: int, name: str, exc: BaseException) -> None:

@@ -266,16 +266,20 @@ def client_for(host: str, port: int, password: str | None = None, timeout_s: flo
                         retry=Retry(NoBackoff(), 0), **(pinned_kwargs(tls) if tls is not None else {}))
 
 
-def reader_client(host: str, read_port: int, timeout_s: float = 2.0) -> redis.Redis:
+def reader_client(host: str, read_port: int, timeout_s: float = 2.0, connect_timeout_s: float | None = None,
+                  **kwargs: Any) -> redis.Redis:
     """A plaintext connection to a node's read port as :data:`~bagua_lightning.core.read_plane.READER_USER`;
-    no secret is sent (``AUTH bagua-reader ""``: the user has ``nopass``)."""
+    no secret is ever sent (``AUTH bagua-reader ""``: the user has ``nopass``), over RESP2 (one ``AUTH``, no
+    ``HELLO``), without ``CLIENT SETINFO`` (the reader may not) and without retries (a caller with somewhere
+    else to read goes there at once). ``kwargs``: more redis-py connection options (``socket_read_size``)."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     from .pinned_redis import redis_client
 
     return redis_client(host, read_port, username=READER_USER, password="", socket_timeout=timeout_s,
-                        socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+                        socket_connect_timeout=connect_timeout_s or timeout_s, retry=Retry(NoBackoff(), 0),
+                        protocol=2, driver_info=None, **kwargs)
 
 
 def wait_ready(host: str, port: int, password: str | None, proc: subprocess.Popen[bytes] | None = None,
