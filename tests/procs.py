@@ -25,6 +25,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 #: and TLS (+20000) ports too, so no client socket of any process takes one while a test starts its servers;
 #: each pytest-xdist worker draws from its own slice, so two workers never race for one block.
 BLOCK_LOW, EPHEMERAL_LOW = 10000, 32768
+MAX_OFFSET = 20000  # the largest offset of a block's ports: TLS or read ports
 
 
 def bindable(port: int) -> bool:
@@ -48,7 +49,9 @@ def free_port_block(n: int, with_bus: bool = True, tls: bool = False) -> int:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     index = int(worker[2:]) % count if worker[2:].isdigit() else 0
-    width = (EPHEMERAL_LOW - max(offsets) - BLOCK_LOW) // count
+    # Every call slices for the largest offset, whatever it asks: then a worker's blocks, bus and TLS/read ports
+    # included, never meet another worker's, even where one asks for fewer offsets than the other.
+    width = (EPHEMERAL_LOW - MAX_OFFSET - BLOCK_LOW) // count
     low = BLOCK_LOW + index * width
     rng = random.Random()
     for _ in range(500):
