@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -14,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from bagua_lightning.client import CachedDataset
+from bagua_lightning.client import CachedDataset, RedisStore
 from bagua_lightning.client.cache import codec
+from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.core.read_plane import READER_USER
 from bagua_lightning.core.redis_server import client_for
 from bagua_lightning.core.tls_trust import ClientTLS
@@ -309,3 +311,9 @@ def test_a_read_port_that_hangs_up_mid_read_costs_the_master_nothing(
     finally:
         ds.cache_loader.cleanup()
         squatter.close()
+
+
+@pytest.mark.parametrize("bad", [0, "20000", True, 70000, -70000, 1.5])
+def test_a_bad_read_port_offset_is_refused_naming_it(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(f"read_port_offset={bad!r}")):
+        RedisStore(hosts=["127.0.0.1:7000"], read_port_offset=bad)
