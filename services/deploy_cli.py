@@ -171,8 +171,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         out = {k: {"healthy": h.healthy, "detail": h.detail, **({"stale": True} if h.stale else {})}
                for k, h in report.items()}
-        if _read_ports(info) and "redis" in out:
-            out["redis"]["read_ports"] = [format_address(h, p) for h, p in _read_ports(info)]
+        read_ports = _read_ports(info)
+        if read_ports and "redis" in out:
+            out["redis"]["read_ports"] = [format_address(h, p) for h, p in read_ports]
         print(json.dumps(out))
     else:
         for name, health in report.items():

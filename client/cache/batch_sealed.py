@@ -41,9 +41,9 @@ from .entry import (
 from .resp import BufferPool
 from .values import ALIGN, CorruptEntryError
 
-# A sealed entry's header: prefix (magic, version, kind, zeros), nonce, zeros, (flags,) the three lengths
 _U64 = struct.Struct("<Q")
 _BLOCKS = BufferPool()  # the blocks batches are opened into, reused once no sample views them
+# A sealed entry's header: prefix (magic, version, kind, zeros), nonce, zeros, (flags,) the three lengths
 _SEALED = struct.Struct(f"<8s{NONCE_SIZE}s{DIGEST_SIZE - NONCE_SIZE}s4xIIQ")
 
 

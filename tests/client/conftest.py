@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,11 +86,22 @@ def clear_digest_caches() -> None:
     digests.seal_cipher.cache_clear()
 
 
+@contextlib.contextmanager
+def cryptography_missing() -> Iterator[None]:
+    """This process, for the block, as one where the ``cryptography`` package is not installed (its import
+    fails); as it was after."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
+        clear_digest_caches()
+        try:
+            yield
+        finally:
+            mp.undo()
+            clear_digest_caches()
+
+
 @pytest.fixture
-def without_cryptography(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """This process as one where the ``cryptography`` package is not installed (its import fails)."""
-    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-    clear_digest_caches()
-    yield
-    monkeypatch.undo()
-    clear_digest_caches()
+def without_cryptography() -> Iterator[None]:
+    """The test as one where the ``cryptography`` package is not installed (:func:`cryptography_missing`)."""
+    with cryptography_missing():
+        yield

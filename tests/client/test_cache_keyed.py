@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import sys
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from bagua_lightning.client.cache import codec, digests
 from bagua_lightning.client.cache.codec import CorruptEntryError, decode, encode
 from bagua_lightning.services.redis_cluster import ClusterInfo
 from tests.client.cache_datasets import Source
-from tests.client.conftest import clear_digest_caches
+from tests.client.conftest import cryptography_missing
 
 KEY = b"ds:1:7"
 SECRET = b"a cache key shared by the job"
@@ -141,17 +140,11 @@ def test_without_cryptography_keyed_entries_are_hmac_written_with_one_log_line(
 
 def test_a_gmac_entry_is_a_miss_where_cryptography_is_missing() -> None:
     entry = bytes(encode(torch.ones(2), KEY, secret=SECRET, seal=False))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-        clear_digest_caches()
-        try:
-            with pytest.raises(CorruptEntryError, match="install the cryptography package"):
-                decode(entry, KEY, secret=SECRET)
-            got = codec.decode_many([entry] * 8, [KEY] * 8, secret=SECRET)
-            assert all(type(v) is codec.Bad for v in got)
-        finally:
-            mp.undo()
-            clear_digest_caches()
+    with cryptography_missing():
+        with pytest.raises(CorruptEntryError, match="install the cryptography package"):
+            decode(entry, KEY, secret=SECRET)
+        got = codec.decode_many([entry] * 8, [KEY] * 8, secret=SECRET)
+        assert all(type(v) is codec.Bad for v in got)
     assert torch.equal(decode(entry, KEY, secret=SECRET), torch.ones(2))
 
 
@@ -159,14 +152,8 @@ def test_a_gmac_entry_is_a_miss_where_cryptography_is_missing() -> None:
 def test_hmac_entries_of_earlier_releases_are_read_among_gmac_ones(n: int) -> None:
     samples = [(torch.randn(3, 32, 32), i) for i in range(n)]
     keys = [f"ds:1:{i}".encode() for i in range(n)]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-        clear_digest_caches()
-        try:
-            old = [bytes(encode(s, k, secret=SECRET)) for s, k in zip(samples, keys, strict=True)]
-        finally:
-            mp.undo()
-            clear_digest_caches()
+    with cryptography_missing():
+        old = [bytes(encode(s, k, secret=SECRET)) for s, k in zip(samples, keys, strict=True)]
     assert {e[4] for e in old} == {codec.DIGEST_HMAC}
     new = [bytes(encode(s, k, secret=SECRET, seal=False)) for s, k in zip(samples, keys, strict=True)]
     for entries in (old, [o if j % 2 else e for j, (o, e) in enumerate(zip(old, new, strict=True))]):
@@ -213,14 +200,8 @@ def test_entry_forged_with_another_cache_key_in_redis_is_a_miss(store: RedisStor
 
 
 def test_hmac_entries_in_redis_are_hits_for_a_sealing_writer(store: RedisStore, redis_cluster3: ClusterInfo) -> None:
-    with pytest.MonkeyPatch.context() as mp:  # an earlier release (or one without cryptography) wrote these
-        mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-        clear_digest_caches()
-        try:
-            _keyed(redis_cluster3, 16).__getitems__(list(range(16)))
-        finally:
-            mp.undo()
-            clear_digest_caches()
+    with cryptography_missing():  # an earlier release (or one without cryptography) wrote these
+        _keyed(redis_cluster3, 16).__getitems__(list(range(16)))
     ds = _keyed(redis_cluster3, 16)
     assert (store.get(ds.cache_loader.redis_key(0)) or b"")[4] == codec.DIGEST_HMAC
     source = ds.dataset

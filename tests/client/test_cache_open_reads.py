@@ -49,11 +49,23 @@ def _dataset(info: ClusterInfo, tls: ClientTLS, name: str, source: Any, **kwargs
                          tls_cert=tls.cert, tls_key=tls.key, writer_buffer_size=16, cache_key=CACHE_KEY, **kwargs)
 
 
+def _cache_then_read(ds: CachedDataset, n: int = 32) -> None:
+    """Read samples 0..n-1 twice, flushing what the first read cached; both reads checked against the source."""
+    check_batch(ds, list(range(n)))
+    ds.flush()
+    check_batch(ds, list(range(n)))
+
+
+def _admin(info: ClusterInfo, tls: ClientTLS, node: int = 0) -> Any:
+    """An administrator's connection to one node (TLS, the password)."""
+    return contextlib.closing(client_for(info.nodes[node].host, info.nodes[node].port, TEST_PASSWORD, tls=tls))
+
+
 def _reader_connections(info: ClusterInfo, tls: ClientTLS) -> int:
     """Connections of the reader, over all nodes."""
     total = 0
-    for node in info.nodes:
-        with contextlib.closing(client_for(node.host, node.port, TEST_PASSWORD, tls=tls)) as c:
+    for i in range(len(info.nodes)):
+        with _admin(info, tls, i) as c:
             for line in c.execute_command("CLIENT", "LIST", "TYPE", "normal").decode().splitlines():
                 total += f" user={READER_USER} " in f" {line} "
     return total
@@ -77,7 +89,7 @@ def test_a_keyed_loader_reads_sealed_entries_from_the_read_ports(
         assert ports == {node.port + info.read_port_offset for node in info.nodes}
         assert all(c.connection_pool.connection_kwargs["password"] == "" for c in backend.reads.clients())
         # what the nodes hold is ciphertext: no sample's bytes appear in its entry
-        with contextlib.closing(client_for(info.nodes[0].host, info.nodes[0].port, TEST_PASSWORD, tls=tls)) as c:
+        with _admin(info, tls) as c:
             keys = [k for k in c.scan_iter(match="open-reads:*")]
             assert keys
             value = c.get(keys[0])
@@ -97,7 +109,7 @@ def test_entries_an_earlier_release_authenticated_only_are_read_then_rewritten_s
     try:
         check_batch(before, list(range(32)))
         before.flush()
-        with contextlib.closing(client_for(info.nodes[0].host, info.nodes[0].port, TEST_PASSWORD, tls=tls)) as c:
+        with _admin(info, tls) as c:
             def kinds() -> set[int]:
                 return {c.get(k)[4] for k in c.scan_iter(match="open-reads-upgrade:*")}  # type: ignore[index]
 
@@ -120,9 +132,7 @@ def test_a_standalone_server_is_read_from_its_read_port_too(tmp_path: Path) -> N
         assert tls is not None
         ds = _dataset(info, tls, "open-reads-single", Source(32))
         try:
-            check_batch(ds, list(range(32)))
-            ds.flush()
-            check_batch(ds, list(range(32)))
+            _cache_then_read(ds)
             assert ds.stats.hits == 32 and ds.stats.corrupt == 0 and ds.stats.errors == 0
             assert _reader_connections(info, tls) == 1
         finally:
@@ -135,9 +145,7 @@ def test_keys_the_reader_may_not_read_come_through_the_client_port(
     # "bagua_lightning" is the protected prefix of the service's plans: the reader gets NOPERM for these keys
     ds = _dataset(info, tls, "bagua_lightning", Source(32))
     try:
-        check_batch(ds, list(range(32)))
-        ds.flush()
-        check_batch(ds, list(range(32)))
+        _cache_then_read(ds)
         assert ds.stats.hits == 32 and ds.stats.misses == 32 and ds.stats.corrupt == 0
     finally:
         ds.cache_loader.cleanup()
@@ -279,9 +287,7 @@ def test_a_read_port_that_refuses_the_reader_leaves_reads_on_the_client_port(
     ds = _dataset(info, tls, "open-reads-refused", source, read_port_offset=rogue_base - info.nodes[0].port)
     try:
         with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.read_ports"):
-            check_batch(ds, list(range(32)))
-            ds.flush()
-            check_batch(ds, list(range(32)))
+            _cache_then_read(ds)
         assert ds.stats.misses == 32 and ds.stats.hits == 32 and ds.stats.corrupt == 0, ds.stats
         assert caplog.text.count("reading through its client port") == 3  # once per node
     finally:

@@ -5,7 +5,6 @@ the layout docs/cache.md defines, confidentiality, and every kind of tampering a
 from __future__ import annotations
 
 import struct
-import sys
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,7 @@ from bagua_lightning.client.cache import batch_sealed, codec, digests
 from bagua_lightning.client.cache.backends import Replies
 from bagua_lightning.client.cache.codec import CorruptEntryError, decode, decode_many, encode
 from bagua_lightning.client.cache.entry import HEADER, OPENED
-from tests.client.conftest import clear_digest_caches
+from tests.client.conftest import cryptography_missing
 
 from .test_cache_codec import SAMPLES, assert_same
 
@@ -189,14 +188,8 @@ def test_non_uniform_batches_are_read_by_column_and_one_by_one() -> None:
 def test_mixed_batches_merge_sealed_and_other_entries_by_index(n: int) -> None:
     entries, keys, samples = batch(n)
     gmac = batch(n, seal=False)[0]
-    with pytest.MonkeyPatch.context() as mp:  # an earlier release, or one without cryptography: hmac-sha256
-        mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-        clear_digest_caches()
-        try:
-            hmac_entries = batch(n)[0]
-        finally:
-            mp.undo()
-            clear_digest_caches()
+    with cryptography_missing():  # an earlier release, or one without cryptography: hmac-sha256
+        hmac_entries = batch(n)[0]
     assert {e[4] for e in hmac_entries} == {codec.DIGEST_HMAC}
     unkeyed = batch(n, secret=None)[0]
     values: list[Any] = []
@@ -394,17 +387,11 @@ def test_without_cryptography_sealed_entries_are_misses_and_keyed_writes_hmac(wi
 
 def test_a_sealed_entry_is_a_miss_where_cryptography_is_missing() -> None:
     entry = sealed(torch.ones(2))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-        clear_digest_caches()
-        try:
-            with pytest.raises(CorruptEntryError, match="install the cryptography package"):
-                decode(entry, KEY, secret=SECRET)
-            got = decode_many([entry] * 8, [KEY] * 8, secret=SECRET)
-            assert all(type(v) is codec.Bad and "cryptography" in str(v.error) for v in got)
-        finally:
-            mp.undo()
-            clear_digest_caches()
+    with cryptography_missing():
+        with pytest.raises(CorruptEntryError, match="install the cryptography package"):
+            decode(entry, KEY, secret=SECRET)
+        got = decode_many([entry] * 8, [KEY] * 8, secret=SECRET)
+        assert all(type(v) is codec.Bad and "cryptography" in str(v.error) for v in got)
     assert torch.equal(decode(entry, KEY, secret=SECRET), torch.ones(2))
 
 

@@ -247,8 +247,12 @@ def test_a_node_restarted_by_up_has_its_read_port_and_reader_again(
     pids = _redis_pids(before)
     victim = int(before.redis_hosts[1]["port"])  # a master: it comes back as its successor's replica
     _kill(pids[victim])
-    with socket.socket() as probe:  # its read port died with it
-        assert probe.connect_ex(("127.0.0.1", victim + TLS_PORT_OFFSET)) != 0
+    def refused() -> bool:
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", victim + TLS_PORT_OFFSET)) != 0
+
+    # its read port dies with it (the fd table goes with the last of its threads, a moment after the pid)
+    wait_until(refused, 10, f"the read port of the killed node {victim} to close")
 
     result = _cli("up", *args)
     assert result.returncode == 0, result.stderr
