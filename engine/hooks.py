@@ -8,7 +8,7 @@ reduced chunks back (:func:`~bagua_lightning.engine.compressed_comm.compressed_e
 plain ``DistributedDataParallel`` moves about a quarter of the bytes of a float32
 allreduce::
 
-    from ..hooks import ByteGradState, bytegrad_hook
+    from bagua_lightning.hooks import ByteGradState, bytegrad_hook
 
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(ByteGradState(), bytegrad_hook)

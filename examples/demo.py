@@ -46,9 +46,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..client import CachedDataset, RedisStore
-from ..client.cache import fingerprint
-from ..demo_report import (
+from bagua_lightning.demo_report import (
     DATASET_NAME,
     EpochRecord,
     JobResult,
@@ -57,6 +55,9 @@ from ..demo_report import (
     format_job,
     plot_trajectory,
 )
+
+from ..client import CachedDataset, RedisStore
+from ..client.cache import fingerprint
 from ..strategy import BaguaStrategy
 
 CLASSES = 4

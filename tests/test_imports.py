@@ -196,3 +196,40 @@ def test_the_graph_sees_circles_through_importlib(tmp_path: Path) -> None:
     assert graph["pkg.main"] == {"pkg.cmd"}
     assert graph["pkg.other"] == set()
     assert circles(graph) == [frozenset({"pkg.main", "pkg.cmd"})]
+
+
+def _relative_imports(path: Path) -> list[tuple[int, str, int]]:
+    """``(line, module, level)`` of every relative ``from`` import in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [(node.lineno, node.module or "", node.level) for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level > 0]
+
+
+def _resolves_by_folder(path: Path, module: str, level: int) -> bool:
+    base = path.parent
+    for _ in range(level - 1):
+        base = base.parent
+    target = base.joinpath(*module.split(".")) if module else base
+    return target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
+
+
+def test_every_relative_import_resolves_to_the_folder_it_names() -> None:
+    """A reader follows ``..core`` from ``engine/`` to ``core/``: no import leans on the package-dir map."""
+    wrong = [f"{path.relative_to(REPO)}:{line}: from {'.' * level}{module}"
+             for path, _ in package_modules().values() for line, module, level in _relative_imports(path)
+             if not _resolves_by_folder(path, module, level)]
+    assert wrong == []
+
+
+def test_the_folder_check_sees_an_import_that_only_the_map_resolves(tmp_path: Path) -> None:
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "src" / "pkg" / "core").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "core" / "__init__.py").write_text("")
+    module = tmp_path / "engine" / "ddp.py"
+    module.write_text("from ..core import x\n")
+    [(line, name, level)] = _relative_imports(module)
+    assert (line, name, level) == (1, "core", 2)
+    assert not _resolves_by_folder(module, name, level)
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "__init__.py").write_text("")
+    assert _resolves_by_folder(module, name, level)

@@ -21,13 +21,13 @@ __version__ = "0.1.0"
 __all__ = ["BaguaStrategy", "QAdamOptimizer", "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .strategy import BaguaStrategy, QAdamOptimizer
+    from bagua_lightning.strategy import BaguaStrategy, QAdamOptimizer
 
 _LIGHTNING_PACKAGE = "lightning.pytorch"
 
 
 def _register() -> None:
-    from .strategy.registry import register_bagua_strategy
+    from bagua_lightning.strategy.registry import register_bagua_strategy
 
     register_bagua_strategy()
 
@@ -98,7 +98,7 @@ def __dir__() -> list[str]:
 def __getattr__(name: str) -> Any:
     # Lazy re-exports keep `import bagua_lightning.services...` free of torch and Lightning.
     if name in _LAZY:
-        from . import strategy
+        from bagua_lightning import strategy
 
         return getattr(strategy, name)
     raise AttributeError(f"module 'bagua_lightning' has no attribute {name!r}")

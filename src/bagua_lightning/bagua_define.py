@@ -1,6 +1,6 @@
 """Bagua's ``bagua.bagua_define`` under the package root (it lives in :mod:`bagua_lightning.torch_api.bagua_define`)."""
 
-from .torch_api.bagua_define import (
+from bagua_lightning.torch_api.bagua_define import (
     BaguaHyperparameter,
     TensorDeclaration,
     TensorDtype,

@@ -23,8 +23,9 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from bagua_lightning.core.errors import BaguaLightningError, ConfigurationError
+
 from . import __version__
-from .core.errors import BaguaLightningError, ConfigurationError
 
 # command -> the module that registers it (several commands may share one module).
 _COMMANDS: dict[str, str] = {

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .core.errors import ConfigurationError, ServiceUnavailableError
-from .core.services_file import (
+from bagua_lightning.core.errors import ConfigurationError, ServiceUnavailableError
+from bagua_lightning.core.services_file import (
     ENV_AUTOTUNE,
     ENV_AUTOTUNE_TOKEN,
     ENV_CACHE_KEY,
@@ -116,8 +116,8 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
     Raises:
         ServiceUnavailableError: services named by the environment do not answer.
     """
-    from .services import deploy
-    from .services.health import check_autotune, check_redis
+    from bagua_lightning.services import deploy
+    from bagua_lightning.services.health import check_autotune, check_redis
 
     named = bool(os.environ.get(ENV_AUTOTUNE) or os.environ.get(ENV_REDIS_HOSTS))
     recorded = read_services_file() is not None
@@ -126,7 +126,7 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
     hosts, cluster = resolved if resolved is not None else (
         [{"host": cfg.host, "port": cfg.first_redis_port + i} for i in range(cfg.nodes)], True)
     secrets = _secrets(autotune, hosts)
-    from .core.services_file import resolve_autotune_tls, resolve_redis_tls
+    from bagua_lightning.core.services_file import resolve_autotune_tls, resolve_redis_tls
 
     ca = resolve_autotune_tls(autotune)  # the deployment's pinned CA, for the addresses it records
     health = {"autotune": check_autotune(autotune, timeout_s, token=secrets.get(ENV_AUTOTUNE_TOKEN),
@@ -149,8 +149,8 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
 
 def clear_demo_cache(endpoints: Endpoints, dataset_name: str) -> int:
     """Delete every cached version of the demo dataset; return the number of keys deleted."""
-    from .client.cache import RedisStore
-    from .client.cache.catalog import remove_dataset
+    from bagua_lightning.client.cache import RedisStore
+    from bagua_lightning.client.cache.catalog import remove_dataset
 
     store = RedisStore(hosts=endpoints.redis_hosts, cluster_mode=True,
                        password=endpoints.secrets.get(ENV_REDIS_PASSWORD))
@@ -196,6 +196,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from bagua_lightning.services.deploy import UpConfig
+
     from .demo_report import (
         DATASET_NAME,
         format_comparison,
@@ -203,7 +205,6 @@ def _demo(args: argparse.Namespace) -> int:
         load_job,
         plot_trajectory,
     )
-    from .services.deploy import UpConfig
 
     preset = QUICK if args.quick else FULL
     epochs = args.epochs if args.epochs is not None else preset.epochs
@@ -265,14 +266,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``demo`` to the ``bagua-lightning`` command line."""
-    from .core.args import (
+    from bagua_lightning.core.args import (
         non_negative_float_arg,
         non_negative_int_arg,
         port_arg,
         positive_float_arg,
         positive_int_arg,
     )
-    from .services.deploy import DEFAULT_AUTOTUNE_PORT, DEFAULT_REDIS_PORT
+    from bagua_lightning.services.deploy import DEFAULT_AUTOTUNE_PORT, DEFAULT_REDIS_PORT
 
     p = subparsers.add_parser(
         "demo", help="run the main job: autotuned Lightning training on a Redis-cached dataset, twice",

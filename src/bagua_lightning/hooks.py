@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine.hooks import ByteGradState, bytegrad_hook
+    from bagua_lightning.engine.hooks import ByteGradState, bytegrad_hook
 
 __all__ = ["ByteGradState", "bytegrad_hook"]
 
@@ -23,7 +23,7 @@ def __dir__() -> list[str]:
 def __getattr__(name: str) -> Any:
     # torch.distributed and the exchange load when a hook is first asked for.
     if name in __all__:
-        from .engine import hooks
+        from bagua_lightning.engine import hooks
 
         return getattr(hooks, name)
     raise AttributeError(f"module 'bagua_lightning.hooks' has no attribute {name!r}")
