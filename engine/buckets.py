@@ -8,11 +8,17 @@
   autograd a fresh gradient, the gradient hook copies it into its view once and
   re-points ``.grad``. :meth:`BucketEngine.close` hands each gradient back as a tensor of its own,
   so neither a teardown nor a switch to another algorithm leaves the module holding the old buffers;
+* one shape of a bucket's communication, the *bucket step* (:data:`BucketStep`): a generator
+  that issues the bucket's collectives and yields each asynchronous work it must see finished
+  before it goes on. An algorithm is a :class:`BucketReducer`; the engine alone decides where a
+  step runs and when it is resumed (the recipe is in docs/architecture.md, "Adding an algorithm");
 * buckets are launched strictly in plan order as soon as they and every earlier
   bucket are complete, so collectives match on every rank whatever order autograd
   finishes gradients in;
-* communication runs off the critical path: on CUDA under a side stream (the host
-  never waits), on CPU on one communication thread;
+* communication runs off the critical path: a step that is one asynchronous collective runs in
+  autograd's thread and is waited at the end of backward (as DDP does); every other step runs
+  on CUDA under a side stream (the host never waits), on CPU on one communication thread, where
+  the next bucket's step starts before the previous one is resumed to its end;
 * per-bucket timings (bytes, ready offset from backward start, communication time,
   exposed wait) from CUDA events read lazily, or ``time.monotonic`` on CPU;
 * :meth:`BucketEngine.rebuild` applies a new plan between steps, keeping values.
@@ -24,8 +30,9 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,7 +48,41 @@ from .parameters import (  # the names Bagua's torch_api imports from this modul
 )
 from .runners import BucketTimer, CudaRunner, ThreadRunner
 
-__all__ = ["IGNORE_ATTRIBUTE", "UNUSED_ATTRIBUTE", "Bucket", "BucketEngine", "default_plan", "trainable_parameters"]
+__all__ = ["IGNORE_ATTRIBUTE", "UNUSED_ATTRIBUTE", "Bucket", "BucketEngine", "BucketReducer", "BucketStep",
+           "default_plan", "finish_step", "trainable_parameters"]
+
+#: The one shape of a bucket's communication. A step reduces ``bucket.flat`` in place across ranks: it
+#: issues its collectives in the same order on every rank and yields the work of each asynchronous one it
+#: must see finished before going on (or None: a pause with nothing to wait for, e.g. between two stages
+#: of a pipelined exchange). The engine waits a yielded work, then resumes the step; when the generator
+#: returns, the bucket is reduced. A step that waits on its own collectives simply yields nothing.
+BucketStep = Generator["dist.Work | None", None, None]
+
+
+class BucketReducer(Protocol):
+    """What a :class:`BucketEngine` communicates with: every gradient algorithm is one."""
+
+    def bucket_step(self, bucket: Bucket) -> BucketStep:
+        """The step that reduces ``bucket`` now (see :data:`BucketStep`)."""
+        ...
+
+    def one_collective(self) -> bool:
+        """True when every step is one asynchronous collective, yielded at once and with nothing after it.
+
+        The engine may then run steps in autograd's thread and wait their works at the end of backward.
+        """
+        ...
+
+
+def finish_step(step: BucketStep, work: dist.Work | None) -> None:
+    """Resume ``step`` (last yielded ``work``) to its end, waiting every work it yields."""
+    while True:
+        if work is not None:
+            work.wait()  # NCCL: orders the current stream after it; Gloo: blocks until done
+        try:
+            work = next(step)
+        except StopIteration:
+            return
 
 
 @dataclass(slots=True)
@@ -88,15 +129,13 @@ class BucketEngine:
     Args:
         named_params: ``(name, parameter)`` pairs the plan refers to.
         plan: the bucket partition to build.
-        communicate: ``communicate(bucket, defer)`` reduces ``bucket.flat`` in place and
-            must issue the same collectives in the same order on every rank. With
-            ``defer=False`` it runs under a side CUDA stream or on the communication
-            thread and may wait on its collectives (returning None, or a work the engine
-            waits on there). With ``defer=True`` (only when ``can_defer()`` said so) it
-            runs inline in autograd's thread, issues one asynchronous collective and
-            returns its work without waiting: the engine waits at the end of backward,
-            as DDP does, with no thread or stream hop.
-        can_defer: whether ``communicate`` can take the ``defer=True`` path now.
+        reducer: makes each bucket's :data:`BucketStep` (asked for the bucket that is ready, in plan
+            order). When ``reducer.one_collective()`` holds at the start of an unmeasured backward, the
+            steps run in autograd's thread and their works are waited at the end of backward, with no
+            thread or stream hop; otherwise they run under a side CUDA stream or on the communication
+            thread, and a step still suspended when the next bucket starts is resumed to its end right
+            after the next one's first stage (measured backwards resume each step to its end at once, so
+            a bucket's communication time is its own).
         bind_grads: True: the buckets hold the parameters' gradients (``.grad`` becomes
             a view when ``flatten``). False: the caller owns what the views hold (e.g.
             optimizer state) and writes into :meth:`view` before :meth:`mark_ready`.
@@ -114,8 +153,7 @@ class BucketEngine:
         named_params: Sequence[tuple[str, nn.Parameter]],
         plan: BucketPlan,
         *,
-        communicate: Callable[[Bucket, bool], dist.Work | None],
-        can_defer: Callable[[], bool] = lambda: False,
+        reducer: BucketReducer,
         bind_grads: bool = True,
         flatten: bool = True,
         pad_multiple: int = 1,
@@ -125,15 +163,16 @@ class BucketEngine:
         if not named_params:
             raise ValueError("BucketEngine needs at least one parameter")
         self.named_params = list(named_params)
-        self.communicate = communicate
-        self.can_defer = can_defer
+        self.reducer = reducer
         if timing_every < 1:
             raise ValueError(f"timing_every must be >= 1 (backwards between measurements), got {timing_every}")
         self.timing_every = timing_every
         self._backwards = 0
         self._timed = True
         self._direct = False
-        self._works: list[dist.Work] = []
+        # Steps started but not finished, in plan order, with the work each last yielded. Touched by one
+        # thread per backward: autograd's (direct) or the runner's.
+        self._suspended: list[tuple[BucketStep, dist.Work | None]] = []
         self.bind_grads = bind_grads
         self.flatten = flatten or not bind_grads
         self.pad_multiple = max(1, pad_multiple)
@@ -213,7 +252,7 @@ class BucketEngine:
         self._next = 0
         self._timed = self._backwards % self.timing_every == 0
         self._backwards += 1
-        self._direct = not self._timed and self.flatten and self.can_defer()
+        self._direct = not self._timed and self.flatten and self.reducer.one_collective()
         if self._timed:
             self._timer.begin()
 
@@ -273,38 +312,50 @@ class BucketEngine:
             bucket = self.buckets[self._next]
             self._next += 1
             if self._direct:
-                work = self.communicate(bucket, True)
-                if work is not None:
-                    self._works.append(work)
+                step = self.reducer.bucket_step(bucket)
+                self._suspended.append((step, next(step, None)))
             else:
                 self._runner.submit(self._job(bucket))
 
-    def _job(self, bucket: Bucket) -> Callable[[], None]:
-        timer, communicate, timed = self._timer, self.communicate, self._timed
+    def _step(self, bucket: Bucket, timed: bool) -> BucketStep:
+        """The reducer's step for ``bucket``, with the engine's own work around it (timing, gathering)."""
         gather = self.bind_grads and not self.flatten
+        if timed:
+            self._timer.comm_start(bucket.index)
+        if gather:
+            for p, v in zip(bucket.params, bucket.views, strict=True):
+                if p.grad is None:
+                    v.zero_()
+                else:
+                    v.copy_(p.grad)
+        yield from self.reducer.bucket_step(bucket)
+        if gather:
+            for p, v in zip(bucket.params, bucket.views, strict=True):
+                if p.grad is None:
+                    p.grad = v.clone()
+                else:
+                    p.grad.copy_(v)
+        if timed:
+            self._timer.comm_end(bucket.index)
+
+    def _job(self, bucket: Bucket) -> Callable[[], None]:
+        timed = self._timed
 
         def run() -> None:
+            step = self._step(bucket, timed)
+            work = next(step, None)
             if timed:
-                timer.comm_start(bucket.index)
-            if gather:
-                for p, v in zip(bucket.params, bucket.views, strict=True):
-                    if p.grad is None:
-                        v.zero_()
-                    else:
-                        v.copy_(p.grad)
-            work = communicate(bucket, False)
-            if work is not None:
-                work.wait()
-            if gather:
-                for p, v in zip(bucket.params, bucket.views, strict=True):
-                    if p.grad is None:
-                        p.grad = v.clone()
-                    else:
-                        p.grad.copy_(v)
-            if timed:
-                timer.comm_end(bucket.index)
+                finish_step(step, work)
+                return
+            self._finish_suspended()  # the previous bucket's rest overlaps this one's first stage
+            self._suspended.append((step, work))
 
         return run
+
+    def _finish_suspended(self) -> None:
+        suspended, self._suspended = self._suspended, []
+        for step, work in suspended:
+            finish_step(step, work)
 
     def finish(self) -> bool:
         """End of backward: launch what is left (unused parameters count as zero), wait for all.
@@ -334,10 +385,14 @@ class BucketEngine:
             if self._timed:
                 self._timer.ready(b.index)
         self._launch_ready()
-        works, self._works = self._works, []
-        for work in works:
-            work.wait()  # NCCL: orders the caller's stream after it; Gloo: blocks until done
-        self._runner.wait_all()
+        try:
+            if self._direct:
+                self._finish_suspended()
+            else:
+                self._runner.submit(self._finish_suspended)
+            self._runner.wait_all()
+        finally:
+            self._suspended = []  # after a failure: never resume a half-done step
         if self._timed:
             self._timer.finished(self._nbytes)
         return True

@@ -34,27 +34,52 @@ class CudaRunner:
 
 
 class ThreadRunner:
-    """Runs bucket jobs in submission order on one thread (Gloo collectives block their caller)."""
+    """Runs bucket jobs in submission order on one thread (Gloo collectives block their caller).
+
+    Jobs submitted between two :meth:`wait_all` calls are one batch (one backward): once a job of a
+    batch fails, the batch's later jobs do not run.
+    """
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._futures: list[Future[None]] = []
+        self._batch = 0
+        self._failed_batch = -1
 
     def submit(self, job: Callable[[], None]) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bagua-comm")
-        self._futures.append(self._pool.submit(job))
+        batch = self._batch
+
+        def run() -> None:
+            if self._failed_batch == batch:
+                return  # an earlier job of this backward failed: its later buckets are not communicated
+            try:
+                job()
+            except BaseException:
+                self._failed_batch = batch
+                raise
+
+        self._futures.append(self._pool.submit(run))
 
     def wait_all(self) -> None:
+        """Wait for every job of the batch in order; on the first error raise it at once.
+
+        A job still running then (a collective that a failed peer will never answer) is not waited for,
+        and no later job of the batch starts.
+        """
         futures, self._futures = self._futures, []
+        self._batch += 1
         for f in futures:
             f.result()
 
     def close(self) -> None:
-        self.wait_all()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        try:
+            self.wait_all()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
 
 class BucketTimer:

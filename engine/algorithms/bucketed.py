@@ -5,9 +5,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, ClassVar
 
-import torch.distributed as dist
-
-from ..buckets import Bucket, BucketEngine
+from ..buckets import Bucket, BucketEngine, BucketStep
 from ..parameters import trainable_parameters
 from .base import Algorithm
 
@@ -33,7 +31,10 @@ def thread_comm(comm: CommContext, module: nn.Module) -> CommContext:
 
 
 class GradientBucketAlgorithm(Algorithm):
-    """Gradients go through a :class:`BucketEngine`; subclasses implement :meth:`reduce_bucket`.
+    """Gradients go through a :class:`BucketEngine`; subclasses write :meth:`reduce_bucket`, one bucket step.
+
+    The algorithm is the engine's :class:`~bagua_lightning.engine.buckets.BucketReducer`: the engine asks
+    :meth:`bucket_step` for each ready bucket, in plan order, and runs the step where it fits.
 
     The plan's ``is_hierarchical_reduce`` decides hierarchical reduction, so a plan
     applied by the autotuner can switch it; the ``hierarchical`` keyword sets the
@@ -59,18 +60,17 @@ class GradientBucketAlgorithm(Algorithm):
         return 1
 
     @abc.abstractmethod
-    def reduce_bucket(
-        self, bucket: Bucket, comm: CommContext, hierarchical: bool, defer: bool
-    ) -> dist.Work | None:
-        """Reduce ``bucket.flat`` in place across ranks.
+    def reduce_bucket(self, bucket: Bucket, comm: CommContext, hierarchical: bool) -> BucketStep:
+        """The bucket step: reduce ``bucket.flat`` in place across the ranks of ``comm``.
 
-        ``defer=False``: runs under a side stream / the communication thread and may wait.
-        ``defer=True`` (only when :meth:`single_collective`): issue one asynchronous
-        collective and return its work without waiting.
+        A generator (:data:`~bagua_lightning.engine.buckets.BucketStep`): it issues the bucket's
+        collectives, yielding the work of each asynchronous one it needs finished before going on
+        (the engine waits it and resumes the step), and returns when the bucket is reduced.
         """
 
-    def single_collective(self, hierarchical: bool) -> bool:
-        """True when a bucket is reduced by one collective that can be waited on later."""
+    def one_collective(self) -> bool:
+        """True when :meth:`reduce_bucket` is, under the plan in use, one asynchronous collective yielded at
+        once with nothing after it (the engine may then run it in autograd's thread)."""
         return False
 
     def setup(self, module: nn.Module, comm: CommContext, plan: BucketPlan) -> None:
@@ -78,8 +78,7 @@ class GradientBucketAlgorithm(Algorithm):
         self._engine = BucketEngine(
             trainable_parameters(module),
             plan,
-            communicate=self._communicate,
-            can_defer=self._can_defer,
+            reducer=self,
             bind_grads=True,
             flatten=self.flatten,
             pad_multiple=self.pad_multiple(comm, plan),
@@ -92,12 +91,8 @@ class GradientBucketAlgorithm(Algorithm):
             raise RuntimeError(f"algorithm {self.name!r} is not set up; call setup(module, comm, plan) first")
         return self._engine
 
-    def _communicate(self, bucket: Bucket, defer: bool) -> dist.Work | None:
-        assert self._comm is not None
-        return self.reduce_bucket(bucket, self._comm, self.engine.plan.is_hierarchical_reduce, defer)
-
-    def _can_defer(self) -> bool:
-        return self.single_collective(self.engine.plan.is_hierarchical_reduce)
+    def bucket_step(self, bucket: Bucket) -> BucketStep:
+        return self.reduce_bucket(bucket, self._set_up(self._comm), self.engine.plan.is_hierarchical_reduce)
 
     def on_forward_start(self, step: int) -> None:
         engine = self.engine

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import torch.distributed as dist
-
 from ...proto.plan import BucketPlan
-from ..buckets import Bucket
+from ..buckets import Bucket, BucketStep
 from ..comm import CommContext
 from ..compressed_comm import ExchangeBuffers, compressed_all_reduce_, compressed_exchange_stages
 from .base import register_algorithm
@@ -29,10 +25,10 @@ class ByteGradAlgorithm(GradientBucketAlgorithm):
     fewer bytes than a float32 allreduce; the error per value is at most half a
     quantisation level of its chunk, twice (before and after the reduction).
 
-    On CPU (Gloo) the exchanges of consecutive buckets overlap: a bucket's reduced
-    chunks are decompressed while the next bucket's compressed chunks are on the wire,
-    the last one at the end of backward. Its recorded communication time therefore
-    ends when its reduced chunk is sent, not when it is decompressed.
+    On CPU (Gloo) the exchanges of consecutive buckets overlap: the step pauses once its
+    compressed chunks are on the wire, and the engine resumes it (reduce, recompress,
+    all-gather, decompress) once the next bucket's chunks are on the wire too, the last
+    one at the end of backward.
 
     Args:
         hierarchical: plain reduce within each node first; only node leaders exchange
@@ -45,50 +41,27 @@ class ByteGradAlgorithm(GradientBucketAlgorithm):
         super().__init__(hierarchical=hierarchical, average=average)
         # Send/receive buffers per bucket index, reused every step (reshaped when a plan changes).
         self._buffers: dict[int, ExchangeBuffers] = {}
-        # CPU: the previous bucket's exchange, waiting for its last stage (decompression).
-        self._pending: Iterator[None] | None = None
 
     def pad_multiple(self, comm: CommContext, plan: BucketPlan) -> int:
         # Flat and hierarchical chunkings both fit a multiple of the world size; hierarchical on one
         # node compresses nothing, so its buckets are laid out exactly as gradient_allreduce's.
         return 1 if plan.is_hierarchical_reduce and comm.num_nodes == 1 else comm.world_size
 
-    def reduce_bucket(
-        self, bucket: Bucket, comm: CommContext, hierarchical: bool, defer: bool
-    ) -> dist.Work | None:
+    def reduce_bucket(self, bucket: Bucket, comm: CommContext, hierarchical: bool) -> BucketStep:
         buffers = self._buffers.setdefault(bucket.index, ExchangeBuffers())
         flat = bucket.flat
         if flat.device.type != "cpu" or (hierarchical and comm.local_size > 1) or comm.world_size == 1:
-            self._drain()
             compressed_all_reduce_(flat, comm, average=self.average, hierarchical=hierarchical, buffers=buffers)
-            return None
-        # Gloo: keep the wire busy across buckets. This bucket's compressed chunks go out while the
-        # previous bucket's reduced chunks are decompressed; this bucket's own decompression waits
-        # for the next bucket (or the end of backward). Every rank runs the same order.
+            return
+        # Gloo: the stages pause once the all-to-all and once the all-gather is issued (keeping the wire
+        # busy while the engine starts the next bucket).
         scale = 1.0 / comm.world_size if self.average else 1.0
-        stages = compressed_exchange_stages(flat, comm.group, comm.world_size, scale=scale, buffers=buffers)
-        next(stages)  # all-to-all issued
-        self._drain()
-        next(stages)  # all-gather issued
-        self._pending = stages
-        return None
-
-    def _drain(self) -> None:
-        """Finish the pending exchange: decompress its result into its bucket."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            for _ in pending:
-                pass
-
-    def on_backward_end(self, step: int) -> None:
-        super().on_backward_end(step)  # waits for the communication thread
-        self._drain()  # the last bucket; gradients are final before backward() returns
+        yield from compressed_exchange_stages(flat, comm.group, comm.world_size, scale=scale, buffers=buffers)
 
     def apply_plan(self, plan: BucketPlan) -> None:
         self._buffers.clear()  # bucket sizes change: free the old buffers before the new ones grow
         super().apply_plan(plan)
 
     def teardown(self) -> None:
-        self._pending = None  # after a failure: never block on a half-done exchange
         self._buffers.clear()
         super().teardown()

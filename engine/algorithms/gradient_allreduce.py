@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
-from ..buckets import Bucket
+from ..buckets import Bucket, BucketStep
 from ..comm import CommContext, all_reduce_, hierarchical_all_reduce_
 from .base import register_algorithm
 from .bucketed import GradientBucketAlgorithm
@@ -28,13 +26,16 @@ class GradientAllReduceAlgorithm(GradientBucketAlgorithm):
     def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
         super().__init__(hierarchical=hierarchical, average=average)
 
-    def single_collective(self, hierarchical: bool) -> bool:
-        return not hierarchical
+    def one_collective(self) -> bool:
+        return not self.engine.plan.is_hierarchical_reduce
 
-    def reduce_bucket(
-        self, bucket: Bucket, comm: CommContext, hierarchical: bool, defer: bool
-    ) -> dist.Work | None:
-        if hierarchical:
-            hierarchical_all_reduce_(bucket.flat, comm, average=self.average)
-            return None
-        return all_reduce_(bucket.flat, comm, average=self.average, wait=not defer)
+    def reduce_bucket(self, bucket: Bucket, comm: CommContext, hierarchical: bool) -> BucketStep:
+        return allreduce_step(bucket, comm, hierarchical=hierarchical, average=self.average)
+
+
+def allreduce_step(bucket: Bucket, comm: CommContext, *, hierarchical: bool, average: bool) -> BucketStep:
+    """The bucket step of a full-precision allreduce: one asynchronous collective, or the hierarchical three."""
+    if hierarchical:
+        hierarchical_all_reduce_(bucket.flat, comm, average=average)
+        return
+    yield all_reduce_(bucket.flat, comm, average=average, wait=False)

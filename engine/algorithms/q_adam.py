@@ -24,16 +24,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ...core.errors import ConfigurationError
-from ..buckets import Bucket, BucketEngine
-from ..comm import CommContext, all_reduce_, hierarchical_all_reduce_
+from ..buckets import Bucket, BucketEngine, BucketStep
+from ..comm import CommContext
 from ..compressed_comm import ExchangeBuffers, compressed_all_reduce_
 from ..parameters import trainable_parameters
 from .base import Algorithm, AlgorithmOptimizerError, register_algorithm
 from .bucketed import thread_comm
+from .gradient_allreduce import allreduce_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...proto.plan import BucketPlan, StepTimings
@@ -208,12 +208,9 @@ class QAdamAlgorithm(Algorithm):
     def setup(self, module: nn.Module, comm: CommContext, plan: BucketPlan) -> None:
         self._comm, self._module, self._plan = thread_comm(comm, module), module, plan
         self._grad_engine = BucketEngine(
-            trainable_parameters(module), plan, communicate=self._allreduce, flatten=self.flatten,
-            can_defer=lambda: not self._grad_engine_plan_hierarchical(), plan_is_default=self.plan_is_default,
+            trainable_parameters(module), plan, reducer=_GradientReducer(self), flatten=self.flatten,
+            plan_is_default=self.plan_is_default,
         )
-
-    def _grad_engine_plan_hierarchical(self) -> bool:
-        return self._grad_engine is not None and self._grad_engine.plan.is_hierarchical_reduce
 
     @staticmethod
     def check_optimizers(optimizers: Sequence[Any]) -> QAdamOptimizer:
@@ -257,7 +254,7 @@ class QAdamAlgorithm(Algorithm):
         if self._momentum_engine is not None:
             self._momentum_engine.close()
         self._momentum_engine = BucketEngine(
-            named, momentum_plan, communicate=self._compressed, bind_grads=False,
+            named, momentum_plan, reducer=_MomentumReducer(self), bind_grads=False,
             pad_multiple=self._comm.world_size,
         )
         self._optimizer = opt
@@ -282,19 +279,19 @@ class QAdamAlgorithm(Algorithm):
 
     # ------------------------------------------------------------------ communication
 
-    def _allreduce(self, bucket: Bucket, defer: bool) -> dist.Work | None:
-        assert self._comm is not None and self._grad_engine is not None
-        if self._grad_engine.plan.is_hierarchical_reduce:
-            hierarchical_all_reduce_(bucket.flat, self._comm, average=True)
-            return None
-        return all_reduce_(bucket.flat, self._comm, average=True, wait=not defer)
+    def allreduce_step(self, bucket: Bucket) -> BucketStep:
+        """Warm-up: the gradient bucket's full-precision allreduce (gradient_allreduce's step)."""
+        engine = self._set_up(self._grad_engine)
+        return allreduce_step(bucket, self._set_up(self._comm), hierarchical=engine.plan.is_hierarchical_reduce,
+                              average=True)
 
-    def _compressed(self, bucket: Bucket, defer: bool) -> dist.Work | None:
-        assert self._comm is not None and self._momentum_engine is not None
+    def compressed_step(self, bucket: Bucket) -> BucketStep:
+        """After warm-up: the momentum bucket's compressed exchange."""
+        comm, engine = self._set_up(self._comm), self._set_up(self._momentum_engine)
         buffers = self._exchange_buffers.setdefault(bucket.index, ExchangeBuffers())  # reused every step
-        compressed_all_reduce_(bucket.flat, self._comm, average=True,
-                               hierarchical=self._momentum_engine.plan.is_hierarchical_reduce, buffers=buffers)
-        return None
+        compressed_all_reduce_(bucket.flat, comm, average=True, hierarchical=engine.plan.is_hierarchical_reduce,
+                               buffers=buffers)
+        yield from ()
 
     # ------------------------------------------------------------------ hooks
 
@@ -366,3 +363,30 @@ class QAdamAlgorithm(Algorithm):
         if self._optimizer is not None:
             self._optimizer.momentum_is_external = False
         self._optimizer = None
+
+
+class _GradientReducer:
+    """The gradient engine's reducer during warm-up (one collective unless hierarchical)."""
+
+    def __init__(self, algorithm: QAdamAlgorithm) -> None:
+        self.algorithm = algorithm
+
+    def bucket_step(self, bucket: Bucket) -> BucketStep:
+        return self.algorithm.allreduce_step(bucket)
+
+    def one_collective(self) -> bool:
+        engine = self.algorithm._grad_engine
+        return engine is not None and not engine.plan.is_hierarchical_reduce
+
+
+class _MomentumReducer:
+    """The momentum engine's reducer after warm-up: the compressed exchange, waited on in the step."""
+
+    def __init__(self, algorithm: QAdamAlgorithm) -> None:
+        self.algorithm = algorithm
+
+    def bucket_step(self, bucket: Bucket) -> BucketStep:
+        return self.algorithm.compressed_step(bucket)
+
+    def one_collective(self) -> bool:
+        return False

@@ -10,7 +10,7 @@ from torch import nn
 
 from bagua_lightning.core.errors import PlanMismatchError
 from bagua_lightning.engine.algorithms.q_adam import QAdamOptimizer
-from bagua_lightning.engine.buckets import Bucket, BucketEngine
+from bagua_lightning.engine.buckets import Bucket, BucketEngine, BucketStep
 from bagua_lightning.engine.parameters import check_plan, declare, default_plan, trainable_parameters
 from bagua_lightning.proto.plan import BucketPlan
 
@@ -44,11 +44,16 @@ def test_engine_launches_in_plan_order_whatever_the_ready_order() -> None:
     named = trainable_parameters(model)
     launched: list[int] = []
 
-    def communicate(bucket: Bucket, defer: bool) -> None:
-        launched.append(bucket.index)
-        bucket.flat.mul_(2)  # stands in for a reduction
+    class Doubling:
+        def bucket_step(self, bucket: Bucket) -> BucketStep:
+            launched.append(bucket.index)
+            bucket.flat.mul_(2)  # stands in for a reduction
+            yield from ()
 
-    engine = BucketEngine(named, default_plan(named, bucket_size=64), communicate=communicate)
+        def one_collective(self) -> bool:
+            return False
+
+    engine = BucketEngine(named, default_plan(named, bucket_size=64), reducer=Doubling())
     try:
         nb = len(engine.buckets)
         assert nb >= 3
@@ -84,7 +89,7 @@ def test_engine_launches_in_plan_order_whatever_the_ready_order() -> None:
 
 def test_padding_is_a_multiple_and_stays_zero() -> None:
     named = trainable_parameters(_model())
-    engine = BucketEngine(named, default_plan(named), communicate=lambda b, d: None, pad_multiple=7)
+    engine = BucketEngine(named, default_plan(named), reducer=_Staged([], one=False), pad_multiple=7)
     try:
         (bucket,) = engine.buckets
         assert bucket.flat.numel() % 7 == 0 and bucket.flat.numel() >= bucket.numel
@@ -149,3 +154,101 @@ def test_wrapper_keeps_a_given_plan_and_recuts_only_the_default_one() -> None:
     assert recut.bucket_plan.tensor_names[0][0] == "4.bias"  # last layer's gradient first
     kept.teardown()
     recut.teardown()
+
+
+class _Done:
+    """A finished work, as the step of a rank alone gets: waiting records that it was waited."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait(self) -> bool:
+        self.log.append(f"wait {self.name}")
+        return True
+
+
+class _Staged:
+    """A reducer whose step has two stages (issue, pause, finish), logging the order the engine runs them."""
+
+    def __init__(self, log: list[str], *, one: bool, fail_at: int | None = None) -> None:
+        self.log, self.one, self.fail_at = log, one, fail_at
+
+    def bucket_step(self, bucket: Bucket) -> BucketStep:
+        i = bucket.index
+        self.log.append(f"issue {i}")
+        yield _Done(self.log, str(i))  # type: ignore[misc]
+        if i == self.fail_at:
+            raise RuntimeError(f"bucket {i} failed")
+        if not self.one:
+            self.log.append(f"stage2 {i}")
+            yield None  # a pause with nothing to wait for
+        bucket.flat.add_(1)
+        self.log.append(f"done {i}")
+
+    def one_collective(self) -> bool:
+        return self.one
+
+
+def _backward(engine: BucketEngine, named: list[tuple[str, torch.nn.Parameter]]) -> bool:
+    for _, p in named:
+        p.grad = torch.zeros_like(p)
+    engine.begin()
+    for _, p in named:
+        engine.mark_ready(p)
+    return engine.finish()
+
+
+def test_measured_steps_run_each_to_its_end_in_plan_order() -> None:
+    named = trainable_parameters(_model())
+    log: list[str] = []
+    engine = BucketEngine(named, default_plan(named, bucket_size=64), reducer=_Staged(log, one=False))
+    try:
+        n = len(engine.buckets)
+        assert _backward(engine, named)  # the first backward of a plan is measured
+        expected = [f"{what} {i}" for i in range(n) for what in ("issue", "wait", "stage2", "done")]
+        assert log == expected
+        assert all(torch.all(p.grad == 1) for _, p in named)
+    finally:
+        engine.close()
+
+
+def test_unmeasured_steps_overlap_the_next_bucket_and_one_collective_steps_run_inline() -> None:
+    named = trainable_parameters(_model())
+    for one in (False, True):
+        log: list[str] = []
+        engine = BucketEngine(named, default_plan(named, bucket_size=64), reducer=_Staged(log, one=one),
+                              timing_every=1000)
+        try:
+            n = len(engine.buckets)
+            assert _backward(engine, named)  # measured
+            log.clear()
+            assert _backward(engine, named)  # not measured
+            if one:  # inline: every step issued as its bucket is ready, all waited at the end
+                expected = [f"issue {i}" for i in range(n)]
+                expected += [e for i in range(n) for e in (f"wait {i}", f"done {i}")]
+            else:  # the previous step is resumed to its end once the next one is issued
+                expected = ["issue 0"]
+                for i in range(1, n):
+                    expected += [f"issue {i}", f"wait {i - 1}", f"stage2 {i - 1}", f"done {i - 1}"]
+                expected += [f"wait {n - 1}", f"stage2 {n - 1}", f"done {n - 1}"]
+            assert log == expected, one
+            assert all(torch.all(p.grad == 1) for _, p in named)
+        finally:
+            engine.close()
+
+
+def test_a_failed_step_is_raised_and_leaves_no_half_done_step_behind() -> None:
+    named = trainable_parameters(_model())
+    log: list[str] = []
+    reducer = _Staged(log, one=False, fail_at=0)
+    engine = BucketEngine(named, default_plan(named, bucket_size=64), reducer=reducer, timing_every=1000)
+    try:
+        assert len(engine.buckets) >= 2
+        with pytest.raises(RuntimeError, match="bucket 0 failed"):
+            _backward(engine, named)
+        reducer.fail_at = None
+        log.clear()
+        assert _backward(engine, named)  # the next backward starts clean: no step of the failed one resumes
+        assert log[0] == "issue 0" and "done 0" in log
+    finally:
+        engine.close()
