@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import psutil
 
 from .errors import ConfigurationError, ServiceUnavailableError
+from .file_trust import check_own_folder, read_trusted
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +240,13 @@ def parse_bytes(text: str | int) -> int:
 
 
 def private_dir(path: Path) -> Path:
-    """Create ``path`` (and parents) and make it 0700; return it."""
+    """Create ``path`` (and parents) and make it 0700; return it.
+
+    Raises:
+        UntrustedFileError: ``path`` exists and is another user's (it is never adopted).
+    """
     path.mkdir(parents=True, exist_ok=True)
+    check_own_folder(path, "folder")
     os.chmod(path, 0o700)
     return path
 
@@ -272,9 +278,13 @@ def read_secret(path: str | Path) -> str:
 
     Raises:
         ConfigurationError: unreadable or empty, naming the file.
+        UntrustedFileError: another user owns it or may read or write it (or replace it: the folders above).
     """
     try:
-        text = Path(path).read_text().strip()
+        text = read_trusted(path, "secret file", secret=True).strip()
+    except UnicodeDecodeError:
+        raise ConfigurationError(f"secret file {path} is not UTF-8 text; restart the services "
+                                 "(`bagua-lightning up`).") from None
     except OSError as exc:
         raise ConfigurationError(f"secret file {path} cannot be read ({exc.strerror}); run as the user who "
                                  "started the services, or give the secret through the environment.") from exc

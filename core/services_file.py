@@ -41,7 +41,10 @@ names the ``BAGUA_LIGHTNING_TLS_*`` overrides).
 
 Every address is validated where it enters (here for the environment and the file): a parseable host and
 a port in 1..65535. A services file that exists but cannot be parsed is an error naming the file, never a
-silent fall-back to the default addresses.
+silent fall-back to the default addresses. Nor is a file that another user could have forged read: the
+services file, the secret files, the CA and the client key it names, and the folders above them, must be this
+user's or root's and not writable by others (secrets: not readable either), or every reader refuses in one
+line naming the file (:mod:`bagua_lightning.core.file_trust`).
 """
 
 from __future__ import annotations
@@ -51,18 +54,14 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .addresses import (
-    check_host,
-    check_port,
-    parse_address,
-    parse_host_list,
-)
+from .addresses import format_address, parse_address, parse_host_list, parse_server
 from .errors import ConfigurationError
+from .file_trust import check_trusted, read_trusted
 from .procs import ProcessRecord, read_secret
 from .read_plane import READ_PORT_OFFSET_ENV
 from .tls_trust import ClientTLS, resolve_client_tls
@@ -103,8 +102,7 @@ def _host_entries(value: Any, where: str) -> list[dict[str, Any]]:
     for item in value:
         if not isinstance(item, dict):
             raise ValueError(f"{where} item {item!r} is not {{host, port}}")
-        out.append({"host": check_host(item.get("host"), f"{where} host"),
-                    "port": check_port(item.get("port"), f"{where} port")})
+        out.append(dict(zip(("host", "port"), parse_server(item, f"{where} item"), strict=True)))
     return out
 
 
@@ -221,20 +219,26 @@ def read_services_file(path: Path | None = None) -> ServicesInfo | None:
     """
     path = path or services_file_path()
     try:
-        text = path.read_text()
+        text = read_trusted(path, "services file")
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise ServicesFileError(f"services file {path} cannot be read ({exc.strerror}); fix its permissions "
                                 f"or point {ENV_FILE} elsewhere.") from exc
     try:
-        return ServicesInfo.from_json(json.loads(text))
-    except (ValueError, TypeError, RecursionError) as exc:
+        info = ServicesInfo.from_json(json.loads(text))
+    except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as exc:
         reason = "it nests too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise ServicesFileError(
             f"services file {path} is not valid ({reason}); if nothing it records still runs, delete it, "
             f"or point {ENV_FILE} elsewhere."
         ) from None
+    if info.tls is not None:  # the pinned CA is only as good as the file it is read from
+        check_trusted(info.tls.ca, "CA certificate")
+        for name in (info.tls.cert, info.tls.key):
+            if name:
+                check_trusted(name, "TLS client file", secret=name == info.tls.key)
+    return info
 
 
 def write_services_file(info: ServicesInfo, path: Path | None = None) -> Path:
@@ -259,11 +263,9 @@ def remove_services_file(path: Path | None = None) -> None:
 def resolve_autotune_address(explicit: str | None = None) -> str:
     """Explicit argument, else env, else services file, else the default ``127.0.0.1:29600``; validated."""
     if explicit:
-        parse_address(explicit, "autotune_service")
-        return explicit
+        return format_address(*parse_address(explicit, "autotune_service"))
     if os.environ.get(ENV_AUTOTUNE):
-        parse_address(os.environ[ENV_AUTOTUNE], f"${ENV_AUTOTUNE}")
-        return os.environ[ENV_AUTOTUNE]
+        return format_address(*parse_address(os.environ[ENV_AUTOTUNE], f"${ENV_AUTOTUNE}"))
     info = read_services_file()
     if info is not None and info.autotune:
         return info.autotune
@@ -283,8 +285,8 @@ def resolve_redis_hosts() -> tuple[list[dict[str, Any]], bool] | None:
 
 
 def _address_key(host: str, port: int) -> tuple[str, int]:
-    """``(host, port)`` in one spelling: IP addresses compressed, names lower-cased, IPv6 brackets dropped."""
-    bare = host.strip("[]")
+    """``(host, port)`` in one spelling: IP addresses compressed, names lower-cased."""
+    bare = host
     try:
         bare = ipaddress.ip_address(bare).compressed
     except ValueError:
@@ -294,16 +296,7 @@ def _address_key(host: str, port: int) -> tuple[str, int]:
 
 def _addresses(hosts: Iterable[Any]) -> set[tuple[str, int]]:
     """``{(host, port)}`` of ``[{"host", "port"}, ...]``, ``[(host, port), ...]`` or ``["host:port", ...]``."""
-    out = set()
-    for item in hosts:
-        if isinstance(item, Mapping):
-            host, port = item.get("host"), item.get("port")
-        elif isinstance(item, str):
-            host, port = parse_address(item, "Redis host")
-        else:
-            host, port = item
-        out.add(_address_key(str(host), int(port)))  # type: ignore[arg-type]
-    return out
+    return {_address_key(*parse_server(item, "Redis host")) for item in hosts}
 
 
 def _recorded_secret(name: str, info: ServicesInfo | None) -> str | None:

@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core import procs
-from ..core.addresses import is_loopback
+from ..core.addresses import is_loopback, parse_address
 from ..core.errors import ConfigurationError
+from ..core.file_trust import check_own_folder
 from ..core.procs import parse_bytes
 from ..core.services_file import (
     ServicesInfo,
@@ -109,9 +110,12 @@ def up(cfg: UpConfig, *, fresh: bool = False, report: Report | None = None) -> S
     Raises:
         ConfigurationError: bad settings, services running with other settings, a port is taken, or a
             file cannot be written (the message names it; what this call made is removed again).
+        UntrustedFileError: the state folder is another user's, or the services or a secret file could have
+            been forged (:mod:`bagua_lightning.core.file_trust`); nothing is started or changed.
         ServiceUnavailableError: a service did not become healthy before ``cfg.timeout_s``; everything
             this call started is stopped again.
     """
+    check_own_folder(state_dir())  # never adopt (chmod, fill with secrets) a folder another user made
     with exclusive():
         return _up(cfg, fresh, report or log.info)
 
@@ -153,7 +157,7 @@ def _with_recorded_ports(info: ServicesInfo, cfg: UpConfig) -> UpConfig:
     """``cfg`` with the ports it leaves open taken from the record (an `up` with no ports repeats itself)."""
     if cfg.ports_chosen:
         return cfg
-    autotune = int(info.autotune.rpartition(":")[2]) if info.autotune else DEFAULT_AUTOTUNE_PORT
+    autotune = parse_address(info.autotune, "'autotune'")[1] if info.autotune else DEFAULT_AUTOTUNE_PORT
     redis_port = int(info.redis_hosts[0]["port"]) if info.redis_hosts else DEFAULT_REDIS_PORT
     return cfg.with_ports(cfg.autotune_port or autotune, cfg.redis_port or redis_port)
 
@@ -266,6 +270,7 @@ def ensure_up(cfg: UpConfig | None = None, report: Report | None = None) -> Serv
 
     For callers that only need services to exist (the demo), not particular ports.
     """
+    check_own_folder(state_dir())
     with exclusive():
         existing = read_services_file()
         health = running_services(existing)

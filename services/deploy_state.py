@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..core import procs
 from ..core.errors import ConfigurationError
+from ..core.file_trust import check_trusted
 from ..core.services_file import ServicesInfo, read_services_file, services_file_path
 from ..core.tls_trust import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, TLS_ENV
 from .deploy_config import (
@@ -101,7 +102,8 @@ def exclusive() -> Iterator[None]:
     # Two `up`s at once (two shells, the ranks of a job) would race for the same ports: one at a time.
     path = services_file_path().with_suffix(".lock")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
+    check_trusted(path, "lock file")  # and the folders above it: another user's lock could hold `up` forever
+    with open(path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
