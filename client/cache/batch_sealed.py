@@ -6,8 +6,8 @@ decrypts everything after its header. The sealed entries of a batch are opened i
 the kind byte set to :data:`~.entry.OPENED`, then its decrypted skeleton, tail and data where its ciphertext
 was; the tag is dropped. That copy is the only one: the decryption writes the plaintext into the block, and
 when the batch is one of one skeleton and one length the block is handed to
-:func:`~.batch_vector.decode_opened_rows` (as a receive buffer would be: numpy rows, tensors viewing the
-block). Otherwise the opened entries are grouped by plan and built by column, or read one by one
+:func:`~.batches.decode_opened_rows` (as a receive buffer would be: numpy rows, tensors viewing the
+block). Otherwise the opened entries are grouped by decoder and built by column, or read one by one
 (:func:`~.entry.decode_opened`). :func:`open_uniform` takes the usual batch (every entry sealed alike) in one
 tight loop into a pooled block; anything else goes through :func:`decode_sealed`, which says why an entry fails.
 
@@ -22,8 +22,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from .batch_column import Groups, build_groups, join_group
-from .batch_vector import UNIFORM_MIN, decode_opened_rows
+from .batches import UNIFORM_MIN, Groups, build_groups, decode_opened_rows, join_group
 from .digests import DIGEST_SEAL, DIGEST_SIZE, NONCE_SIZE, SEAL_TAG_SIZE, opener, raw_opener, seal_cipher
 from .entry import (
     COVERED,
@@ -198,7 +197,7 @@ def _open_in_place(views: list[memoryview], keys: list[bytes], secret: bytes, ru
     buf, first, stride, order = run
     built = decode_opened_rows(buf, stride, length, len(views), first)
     out: list[Any] = [None] * len(views)
-    if built is None:  # not a batch numpy takes: grouped by plan and built by column, where they lie
+    if built is None:  # not a batch numpy takes: grouped by decoder and built by column, where they lie
         _columns(memoryview(buf), [(j, first + r * stride, length) for r, j in enumerate(order)], False, out)
         return out
     for j, sample in zip(order, built, strict=True):
@@ -207,8 +206,8 @@ def _open_in_place(views: list[memoryview], keys: list[bytes], secret: bytes, ru
 
 
 def _columns(bmv: memoryview, opened: list[tuple[int, int, int]], allow_pickle: bool, out: list[Any]) -> None:
-    """Decode the entries ``opened`` (index, offset, length) in the block ``bmv`` into ``out``: grouped by plan and
-    built by column (:mod:`.batch_column`), pickled ones and any that fails on their own."""
+    """Decode the entries ``opened`` (index, offset, length) in the block ``bmv`` into ``out``: grouped by decoder and
+    built by column (:mod:`.batches`), pickled ones and any that fails on their own."""
     groups: Groups = {}
     views: dict[int, memoryview] = {}
     for j, at, size in opened:

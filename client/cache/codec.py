@@ -5,7 +5,7 @@ Entry layout (little endian)::
     header   (52 bytes): b"BLC" | format version u8 | digest kind u8 | 3 zero bytes | digest (24 bytes, zero
                          padded) | flags u8 | 3 zero bytes | skeleton_len u32 | tail_len u32 | data_len u64
     skeleton (skeleton_len): types, dtypes, ranks, lengths, names (:mod:`.values`); shared by the samples
-                         of a dataset, compiled once into a decoder (:mod:`.plans`)
+                         of a dataset, compiled once into a decoder (:mod:`.skeletons`)
     tail     (tail_len): the fixed-size fields of this sample (numbers, shapes, offsets), 8 bytes each
     pad                : zeros up to a multiple of 64 bytes
     data     (data_len): array, image, string and bytes contents, arrays on 64-byte boundaries, then up to 31
@@ -50,8 +50,8 @@ block (:mod:`.batch_sealed`), and their tensors view it: decrypting is the copy.
 written and read only with ``allow_pickle``; a pickled entry is a miss for a reader that did not opt in, never
 unpickled.
 
-Modules: the header and one entry's reader are :mod:`.entry`'s; a batch is decoded by :mod:`.batch_vector`
-(one skeleton and one length: numpy rows) or else by :mod:`.batch_column` (grouped by skeleton), its sealed
+Modules: the header and one entry's reader are :mod:`.entry`'s; a batch is decoded by :mod:`.batches`
+(one skeleton and one length: numpy rows; or else grouped by skeleton, by column), its sealed
 entries opened first by :mod:`.batch_sealed`.
 """
 
@@ -62,9 +62,8 @@ import pickle
 from typing import Any
 
 from . import digests
-from .batch_column import decode_columns
 from .batch_sealed import decode_sealed, open_uniform, sealed_indices
-from .batch_vector import UNIFORM_MIN, decode_rows
+from .batches import UNIFORM_MIN, decode_columns, decode_rows
 from .digests import (
     DIGEST_CRC32,
     DIGEST_GMAC,
@@ -186,10 +185,10 @@ def decode_many(values: list[Any], keys: list[bytes], allow_pickle: bool = False
     The result has one item per entry: the sample, a :class:`Bad` carrying the :class:`CorruptEntryError`, or
     :data:`MISSING` where the value is None.
     Checks are :func:`decode`'s. Entries that share a skeleton (a dataset's samples do) are built together
-    by their plan's column: the tensors and arrays of one leaf across the batch are copied into one block
+    by their decoder's column: the tensors and arrays of one leaf across the batch are copied into one block
     and split into per-sample views in one call, so nothing refers to ``values`` afterwards
-    (:mod:`.batch_column`). A batch of entries of one skeleton and one length is decoded by numpy first
-    (:mod:`.batch_vector`; its tensors may view the receive buffer it lies in). With a ``secret``, the sealed
+    (:mod:`.batches`). A batch of entries of one skeleton and one length is decoded by numpy first
+    (:mod:`.batches`; its tensors may view the receive buffer it lies in). With a ``secret``, the sealed
     entries of the batch are opened into one block first and decoded there (:mod:`.batch_sealed`; their tensors
     view that block), the others as just said.
     """

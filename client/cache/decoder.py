@@ -1,6 +1,7 @@
-"""The pieces a decode plan is made of (:mod:`.plan_compiler` puts them together, :mod:`.plans` caches plans).
+"""What a skeleton compiles into: a :class:`Decoder` and the pieces it is made of (:mod:`.skeletons` puts them
+together and caches the decoders).
 
-A :class:`Plan` holds three readers of one skeleton: ``build`` makes one sample from its tail values and data
+A :class:`Decoder` holds three readers of one skeleton: ``build`` makes one sample from its tail values and data
 region, a :data:`Column` makes the samples of many entries at once, and a :data:`Vector` makes them from
 :class:`Rows` (entries of one length side by side), letting numpy do the per-row work. Here too are the
 bounds-checked helpers those readers share, and the lazily imported torch/numpy environment.
@@ -59,7 +60,7 @@ class NotUniform(Exception):
 Vector = Callable[[Rows], list[Any]]
 
 
-class Plan:
+class Decoder:
     """A compiled skeleton: the tail's layout and the function that builds the sample.
 
     ``tensors``: the sample holds tensors (they view the reply when the caller owns it, else a copy);

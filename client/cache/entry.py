@@ -1,6 +1,6 @@
 """One cache entry: its header layout (see :mod:`.codec` for the whole format), and reading one entry.
 
-The batch readers (:mod:`.batch_vector`, :mod:`.batch_column`, :mod:`.batch_sealed`) share these constants and
+The batch readers (:mod:`.batches`, :mod:`.batch_sealed`) share these constants and
 fall back on :func:`decode` for any entry they do not take.
 
 A sealed entry (``aes256-gcm``: everything after its header encrypted, the GCM tag at its end) is *opened*
@@ -33,7 +33,7 @@ from .digests import (
     opener,
 )
 from .digests import digest as _digest
-from .plans import PLANS, plan_for
+from .skeletons import DECODERS, decoder_for
 from .values import ALIGN, CorruptEntryError
 
 MAGIC = b"BLC"
@@ -132,15 +132,15 @@ def _build(mv: memoryview, flags: int, tail_start: int, tail_len: int, data: Any
             raise CorruptEntryError('entry was written with serializer="pickle"; not unpickling it')
         return pickle.loads(data)
     skeleton = bytes(mv[HEADER_SIZE:tail_start])
-    plan = PLANS.get(skeleton) or plan_for(skeleton)
-    if plan.tail.size != tail_len:
-        raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {plan.tail.size}")
-    tail = plan.tail.unpack_from(mv, tail_start)
+    decoder = DECODERS.get(skeleton) or decoder_for(skeleton)
+    if decoder.tail.size != tail_len:
+        raise CorruptEntryError(f"tail of {tail_len} bytes, its skeleton says {decoder.tail.size}")
+    tail = decoder.tail.unpack_from(mv, tail_start)
     if mode == OWN:
-        return plan.build(tail, data, data)
+        return decoder.build(tail, data, data)
     # numpy arrays need a writable buffer
-    writable = bytearray(data) if plan.arrays or (plan.tensors and mode == COPY) else None
-    return plan.build(tail, data if mode == SHARED or writable is None else writable, writable)
+    writable = bytearray(data) if decoder.arrays or (decoder.tensors and mode == COPY) else None
+    return decoder.build(tail, data if mode == SHARED or writable is None else writable, writable)
 
 
 def check_sealed(mv: memoryview, size: int, data_start: int, data_len: int) -> None:

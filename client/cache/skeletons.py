@@ -1,8 +1,17 @@
-"""Compiling a skeleton (see :mod:`.values`) into a :class:`~.plan_parts.Plan`: one walk that gives every
-leaf its place in the tail and nests the readers of its nodes (:mod:`.plans` caches the result).
+"""Reading cache entries: a skeleton (see :mod:`.values`) is compiled once into a :class:`~.decoder.Decoder`,
+then every entry with it decodes with one ``struct`` unpack of its tail and a prebuilt function.
 
-The checks that keep a hostile skeleton cheap are made here, before anything is built: nesting depth, counts
-against the bytes left, dtypes the codec writes, classes only among modules already imported.
+Samples of a dataset almost always share their skeleton (types, dtypes, numbers of dimensions, container
+lengths), so after the first entry a read costs a dict lookup, an unpack and the construction of the values
+themselves. Decoders are cached per process (:func:`decoder_for`), at most :data:`MAX_DECODERS` of them (the
+cache is emptied when full, so hostile entries cannot grow it).
+
+Compiling is one walk that gives every leaf its place in the tail and nests the readers of its nodes (made of
+:mod:`.decoder`'s parts). Every check that keeps a damaged or hostile entry from costing more than its own size
+is made here, before anything is built: the skeleton nests at most :data:`~.values.MAX_DEPTH` levels, every
+count is checked against the bytes left, only dtypes the codec writes, the tail must be exactly as long as
+the skeleton says, contents are read through bounds-checked views, and classes of namedtuples and dataclasses
+are looked up among modules already imported (nothing is ever imported because of an entry).
 """
 
 from __future__ import annotations
@@ -11,10 +20,10 @@ import dataclasses
 import struct
 from typing import Any
 
-from .plan_parts import (
+from .decoder import (
     Build,
+    Decoder,
     NotUniform,
-    Plan,
     Rows,
     _at,
     _env,
@@ -52,6 +61,20 @@ from .values import (
 )
 
 _U32 = struct.Struct("<I")
+MAX_DECODERS = 1024
+DECODERS: dict[bytes, Decoder] = {}
+
+
+def decoder_for(skeleton: bytes) -> Decoder:
+    """The decoder of ``skeleton``, compiled on first use."""
+    found = DECODERS.get(skeleton)
+    if found is None:
+        found = _Compiler(skeleton).decoder()
+        found.skeleton = skeleton
+        if len(DECODERS) >= MAX_DECODERS:
+            DECODERS.clear()
+        DECODERS[skeleton] = found
+    return found
 
 
 class _Compiler:
@@ -64,11 +87,11 @@ class _Compiler:
         self.tensors = False
         self.arrays = False
 
-    def plan(self) -> Plan:
+    def decoder(self) -> Decoder:
         build = self.node(0)
         if self.pos != len(self.skel):
             raise CorruptEntryError("trailing bytes after the sample structure")
-        return Plan(struct.Struct("<" + "".join(self.fmt)), build, self.tensors, self.arrays)
+        return Decoder(struct.Struct("<" + "".join(self.fmt)), build, self.tensors, self.arrays)
 
     def _fields(self, code: str, n: int = 1) -> int:
         """Reserve ``n`` tail fields; return the index of the first."""

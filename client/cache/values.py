@@ -1,4 +1,4 @@
-"""How each supported value is written into a cache entry (reading is :mod:`.plans`).
+"""How each supported value is written into a cache entry (reading is :mod:`.skeletons`).
 
 A sample becomes three parts (see :mod:`.codec` for the entry layout): the skeleton (one tag byte per value,
 plus dtype names, numbers of dimensions, container lengths, class and field names), the tail (the
@@ -9,7 +9,7 @@ supported values, ``torch.Tensor`` (CPU, strided, no grad), ``numpy.ndarray`` an
 dtypes, ``PIL.Image.Image``, namedtuples and dataclasses defined at module level. Types are exact: an
 ``OrderedDict`` or a tensor subclass would come back as something else, so they are refused.
 
-Containers nest at most :data:`MAX_DEPTH` levels, on write and on read (:mod:`.plans`), so neither side can
+Containers nest at most :data:`MAX_DEPTH` levels, on write and on read (:mod:`.skeletons`), so neither side can
 hit Python's recursion limit.
 """
 
