@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .addresses import is_ascii_number
+from .addresses import check_port, is_ascii_number
 from .errors import ConfigurationError
 from .procs import parse_bytes
 
@@ -18,17 +18,19 @@ __all__ = ["bind_port_arg", "non_negative_float_arg", "non_negative_int_arg", "p
 
 
 def port_arg(text: str) -> int:
-    """argparse type: a TCP port in 1..65535."""
-    if not is_ascii_number(text) or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; give a number in 1..65535")
-    return int(text)
+    """argparse type: a TCP port in 1..65535 (:func:`~.addresses.check_port`'s rule)."""
+    try:
+        return check_port(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
 
 
 def bind_port_arg(text: str) -> int:
     """argparse type: a TCP port to bind, 0..65535 (0: the system picks a free one)."""
-    if not is_ascii_number(text) or not 0 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; give a number in 0..65535 (0 picks one)")
-    return int(text)
+    try:
+        return check_port(text, bind=True)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
 
 
 def size_arg(text: str) -> int:

@@ -33,6 +33,7 @@ from typing import Any
 import psutil
 
 from . import procs
+from .addresses import format_address
 from .errors import ServiceUnavailableError
 from .procs import ProcessRecord
 from .redis_server import NodeConfig, client_for, launch_node, wait_ready
@@ -211,7 +212,7 @@ def server_status(folder: Path | None = None) -> dict[str, Any] | None:
     server = read_server(folder)
     if server is None:
         return None
-    status: dict[str, Any] = {"address": f"{server.host}:{server.port}", "binds": list(server.binds),
+    status: dict[str, Any] = {"address": format_address(server.host, server.port), "binds": list(server.binds),
                               "pid": server.pid, "maxmemory": server.maxmemory, "folder": str(server.folder),
                               "process": procs.is_running(server.process)}
     if not status["process"]:

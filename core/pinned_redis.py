@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis.connection import SSLConnection
 
+from .addresses import format_address
 from .errors import ConfigurationError
 from .tls_trust import ClientTLS, unchecked
 
@@ -74,7 +75,7 @@ def redis_client(host: str, port: int, **kwargs: Any) -> redis.Redis:
 
 
 def _url(host: str, port: int) -> str:
-    return f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}"
+    return f"redis://{format_address(host, port)}"
 
 
 def cluster_client(hosts: Sequence[tuple[str, int]], **kwargs: Any) -> RedisCluster:

@@ -46,6 +46,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from bagua_lightning.core.addresses import format_address
 from bagua_lightning.demo_report import (
     DATASET_NAME,
     EpochRecord,
@@ -359,7 +360,7 @@ def run(cfg: JobConfig) -> JobResult | None:
 def _describe_store(store: Any) -> str:
     if not isinstance(store, RedisStore):
         return repr(store)
-    hosts = ",".join(f"{host}:{port}" for host, port in store.hosts)
+    hosts = ",".join(format_address(host, port) for host, port in store.hosts)
     return f"{'Redis Cluster' if store.is_cluster else 'Redis'} {hosts}"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..core.addresses import check_port, format_address, is_loopback
+from ..core.addresses import check_host, check_port, format_address, is_loopback, parse_address
 from ..core.errors import ConfigurationError
 from ..core.redis_server import BUS_PORT_OFFSET, read_port_offset
 from ..core.services_file import (
@@ -22,7 +22,7 @@ from ..core.services_file import (
 from .addresses import WILDCARDS, machine_address, resolve_host
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_AUTOTUNE_PORT = int(DEFAULT_AUTOTUNE_ADDRESS.rpartition(":")[2])
+DEFAULT_AUTOTUNE_PORT = parse_address(DEFAULT_AUTOTUNE_ADDRESS)[1]
 DEFAULT_REDIS_PORT = 7000  # first node of the local cluster, when it is free; the trainer's documented default
 DEFAULT_MAXMEMORY = 1024**3  # bytes per Redis node; docker-compose.yml uses the same default ("1gb")
 AUTOTUNE_LOG = "autotune.log"
@@ -45,7 +45,7 @@ def autotune_service_args(*, host: str, port: int, state: str, log_dir: str, mir
     whose entrypoint is ``bagua-lightning`` (with ``host="0.0.0.0"``, so that published ports reach it).
 
     Args:
-        host: address to bind (an IPv6 address is given in brackets, as gRPC reads ``host:port``).
+        host: address to bind (an IPv6 address bare or in brackets; the service writes ``host:port`` itself).
         port: gRPC port.
         state: where persisted plans live: a directory or a ``redis://host:port`` URL.
         log_dir: folder for the per-model JSONL log of every tuning sample.
@@ -53,7 +53,7 @@ def autotune_service_args(*, host: str, port: int, state: str, log_dir: str, mir
         tls_cert: PEM certificate of the service (with ``tls_key``): it listens with TLS only; None: plaintext.
         tls_key: PEM private key of ``tls_cert``.
     """
-    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    host = check_host(host)
     tls = ["--tls-cert", tls_cert, "--tls-key", tls_key] if tls_cert and tls_key else []
     states = ["--state", state, *(["--state", mirror] if mirror else [])]
     return ["autotune", "serve", "--host", host, "--port", str(port), *states, "--log-dir", log_dir, *tls]

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from ..core import procs
+from ..core.addresses import format_address
 from ..core.procs import ProcessRecord
 from ..core.redis_server import client_for, cluster_info
 from ..core.services_file import state_dir
@@ -104,7 +105,7 @@ class ClusterInfo:
     @property
     def hosts_string(self) -> str:
         """``host:port,host:port`` as ``BAGUA_LIGHTNING_REDIS_HOSTS`` expects it."""
-        return ",".join(f"{n.host}:{n.port}" for n in self.masters)
+        return ",".join(format_address(n.host, n.port) for n in self.masters)
 
     @property
     def pids(self) -> list[int]:

@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 
 from ..core import procs
+from ..core.addresses import check_host, parse_address
 from ..core.errors import ConfigurationError
 from ..core.redis_server import client_for
 from ..core.services_file import ServicesInfo, read_services_file, write_services_file
@@ -142,14 +143,14 @@ def _restart_autotune(info: ServicesInfo, report: Report) -> None:
         return
     rec = recs[0]
     argv = psutil.Process(rec.pid).cmdline()  # ours: _healthy_own checked the record
-    host = argv[argv.index("--host") + 1].strip("[]")
+    host = check_host(argv[argv.index("--host") + 1], "the autotune service's --host")
     port = int(argv[argv.index("--port") + 1])
     state = argv[argv.index("--state") + 1]
     secrets = {name: procs.read_secret(path) for name, path in info.secrets.items() if name in SECRETS}
     procs.stop(rec, timeout_s=10.0)
     root = Path(info.state_dir)
     cfg = UpConfig(host=host, autotune_port=port, announce_ip=None if host not in ("0.0.0.0", "::")
-                   else str(info.autotune).rpartition(":")[0].strip("[]"))
+                   else parse_address(str(info.autotune), "'autotune'")[0])
     tls_dir = Path(info.tls.ca).parent if info.tls else None
     proc = start_autotune(cfg, state, root, info.deployment, secrets, tls_dir)
     try:

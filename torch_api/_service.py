@@ -18,11 +18,12 @@ def get_hyperparameters_service_client() -> Any:
     :class:`bagua_lightning.client.autotune.AutotuneClient` (Bagua's ``register_tensors``,
     ``report_metrics``, ``ask_hyperparameters``, ``report_tensor_execution_order``).
     """
+    from ..core.addresses import format_address
     from .env import get_bagua_service_port, get_master_addr
 
     address = None
     if not os.environ.get("BAGUA_LIGHTNING_AUTOTUNE_SERVICE") and get_bagua_service_port() > 0:
-        address = f"{get_master_addr()}:{get_bagua_service_port()}"
+        address = format_address(get_master_addr(), get_bagua_service_port())
     return _service_client(os.getpid(), address)
 
 

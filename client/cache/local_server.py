@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ...core.addresses import format_address
+from ...core.addresses import format_address, parse_address
 from ...core.errors import ServiceUnavailableError
 from ...core.local_redis import LocalServer, ensure_server, local_dir, read_server, set_password
 
@@ -150,8 +150,8 @@ def job_servers(capacity_bytes: int, timeout_s: float = 30.0, store: Any = None,
         store.set(f"{_PREFIX}node/{me}", format_address(bind, local.port))
     node_keys = [f"{_PREFIX}node/{k}" for k in range(len(nodes))]
     _wait(store, node_keys, wait)
-    addresses = [store.get(k).decode().rpartition(":") for k in node_keys]
-    hosts = [{"host": h.strip("[]"), "port": int(p)} for h, _, p in addresses]
+    addresses = [parse_address(store.get(k).decode(), f"the job store's {k}") for k in node_keys]
+    hosts: list[dict[str, Any]] = [{"host": h, "port": p} for h, p in addresses]
     if local is not None:
         return JobServers(hosts=hosts, password=local.password, local=local)
     mine = read_server(local_dir())

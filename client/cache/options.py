@@ -9,6 +9,7 @@ from typing import Any
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from ...core.addresses import parse_server
 from ...core.errors import ConfigurationError
 from ...core.pinned_redis import pinned_kwargs
 from ...core.services_file import resolve_redis_password, resolve_redis_read_port_offset, resolve_redis_tls
@@ -126,25 +127,12 @@ resolve_redis_read_port_offset`), unless given."""
 
 
 def parse_hosts(hosts: Sequence[Any]) -> list[tuple[str, int]]:
-    """``[{"host": h, "port": p}]`` (Bagua's form, port may be a str) or ``"h:p"`` strings -> ``[(h, p)]``."""
-    out = []
-    for item in hosts:
-        if isinstance(item, Mapping):
-            host, port = item.get("host"), item.get("port")
-        elif isinstance(item, str):
-            host, _, port = item.rpartition(":")
-        else:
-            host = port = None
-        try:
-            port_i = int(port)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            port_i = -1
-        if not host or not 0 < port_i < 65536:
-            raise ConfigurationError(
-                f"hosts item {item!r} is not a Redis address; give {{'host': '10.0.0.1', 'port': 7000}} "
-                "or '10.0.0.1:7000'."
-            )
-        out.append((str(host), port_i))
+    """``[{"host": h, "port": p}]`` (Bagua's form, port may be a str) or ``"h:p"`` strings -> ``[(h, p)]``,
+    by the package's one address rule (:func:`~...core.addresses.parse_server`); one string is read as
+    ``$BAGUA_LIGHTNING_REDIS_HOSTS`` is (``"h:p,h:p"``)."""
+    if isinstance(hosts, str):
+        hosts = [item for item in hosts.split(",") if item.strip()]
+    out = [parse_server(item, "hosts item") for item in hosts]
     if not out:
         raise ConfigurationError("hosts is empty; pass None to spawn a local Redis, or list at least one server.")
     if len(set(out)) != len(out):

@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ...core.addresses import check_host, check_port, format_address, parse_address
 from . import wire
 from .aio_server import create_aio_server, set_readiness
 from .config import ServiceConfig
@@ -177,6 +178,7 @@ def serve(config: ServiceConfig, *, host: str = "127.0.0.1", port: int = DEFAULT
     """
     if kind not in SERVER_KINDS:
         raise ValueError(f"server kind must be one of {SERVER_KINDS}, got {kind!r}")
+    address = format_address(check_host(host, "--host"), check_port(port, "--port", bind=True))
     store = open_store(state, timeout_s=config.store_timeout_s)
     service = AutotuneService(config, store=store, sample_log=SampleLog(log_dir) if log_dir else None)
     metrics = None
@@ -203,9 +205,9 @@ def serve(config: ServiceConfig, *, host: str = "127.0.0.1", port: int = DEFAULT
         gc.collect()
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
-        asyncio.run(_serve_aio(service, f"{host}:{port}", tls=tls, token=token, metrics=metrics, stop=stop))
+        asyncio.run(_serve_aio(service, address, tls=tls, token=token, metrics=metrics, stop=stop))
     else:
-        _serve_threads(service, f"{host}:{port}", max_workers=max_workers, tls=tls, token=token, metrics=metrics,
+        _serve_threads(service, address, max_workers=max_workers, tls=tls, token=token, metrics=metrics,
                        stop=stop)
     service.close()
     if http_server is not None:
@@ -217,11 +219,11 @@ def serve(config: ServiceConfig, *, host: str = "127.0.0.1", port: int = DEFAULT
 
 def _announce(address: str, bound: int, service: AutotuneService, tls: TlsFiles | None, token: str | None,
               kind: str) -> None:
-    host = address.rsplit(":", 1)[0]
-    logger.info("event=serving address=%s:%d server=%s store=%r log_dir=%s tls=%s token=%s", host, bound, kind,
+    listening = format_address(parse_address(address, "the service address", bind=True)[0], bound)
+    logger.info("event=serving address=%s server=%s store=%r log_dir=%s tls=%s token=%s", listening, kind,
                 service.store, service.sample_log.directory if service.sample_log else None, bool(tls), bool(token))
     # One plain line on stdout that scripts and tests can wait for (the port matters when 0 was asked).
-    print(f"autotune service listening on {host}:{bound}", flush=True)
+    print(f"autotune service listening on {listening}", flush=True)
 
 
 def _serve_threads(service: AutotuneService, address: str, *, max_workers: int, tls: TlsFiles | None,

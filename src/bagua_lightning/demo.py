@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bagua_lightning.core.addresses import format_address
 from bagua_lightning.core.errors import ConfigurationError, ServiceUnavailableError
 from bagua_lightning.core.services_file import (
     ENV_AUTOTUNE,
@@ -100,8 +101,7 @@ def _secrets(autotune: str, hosts: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def _hostport(h: dict[str, Any]) -> str:
-    host = str(h["host"])
-    return f"[{host}]:{h['port']}" if ":" in host else f"{host}:{h['port']}"
+    return format_address(str(h["host"]), int(h["port"]))
 
 
 def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
