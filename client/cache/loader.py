@@ -141,8 +141,8 @@ class CacheLoader:
         if to_fetch and (outage is None or outage.available()):
             everything = len(to_fetch) == len(rkeys)
             fetch_keys = list(map(str.encode, rkeys if everything else [rkeys[j] for j in to_fetch]))
-            fetch = self.store.fetch_sealed if self._secret is not None else self.store.fetch_views
-            values, error = fetch(fetch_keys)
+            values, error = self.store.fetch(fetch_keys, sealed=True) if self._secret is not None \
+                else self.store.fetch(fetch_keys)
             decoded = codec.decode_many(values, fetch_keys, self._allow_pickle, self._secret)
             if everything and codec.Bad not in set(map(type, decoded)):  # every key a hit: the usual batch
                 out = decoded

@@ -84,7 +84,7 @@ def test_a_keyed_loader_reads_sealed_entries_from_the_read_ports(
             check_batch(ds, b)
         assert ds.stats.hits == 64 and ds.stats.corrupt == 0 and ds.stats.errors == 0
         assert _reader_connections(info, tls) == 3  # the hits came through the read ports, as the reader
-        backend: Any = ds.cache_loader.store.backend  # type: ignore[attr-defined]
+        backend: Any = ds.cache_loader.store.nodes  # type: ignore[attr-defined]
         ports = {client.connection_pool.connection_kwargs["port"] for client in backend.reads.clients()}
         assert ports == {node.port + info.read_port_offset for node in info.nodes}
         assert all(c.connection_pool.connection_kwargs["password"] == "" for c in backend.reads.clients())
@@ -159,7 +159,7 @@ def test_a_read_port_that_does_not_answer_leaves_reads_on_the_client_port(
     try:
         check_batch(ds, list(range(32)))
         ds.flush()
-        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.read_ports"):
+        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.nodes"):
             check_batch(ds, list(range(32)))
         assert ds.stats.hits == 32 and ds.stats.corrupt == 0
         assert "read port" in caplog.text and "reading through its client port" in caplog.text
@@ -286,7 +286,7 @@ def test_a_read_port_that_refuses_the_reader_leaves_reads_on_the_client_port(
     squatter = Squatter([rogue_base + i for i in range(3)], lambda key: b"", refuse_auth=True)
     ds = _dataset(info, tls, "open-reads-refused", source, read_port_offset=rogue_base - info.nodes[0].port)
     try:
-        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.read_ports"):
+        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.nodes"):
             _cache_then_read(ds)
         assert ds.stats.misses == 32 and ds.stats.hits == 32 and ds.stats.corrupt == 0, ds.stats
         assert caplog.text.count("reading through its client port") == 3  # once per node
@@ -308,7 +308,7 @@ def test_a_read_port_that_hangs_up_mid_read_costs_the_master_nothing(
         check_batch(ds, list(range(32)))
         ds.flush()
         reader = _dataset(info, tls, "open-reads-hang-up", Source(32), read_port_offset=rogue_base - info.nodes[0].port)
-        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.read_ports"):
+        with caplog.at_level(logging.WARNING, logger="bagua_lightning.client.cache.nodes"):
             check_batch(reader, list(range(32)))
             check_batch(reader, list(range(32)))
         assert reader.stats.hits == 64 and reader.stats.errors == 0 and reader.stats.corrupt == 0, reader.stats
