@@ -80,6 +80,12 @@ class Algorithm(abc.ABC):
     #: True when the algorithm communicates gradients in buckets built from a
     #: BucketPlan (so autotune applies to it).
     uses_gradient_buckets: ClassVar[bool] = False
+    #: Why the algorithm cannot train fault-tolerantly (``ElasticTraining`` refuses it with this), or None when
+    #: it can. Gradient-bucket algorithms can; the weight-averaging ones and qadam say why not.
+    fault_tolerance_refusal: ClassVar[str | None] = (
+        "it is not a gradient-bucket algorithm: its exchange of weights is not yet written for a changing "
+        "set of nodes; use gradient_allreduce, bytegrad or another gradient algorithm"
+    )
     #: True when parameters stay identical on all ranks after every step.
     keeps_replicas_identical: ClassVar[bool] = True
     #: Flat buckets with tensors as views (BaguaStrategy(flatten=...)); set before setup.

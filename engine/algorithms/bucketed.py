@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from ..buckets import Bucket, BucketEngine, BucketStep
 from ..parameters import trainable_parameters
@@ -11,6 +11,7 @@ from .base import Algorithm
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    import torch.distributed as dist
     from torch import nn
 
     from ...proto.plan import BucketPlan, StepTimings
@@ -30,6 +31,18 @@ def thread_comm(comm: CommContext, module: nn.Module) -> CommContext:
     return comm.side_context("thread") if on_cpu and comm.world_size > 1 else comm
 
 
+class CrossNode(Protocol):
+    """The fault-tolerant exchange among nodes (:class:`~bagua_lightning.engine.fault_tolerance.ElasticSession`)."""
+
+    def allreduce(self, tensor: torch.Tensor) -> dist.Work: ...
+
+
+def _across_nodes(step: BucketStep, bucket: Bucket, cross_node: CrossNode) -> BucketStep:
+    """The algorithm's step inside the node, then the bucket averaged across the live nodes."""
+    yield from step
+    yield cross_node.allreduce(bucket.flat)
+
+
 class GradientBucketAlgorithm(Algorithm):
     """Gradients go through a :class:`BucketEngine`; subclasses write :meth:`reduce_bucket`, one bucket step.
 
@@ -42,6 +55,10 @@ class GradientBucketAlgorithm(Algorithm):
     """
 
     uses_gradient_buckets: ClassVar[bool] = True
+    fault_tolerance_refusal: ClassVar[str | None] = None
+    #: Set before setup by :class:`~bagua_lightning.engine.elastic.ElasticTraining`: each bucket, once
+    #: reduced inside the node by :meth:`reduce_bucket`, is averaged across the live nodes through it.
+    cross_node: CrossNode | None = None
     hierarchical: bool
     average: bool
 
@@ -92,7 +109,8 @@ class GradientBucketAlgorithm(Algorithm):
         return self._engine
 
     def bucket_step(self, bucket: Bucket) -> BucketStep:
-        return self.reduce_bucket(bucket, self._set_up(self._comm), self.engine.plan.is_hierarchical_reduce)
+        step = self.reduce_bucket(bucket, self._set_up(self._comm), self.engine.plan.is_hierarchical_reduce)
+        return step if self.cross_node is None else _across_nodes(step, bucket, self.cross_node)
 
     def on_forward_start(self, step: int) -> None:
         engine = self.engine

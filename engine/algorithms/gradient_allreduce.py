@@ -27,7 +27,7 @@ class GradientAllReduceAlgorithm(GradientBucketAlgorithm):
         super().__init__(hierarchical=hierarchical, average=average)
 
     def one_collective(self) -> bool:
-        return not self.engine.plan.is_hierarchical_reduce
+        return self.cross_node is None and not self.engine.plan.is_hierarchical_reduce
 
     def reduce_bucket(self, bucket: Bucket, comm: CommContext, hierarchical: bool) -> BucketStep:
         return allreduce_step(bucket, comm, hierarchical=hierarchical, average=self.average)

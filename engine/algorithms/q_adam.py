@@ -188,6 +188,11 @@ class QAdamAlgorithm(Algorithm):
     """
 
     uses_gradient_buckets = True
+    fault_tolerance_refusal: ClassVar[str | None] = (
+        "its compressed first moment lives in every node's optimizer state and is exchanged in place of the "
+        "gradient: a node that drops out mid-exchange leaves the others' momentum half-updated; use "
+        "gradient_allreduce with torch.optim.Adam for fault-tolerant training"
+    )
     unsupported_precisions: ClassVar[Mapping[str, str]] = {
         "16-mixed": "the loss-scaled gradient would enter the momentum; use precision='bf16-mixed' or '32-true'",
     }

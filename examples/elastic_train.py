@@ -1,0 +1,95 @@
+"""Fault-tolerant training across nodes: run once per node under torchrun; kill a node, start it again.
+
+    bagua-lightning lighthouse --port 29510 &                     # the coordinator, once per job
+    export TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510
+    BAGUA_LIGHTNING_NODE_ID=node0 torchrun --nproc-per-node 2 --master-port 29600 \\
+        -m bagua_lightning.examples.elastic_train --out /tmp/ft &
+    BAGUA_LIGHTNING_NODE_ID=node1 torchrun --nproc-per-node 2 --master-port 29601 \\
+        -m bagua_lightning.examples.elastic_train --out /tmp/ft &
+
+Each rank appends one JSON line per committed step to ``OUT/<node>-<rank>.jsonl`` (the step, the nodes
+of its quorum and the sample indices it trained on) and writes its final weights to
+``OUT/<node>-<rank>.final.pt`` (tensors only). The tests and ``benchmarks/failover_training.py`` run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..engine.algorithms.base import get_algorithm_class
+from ..engine.elastic import ElasticTraining
+from ..engine.fault_tolerance import ElasticSampler, FaultTolerance, Membership
+
+
+def _data(n: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, 1, generator=g)
+    return x, x @ w + 0.1 * torch.randn(n, 1, generator=g)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--samples", type=int, default=640)
+    p.add_argument("--batch-size", type=int, default=4, help="per rank")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of simulated compute per step")
+    p.add_argument("--algorithm", default="gradient_allreduce")
+    p.add_argument("--min-nodes", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--quorum-timeout", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    if "MASTER_PORT" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    node = os.environ.get("BAGUA_LIGHTNING_NODE_ID", "node0")
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = args.out / f"{node}-{rank}.jsonl"
+
+    torch.manual_seed(args.seed + rank + 1000 * int(node[-1]))  # different on purpose: healing makes them equal
+    x, y = _data(args.samples, 16, args.seed)
+    model = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    algorithm = get_algorithm_class(args.algorithm)()
+    sampler = ElasticSampler(args.samples, args.batch_size, seed=args.seed)
+    losses: list[float] = []
+
+    def committed(indices: list[int], m: Membership) -> None:
+        with record.open("a") as f:
+            f.write(json.dumps({"step": m.step, "count": m.count, "nodes": list(m.nodes), "indices": indices,
+                                "loss": losses[-1] if losses else None, "t": time.time()}) + "\n")
+
+    config = FaultTolerance(min_nodes=args.min_nodes, timeout_s=args.timeout, quorum_timeout_s=args.quorum_timeout)
+    training = ElasticTraining(model, optimizer, algorithm, sampler, config, on_commit=committed)
+    loss_fn = nn.MSELoss()
+    try:
+        while sampler.epoch < args.epochs:
+            for indices in training.epoch():
+                loss = loss_fn(training.model(x[indices]), y[indices])
+                loss.backward()
+                losses.append(float(loss))
+                time.sleep(args.step_sleep)
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                   args.out / f"{node}-{rank}.final.pt")
+        print(f"{node}/{rank}: done at step {training.model.driver.step}, redone {training.steps_redone}", flush=True)
+    finally:
+        training.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

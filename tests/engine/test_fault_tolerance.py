@@ -1,0 +1,274 @@
+"""Fault-tolerant training with real processes: a Lighthouse, nodes launched by torchrun, real kills.
+
+Every node is its own ``torchrun`` in its own process group (what a node is: one launcher); killing a
+node is ``killpg`` of that group. Every wait is bounded and every process is stopped after the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bagua_lightning.core.errors import ConfigurationError
+from bagua_lightning.engine.fault_tolerance import (
+    ElasticSampler,
+    FaultTolerance,
+    Membership,
+    PeerCheckpointTransport,
+)
+from tests.procs import free_port, stop_process, wait_until
+from tests.ranks import job_env
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------- without processes
+
+
+def test_settings_are_checked_naming_the_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigurationError, match=r"min_nodes=0.*>= 1"):
+        FaultTolerance(min_nodes=0)
+    with pytest.raises(ConfigurationError, match=r"max_nodes=1.*min_nodes=2"):
+        FaultTolerance(min_nodes=2, max_nodes=1)
+    with pytest.raises(ConfigurationError, match=r"timeout_s=0"):
+        FaultTolerance(timeout_s=0)
+    with pytest.raises(ConfigurationError, match=r"node_id='node'.*ending in"):
+        FaultTolerance(node_id="node")
+    with pytest.raises(ConfigurationError, match="TORCHFT_LIGHTHOUSE"):
+        FaultTolerance(node_id="node0").resolved()
+
+
+def test_the_sampler_re_deals_the_rest_of_the_epoch_over_the_nodes_left() -> None:
+    sampler = ElasticSampler(50, 3, seed=7)
+    seen: list[int] = []
+    counts = [3, 3, 2, 2, 2, 1, 1, 2, 3, 3, 3, 3, 3, 3]  # nodes of each step: some leave, some come back
+    step = 0
+    while not sampler.epoch_done:
+        count = counts[min(step, len(counts) - 1)]
+        membership = Membership(index=0, count=count, step=step, nodes=())
+        for node in range(count):
+            for rank in range(2):
+                seen += sampler.indices(Membership(node, count, step, ()), rank, 2)
+        if step % 4 == 3:  # a step that failed is redone: nothing recorded, the position stays
+            seen = seen[: len(seen) - len([i for n in range(count) for r in range(2)
+                                           for i in sampler.indices(Membership(n, count, step, ()), r, 2)])]
+        else:
+            sampler.advance(membership, 2)
+        step += 1
+    assert sorted(seen) == list(range(50))
+    assert sampler.state_dict() == {"epoch": 0, "position": 50}
+    sampler.next_epoch()
+    assert sampler.state_dict() == {"epoch": 1, "position": 0} and not sampler.epoch_done
+
+
+@pytest.mark.parametrize("name", ["qadam", "decentralized", "async"])
+def test_algorithms_that_cannot_are_refused_at_construction_with_the_reason(name: str) -> None:
+    from bagua_lightning.engine.algorithms.base import get_algorithm_class
+    from bagua_lightning.engine.elastic import ElasticTraining
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cls = get_algorithm_class(name)
+    algorithm = cls() if name != "qadam" else cls.__new__(cls)  # qadam's own constructor needs its optimizer
+    with pytest.raises(ConfigurationError, match=f"algorithm '{name}' cannot train fault-tolerantly: "):
+        ElasticTraining(model, optimizer, algorithm, ElasticSampler(8, 2), FaultTolerance(node_id="node0"))
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("touch /tmp/bagua-lightning-pwned",))
+
+
+def test_healing_state_is_loaded_as_tensors_and_values_never_as_a_pickle() -> None:
+    from datetime import timedelta
+
+    server = PeerCheckpointTransport("127.0.0.1", timedelta(seconds=5))
+    try:
+        state = {"w": torch.arange(4.0), "step": 3, "plan": {"buckets": [["a", "b"]]}}
+        server.send_checkpoint([1], 3, state, timedelta(seconds=5))
+        got = server.recv_checkpoint(0, server.metadata(), 3, timedelta(seconds=5))
+        assert torch.equal(got["w"], state["w"]) and got["step"] == 3 and got["plan"] == state["plan"]
+        assert server.metadata().startswith("http://127.0.0.1:")
+        # A peer that serves a pickle of anything else is refused, and nothing of it runs.
+        buffer = io.BytesIO()
+        torch.save({"x": _Evil()}, buffer)
+        with server._lock:
+            server._payload, server._step, server._allowed = buffer.getvalue(), 4, True
+        with pytest.raises(pickle.UnpicklingError, match=r"Weights only load failed|Unsupported global"):
+            server.recv_checkpoint(0, server.metadata(), 4, timedelta(seconds=5))
+        assert not Path("/tmp/bagua-lightning-pwned").exists()
+    finally:
+        server.shutdown()
+
+
+# ---------------------------------------------------------------------------- real nodes
+
+
+@contextlib.contextmanager
+def _lighthouse(tmp_path: Path, min_nodes: int = 1) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    log = open(tmp_path / "lighthouse.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "bagua_lightning.cli", "lighthouse", "--port", str(port),
+                             "--min-nodes", str(min_nodes), "--heartbeat-timeout-ms", "1500"],
+                            env=job_env({}), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: b"listening" in (tmp_path / "lighthouse.log").read_bytes(), 60, "the lighthouse")
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+class _Node:
+    """One node: a torchrun of ``ranks`` processes training examples/elastic_train.py, in its own group."""
+
+    def __init__(self, tmp_path: Path, lighthouse: str, node: int, ranks: int, *args: str) -> None:
+        self.name, self.ranks, self.out = f"node{node}", ranks, tmp_path / "out"
+        self.log_path = tmp_path / f"node{node}-{len(list(tmp_path.glob(f'node{node}*.log')))}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        env = job_env({"TORCHFT_LIGHTHOUSE": lighthouse, "BAGUA_LIGHTNING_NODE_ID": self.name,
+                       "TORCHFT_MANAGER_PORT": str(free_port())})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+             str(free_port()), "--max-restarts", "0", "-m", "bagua_lightning.examples.elastic_train",
+             "--out", str(self.out), *args],
+            env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def committed(self) -> int:
+        path = self.out / f"{self.name}-0.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def signal(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)  # this node's own process group: the torchrun we started and its ranks
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGCONT)
+        stop_process(self.proc)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def _nodes(*nodes: _Node) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def _records(out: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def _trained_indices(out: Path) -> list[int]:
+    """Every index whose step's update lives on: per step number, the records of the last quorum that
+    committed it (a node that committed a step its peers redid died with that update)."""
+    by_step: dict[int, dict[tuple[int, tuple[str, ...]], list[dict[str, object]]]] = {}
+    for r in _records(out):
+        by_step.setdefault(int(r["step"]), {}).setdefault((int(r["count"]), tuple(r["nodes"])), []).append(r)
+    indices: list[int] = []
+    for groups in by_step.values():
+        latest = max(groups.values(), key=lambda rs: max(float(r["t"]) for r in rs))
+        indices += [i for r in latest for i in r["indices"]]
+    return sorted(indices)
+
+
+def _final(out: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"{name}.final.pt", weights_only=True)
+
+
+@pytest.mark.slow
+def test_a_killed_node_leaves_the_others_training_and_heals_from_a_live_peer_when_back(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks; kill -9 node1 mid-epoch; node0 trains on alone; node1 comes back, heals, and ends
+    the epoch with node0's weights; every sample of the epoch was trained on exactly once."""
+    args = ("--samples", "960", "--step-sleep", "0.1", "--timeout", "5")
+    with _lighthouse(tmp_path) as (lighthouse, _):
+        node0 = _Node(tmp_path, lighthouse, 0, 2, *args)
+        node1 = _Node(tmp_path, lighthouse, 1, 2, *args)
+        with _nodes(node0, node1):
+            wait_until(lambda: node1.committed() >= 8, 180, "node1's 8th committed step")
+            node1.signal(signal.SIGKILL)
+            node1.wait(30)
+            at_kill = node0.committed()
+            wait_until(lambda: node0.committed() >= at_kill + 5, 60, "node0 training on without node1")
+            alone = [r for r in _records(tmp_path / "out") if r["nodes"] == ["node0"]]
+            assert alone, "node0 never trained in a quorum of its own"
+            back = _Node(tmp_path, lighthouse, 1, 2, *args)
+            with _nodes(back):
+                assert node0.wait(240) == 0, node0.text()[-4000:]
+                assert back.wait(60) == 0, back.text()[-4000:]
+                assert "healed from a live peer" in back.text()
+    assert _trained_indices(tmp_path / "out") == list(range(960))
+    final = {f"node{n}-{r}": _final(tmp_path / "out", f"node{n}-{r}") for n in (0, 1) for r in (0, 1)}
+    for name, state in final.items():
+        for key, value in state.items():
+            assert torch.equal(value, final["node0-0"][key]), (name, key)
+
+
+@pytest.mark.slow
+def test_below_min_nodes_the_job_ends_naming_the_lost_node(tmp_path: Path) -> None:
+    args = ("--samples", "4000", "--step-sleep", "0.05", "--min-nodes", "2", "--timeout", "3",
+            "--quorum-timeout", "6")
+    with _lighthouse(tmp_path, min_nodes=2) as (lighthouse, _):
+        node0 = _Node(tmp_path, lighthouse, 0, 1, *args)
+        node1 = _Node(tmp_path, lighthouse, 1, 1, *args)
+        with _nodes(node0, node1):
+            wait_until(lambda: node0.committed() >= 5, 180, "node0's 5th committed step")
+            node1.signal(signal.SIGKILL)
+            code = node0.wait(90)  # bounded: quorum_timeout plus a step's timeout, not the default 60 s
+    text = node0.text()
+    assert code != 0
+    assert "FaultToleranceError" in text and "min_nodes=2" in text and "lost: ['node1']" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_killed_coordinator_ends_the_job_cleanly(tmp_path: Path) -> None:
+    args = ("--samples", "4000", "--step-sleep", "0.05", "--timeout", "3", "--quorum-timeout", "6")
+    with _lighthouse(tmp_path) as (lighthouse, lighthouse_proc):
+        node0 = _Node(tmp_path, lighthouse, 0, 1, *args)
+        node1 = _Node(tmp_path, lighthouse, 1, 1, *args)
+        with _nodes(node0, node1):
+            wait_until(lambda: node0.committed() >= 5, 180, "node0's 5th committed step")
+            os.killpg(lighthouse_proc.pid, signal.SIGKILL)
+            codes = [node0.wait(90), node1.wait(90)]
+    assert all(c != 0 for c in codes)
+    for node in (node0, node1):
+        assert "FaultToleranceError" in node.text() and "coordinator" in node.text(), node.text()[-3000:]
+
+
+@pytest.mark.slow
+def test_a_stopped_node_is_dropped_and_after_sigcont_heals_without_corrupting_the_group(tmp_path: Path) -> None:
+    args = ("--samples", "1200", "--step-sleep", "0.05", "--timeout", "3")
+    with _lighthouse(tmp_path) as (lighthouse, _):
+        node0 = _Node(tmp_path, lighthouse, 0, 1, *args)
+        node1 = _Node(tmp_path, lighthouse, 1, 1, *args)
+        with _nodes(node0, node1):
+            wait_until(lambda: node1.committed() >= 5, 180, "node1's 5th committed step")
+            node1.signal(signal.SIGSTOP)
+            at_stop = node0.committed()
+            wait_until(lambda: node0.committed() >= at_stop + 5, 60, "node0 training on while node1 is stopped")
+            node1.signal(signal.SIGCONT)
+            assert node0.wait(240) == 0, node0.text()[-4000:]
+            assert node1.wait(60) == 0, node1.text()[-4000:]
+    assert _trained_indices(tmp_path / "out") == list(range(1200))
+    a, b = _final(tmp_path / "out", "node0-0"), _final(tmp_path / "out", "node1-0")
+    assert all(torch.equal(a[k], b[k]) for k in a)
