@@ -58,7 +58,7 @@ from torch.utils.data import Dataset
 
 from bagua_lightning.client import CachedDataset, RedisStore
 from bagua_lightning.client.cache import codec, digests
-from bagua_lightning.client.cache.backends import pack_gets
+from bagua_lightning.client.cache.resp import pack_gets
 from bagua_lightning.services.redis_cluster import ClusterSpec, running_cluster
 from bagua_lightning.services.redis_tls import client_tls
 
@@ -94,7 +94,7 @@ class OneThread:
         self.dataset = dataset
 
     def __getitems__(self, batch: list[int]) -> Any:
-        held = self.dataset.cache_loader.store.backend.held
+        held = self.dataset.cache_loader.store.nodes.held
         threads, held.decrypt_threads = held.decrypt_threads, False
         try:
             return self.dataset.__getitems__(batch)
@@ -212,7 +212,7 @@ def main() -> None:
                 tls_ds.__getitems__(batch)
             tls_ds.flush()
             tls_ds.cache_loader.reset_stats()
-            held = tls_ds.cache_loader.store.backend.held
+            held = tls_ds.cache_loader.store.nodes.held
             if args.decrypt_threads == "on":
                 held.decrypt_threads = True
             print(f"(t) decrypts with a thread per node: {held.decrypt_threads} ({os.cpu_count()} cores, "
@@ -338,7 +338,7 @@ def main() -> None:
         assert keyed.stats.corrupt == 0, keyed.stats
         tls_cipher = "-"
         if tls_ds is not None:
-            held = tls_ds.cache_loader.store.backend.held._local.held.conns.values()
+            held = tls_ds.cache_loader.store.nodes.held._local.held.conns.values()
             tls_cipher = ", ".join(sorted({f"{type(conn._sock).__name__} {conn._sock.cipher()[0]}" for _, conn in held}))
             assert tls_ds.stats.misses == 0 and tls_ds.stats.hits == n * args.repeats * paired * len(tls_run), \
                 tls_ds.stats

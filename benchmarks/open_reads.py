@@ -107,7 +107,7 @@ def main() -> None:
                         times[name].append(time.perf_counter() - t)
             for name, ds in readers.items():
                 assert ds.stats.misses == 0 and ds.stats.corrupt == 0, (name, ds.stats)
-            opened = readers["s"].cache_loader.store.backend.reads.clients()  # type: ignore[attr-defined]
+            opened = readers["s"].cache_loader.store.nodes.reads.clients()  # type: ignore[attr-defined]
             assert len(opened) == 3, "(s) did not read from the three read ports"
         finally:
             for ds in readers.values():

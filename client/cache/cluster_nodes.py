@@ -1,4 +1,4 @@
-"""How a :class:`~.store.RedisStore` talks to a Redis Cluster: pipelined reads and writes per master, isolated
+"""The nodes of a :class:`~.store.RedisStore` on a Redis Cluster: pipelined reads and writes per master, isolated
 per node.
 
 redis-py's ``RedisCluster`` keeps the slot map (and connects to the nodes); reads and writes go to each master
@@ -11,8 +11,8 @@ directly, grouped by the master that serves their slot, so that one failing mast
   rate-limited and back off while no node answers (a MOVED storm costs one reload per interval);
 * a key whose slot no master serves is a miss.
 
-Open reads (``open_reads``, the loader's reads of sealed entries) go to each master's read port
-(:mod:`.read_ports`); the slot map still comes from the client port, and a key the reader may not read, or
+Reads of sealed entries (``fetch(keys, sealed=True)``, the loader's with a cache key) go to each master's read
+port (:class:`~.nodes.ReadPorts`); the slot map still comes from the client port, and a key the reader may not read, or
 one whose read port failed, is read again through the client port.
 """
 
@@ -30,20 +30,20 @@ from redis.cluster import REDIS_CLUSTER_HASH_SLOTS, RedisCluster
 from redis.crc import key_slot
 
 from ...core.pinned_redis import close_cluster, cluster_client
-from .backends import (
+from .faults import CONNECT, NodeBreakers
+from .nodes import (
+    NO_RETRY,
+    REFUSED,
     STORE_ERRORS,
-    Backend,
-    HeldConnections,
+    Nodes,
     Sent,
     Value,
     backing_off,
     node_down_reply,
     read_pipelined,
 )
-from .faults import CONNECT, NodeBreakers
 from .options import RedisOptions
-from .read_ports import NO_RETRY, REFUSED, ReadPorts
-from .resp import BufferPool, Replies, pack_gets
+from .resp import Replies, pack_gets
 
 log = logging.getLogger(__name__)
 
@@ -51,22 +51,16 @@ REFRESH_INTERVAL_S = 0.5  # the slot map is reloaded at most this often (failove
 REDIRECTS = ("MOVED", "ASK")
 
 
-class ClusterBackend(Backend):
+class ClusterNodes(Nodes):
     """A real Redis Cluster: slot map from redis-py's cluster client, reads and writes per master."""
 
     def __init__(self, hosts: list[tuple[str, int]], options: RedisOptions,
                  breakers: NodeBreakers | None = None) -> None:
-        self.options = options
-        self.breakers = breakers if breakers is not None else NodeBreakers(f"Redis at {hosts}")
-        self.retry = options.retry()
+        super().__init__(hosts, options, breakers)
         self.rc: RedisCluster = cluster_client(hosts, retry=options.retry(), require_full_coverage=False,
                                                **options.connection_kwargs())
         self._slots: tuple[list[Any], list[int]] | None = None
         self._next_refresh = 0.0
-        self.skipped: list[str] = []
-        self.pool = BufferPool()
-        self.held = HeldConnections()
-        self.reads = ReadPorts(options)
 
     def _refresh(self, failed: str | None = None) -> bool:
         """Reload the slot map from a live node (a failover may have moved slots); rate-limited. Whether it ran."""
@@ -143,10 +137,10 @@ class ClusterBackend(Backend):
             self._refresh()
         return groups, uncovered
 
-    def _send(self, node: Any, packed: bytes, open_reads: bool) -> Sent:
-        """Send the GETs ``packed`` to master ``node``: to its read port with ``open_reads`` where it has
-        one that answers, else to its client port."""
-        reader = self.reads.client(node.host, node.port) if open_reads else None
+    def _send(self, node: Any, packed: bytes, sealed: bool) -> Sent:
+        """Send the GETs ``packed`` to master ``node``: to its read port with ``sealed`` where it has one that
+        answers, else to its client port."""
+        reader = self.reads.client(node.host, node.port) if sealed else None
         if reader is not None:
             try:
                 return reader, self.held.send(reader, packed, NO_RETRY), [], node.name
@@ -157,7 +151,7 @@ class ClusterBackend(Backend):
             raise redis.ConnectionError(f"no connection to cluster node {node.name}")
         return client, self.held.send(client, packed, self.retry), [], node.name
 
-    def fetch(self, keys: Sequence[bytes], views: bool = False, *, again: bool = True, open_reads: bool = False
+    def fetch(self, keys: Sequence[bytes], sealed: bool = False, *, again: bool = True
               ) -> tuple[list[Any], BaseException | None]:
         out: list[Any] = [None] * len(keys)
         groups, uncovered = self._prepare(keys)
@@ -166,21 +160,21 @@ class ClusterBackend(Backend):
         by_reader: dict[str, tuple[str, int, list[int]]] = {}  # masters read from their read port
         for node, idx in groups:
             try:
-                client, conn, _, name = self._send(node, pack_gets([keys[j] for j in idx]), open_reads)
+                client, conn, _, name = self._send(node, pack_gets([keys[j] for j in idx]), sealed)
                 conns.append((client, conn, idx, name))
                 if client is not node.redis_connection:
                     by_reader[name] = (node.host, node.port, idx)
             except STORE_ERRORS as exc:
                 failed.append((node.name, exc))
         errored: list[tuple[int, BaseException]] = []
-        run = read_pipelined(conns, out, errored, views, self._receiver(len(keys)), self.held, failed)
+        run = read_pipelined(conns, out, errored, self._receiver(len(keys)), self.held, failed)
         redirected, refused = self._errored(errored, conns, failed)
         if by_reader and failed:  # a read port that broke off is the read port's failure, not the master's
             refused += self.reads.reclaim(failed, by_reader)
         error = self._account([c[3] for c in conns], failed, uncovered, keys)
         again_keys = refused if not (redirected and self._refresh() and again) else refused + redirected
         if again_keys:  # read once more (through the new slot map, or the client port), else misses
-            values, err = self.fetch([keys[j] for j in again_keys], views, again=False)
+            values, err = self.fetch([keys[j] for j in again_keys], again=False)
             for j, v in zip(again_keys, values, strict=True):
                 out[j] = v
             error = error or err

@@ -43,7 +43,7 @@ miss). Entries of format version 1 are misses, rewritten in this format.
 Decoding a reply buffer (``bytes``) that the caller hands over (``owned=True``) builds tensors directly on it,
 with no copy; otherwise arrays view one writable copy of the data region. :func:`decode_many` decodes a batch
 of entries (views of receive buffers, say) by column. When the fetch says that its entries lie evenly in one
-receive buffer (:class:`~.backends.Replies`), the tensors of the batch are views of that buffer where they lie
+receive buffer (:class:`~.resp.Replies`), the tensors of the batch are views of that buffer where they lie
 (it is then the samples' own: the buffer pool hands it out again only once no sample holds it); otherwise the
 array leaves of the batch are copied into one block. The sealed entries of a batch are decrypted into one new
 block (:mod:`.batch_sealed`), and their tensors view it: decrypting is the copy. Pickle (flag bit 0) is

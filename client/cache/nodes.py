@@ -1,37 +1,42 @@
-"""How a :class:`~.store.RedisStore` talks to independent servers, and what every backend shares.
+"""The nodes of a :class:`~.store.RedisStore`: how it talks to its servers (independent servers here, a Redis
+Cluster in :mod:`.cluster_nodes`), and what both share.
 
-Batched reads send their commands on every node before reading any reply, so a batch costs about one round
-trip however many nodes it touches. Failures are isolated per node: a node that fails is skipped (no network
-call) until its next try (:class:`~.faults.NodeBreakers`), and the keys of the other nodes keep being read and
-written. Backends report failures beside the values instead of raising, so the loader serves the keys of the
-reachable nodes and loads the rest from the source. A Redis Cluster is :mod:`.cluster_backend`'s.
+A store holds one :class:`ServerNodes` or :class:`~.cluster_nodes.ClusterNodes`, per process (its ``nodes``);
+neither is a store (:class:`~.store.Store` is the one interface samples are read through). Batched reads send
+their commands on every node before reading any reply, so a batch costs about one round trip however many
+nodes it touches. Failures are isolated per node: a node that fails is skipped (no network call) until its
+next try (:class:`~.faults.NodeBreakers`), and the keys of the other nodes keep being read and written. Nodes
+report failures beside the values instead of raising, so the loader serves the keys of the reachable nodes and
+loads the rest from the source.
+
+**Read ports** (docs/deployment.md, "Open reads"; :class:`ReadPorts`). A node's read port is its client port
+plus the deployment's offset (:attr:`~.options.RedisOptions.read_port_offset`): plaintext, where the
+password-less reader (:mod:`bagua_lightning.core.read_plane`) may only read. The ``GET``\\s of sealed entries
+(``fetch(keys, sealed=True)``) go there, never a secret. A read port that refuses, does not answer or breaks
+off mid-read is the read port's failure, not its node's: it is left alone for :data:`RETRY_S` (one warning
+while it keeps failing), and its keys are read again through the node's client port.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import weakref
-from abc import ABC, abstractmethod
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis
 import redis.exceptions
+from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ...core.pinned_redis import redis_client
+from ...core.redis_server import reader_client
 from .faults import NodeBreakers
 from .hashing import RendezvousHash
-from .options import RedisOptions
-from .read_ports import NO_RETRY, REFUSED, ReadPorts
-from .resp import BufferPool, Receiver, Replies, _raw_socket, pack_gets, read_replies
-from .tls_decrypt import DecryptWorkers
-from .tls_stream import take_connection
+from .options import SOCKET_READ_SIZE, RedisOptions
+from .resp import BufferPool, HeldConnections, Receiver, Replies, _raw_socket, pack_gets, read_replies
 
-__all__ = ["STORE_ERRORS", "Backend", "BufferPool", "HeldConnections", "NodesBackend", "Receiver", "Replies",
-           "Value", "pack_gets", "probe_is_cluster", "read_replies"]
+__all__ = ["STORE_ERRORS", "Nodes", "ReadPorts", "ServerNodes", "Value", "probe_is_cluster"]
 
 log = logging.getLogger(__name__)
 
@@ -61,22 +66,80 @@ RETRYABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 NODE_DOWN_REPLIES = ("CLUSTERDOWN", "MASTERDOWN", "LOADING")
 
 
-class Backend(ABC):
-    """Reads and writes of one store, with one :class:`~.faults.NodeBreakers` per process (``breakers``)."""
+RETRY_S = 30.0  # a read port that failed is tried again after this long
+NO_RETRY = Retry(NoBackoff(), 0)  # a read port that fails is left for the client port at once
+REFUSED = "NOPERM"  # an error reply for a key the reader may not read: read it through the client port
+
+
+class ReadPorts:
+    """The read-port clients of a store's nodes, by the node's (host, client port) (see the module's docstring)."""
+
+    def __init__(self, options: RedisOptions) -> None:
+        self.options = options
+        self.offset = options.read_port_offset
+        self._clients: dict[tuple[str, int], redis.Redis] = {}
+        self._off: dict[tuple[str, int], float] = {}  # read ports that failed -> when to try again
+
+    def client(self, host: str, port: int) -> redis.Redis | None:
+        """The read-port client of the node at ``host:port``; None: no read ports, or this one failed lately."""
+        where = (host, port)
+        if self.offset is None or time.monotonic() < self._off.get(where, 0.0):
+            return None
+        client = self._clients.get(where)
+        if client is None:
+            client = self._clients[where] = reader_client(
+                host, port + self.offset, self.options.socket_timeout_s, self.options.connect_timeout_s,
+                socket_read_size=SOCKET_READ_SIZE)
+        return client
+
+    def failed(self, host: str, port: int, name: str, exc: BaseException) -> None:
+        """Leave the read port of the node at ``host:port`` alone for :data:`RETRY_S`."""
+        where = (host, port)
+        if where not in self._off:
+            log.warning("the read port %s:%d of cache node %s failed (%s); reading through its client port, "
+                        "trying the read port again in %.0f s", host, port + (self.offset or 0), name, exc, RETRY_S)
+        self._off[where] = time.monotonic() + RETRY_S
+
+    def reclaim(self, failed: list[tuple[str, BaseException]], by_reader: dict[str, tuple[str, int, list[int]]]
+                ) -> list[int]:
+        """Take the failures of the read ports (``by_reader``: node name -> host, port, key indices read there)
+        out of ``failed``, their nodes did not fail; the indices of their keys, to read again."""
+        again: list[int] = []
+        for name, lost in [f for f in failed if f[0] in by_reader]:
+            host, port, idx = by_reader[name]
+            self.failed(host, port, name, lost)
+            again += idx
+        failed[:] = [f for f in failed if f[0] not in by_reader]
+        return again
+
+    def clients(self) -> list[Any]:
+        return list(self._clients.values())
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+
+
+class Nodes:
+    """What :class:`ServerNodes` and :class:`~.cluster_nodes.ClusterNodes` share: the settings, the per-node
+    breakers, the connections held per thread, the receive buffers and the read ports.
+
+    Both have ``fetch(keys, sealed)`` (encoded keys; values as views of the receive buffers, in a
+    :class:`~.resp.Replies`; None: missing or on a failed node; and the first error met), ``put(items,
+    overwrite)``, ``writable()``, ``primaries()`` (one client per master, for administration),
+    ``client_for_key(key)`` (for the catalog) and ``close()``.
+    """
 
     reply_bytes = 0  # size of a recent reply: sizes the receive buffers of the next fetch
-    pool: BufferPool
-    breakers: NodeBreakers
 
-    @abstractmethod
-    def fetch(self, keys: Sequence[bytes], views: bool = False, *, open_reads: bool = False
-              ) -> tuple[list[Any], BaseException | None]:
-        """Values of ``keys`` (encoded; None: missing or on a failed node) and the first error met, if any.
-
-        ``views``: values may be read-only views of receive buffers instead of ``bytes`` (faster; for callers
-        that copy what they keep). ``open_reads``: the caller authenticates and decrypts the entries itself
-        (sealed with the cache key), so they may come from the nodes' read ports where they have them.
-        """
+    def __init__(self, hosts: list[tuple[str, int]], options: RedisOptions, breakers: NodeBreakers | None) -> None:
+        self.options = options
+        self.breakers = breakers if breakers is not None else NodeBreakers(f"Redis at {hosts}")
+        self.retry = options.retry()
+        self.pool = BufferPool()
+        self.held = HeldConnections()
+        self.reads = ReadPorts(options)
+        self.skipped: list[str] = []  # nodes left out of the last batch: backing off
 
     def _receiver(self, n: int) -> Receiver:
         """A receive area for ``n`` replies, sized by the values of a recent fetch."""
@@ -88,37 +151,19 @@ class Backend(ABC):
                 self.reply_bytes = len(v)
                 return
 
-    @abstractmethod
-    def put(self, items: Sequence[tuple[str, Value]], overwrite: bool) -> tuple[list[bool], BaseException | None]:
-        """Write; per key whether it was written (False: existed and not ``overwrite``, or its node failed)."""
-
-    @abstractmethod
-    def writable(self) -> bool:
-        """Whether some master is not backing off (no network call)."""
-
-    @abstractmethod
-    def primaries(self) -> list[redis.Redis]:
-        """One client per master, for administration (DBSIZE, SCAN, FLUSHDB)."""
-
-    @abstractmethod
-    def client_for_key(self, key: str) -> Any:
-        """A client that accepts ordinary commands on ``key`` (for the catalog)."""
-
-    @abstractmethod
-    def close(self) -> None: ...
-
 
 Sent = tuple[redis.Redis, Any, list[int], str]  # (client, connection, key indices, node name)
 
 
-def read_pipelined(conns: list[Sent], out: list[Any], errored: list[tuple[int, BaseException]], views: bool,
-                   receiver: Receiver, held: HeldConnections, failed: list[tuple[str, BaseException]]) -> Any:
+def read_pipelined(conns: list[Sent], out: list[Any], errored: list[tuple[int, BaseException]], receiver: Receiver,
+                   held: HeldConnections, failed: list[tuple[str, BaseException]]) -> Any:
     """Read the ``GET`` replies of commands already sent on every (held) connection. A connection whose replies
     were not all read is dropped, never used again.
 
     Values go to ``out``; error replies (MOVED, ASK, CLUSTERDOWN, WRONGTYPE...) to ``errored`` as (key index,
-    error); nodes whose read failed to ``failed`` as (name, error). Returns, with ``views``, the run of the values
-    (see :class:`Replies`). ``views``: values may be views of the receive buffers, else ``bytes``.
+    error); nodes whose read failed to ``failed`` as (name, error). Values are views of the receive buffers (or
+    ``bytes`` where redis-py's parser had bytes of its own buffered). Returns the run of the values (see
+    :class:`~.resp.Replies`).
     """
     order: list[int] = []  # the keys in the order their values were received
     if len(conns) > 1 and held.decrypt_threads:
@@ -129,8 +174,6 @@ def read_pipelined(conns: list[Sent], out: list[Any], errored: list[tuple[int, B
             sock = _raw_socket(conn)
             if sock is not None:
                 replies = receiver.read(sock, len(idx))
-                if not views:
-                    replies = [bytes(v) if type(v) is memoryview else v for v in replies]
             else:
                 replies = read_replies(conn, len(idx))
                 receiver.even = False
@@ -149,7 +192,7 @@ def read_pipelined(conns: list[Sent], out: list[Any], errored: list[tuple[int, B
             raise
     receiver.pool.give(receiver.used)
     # A failed read, an error reply (a redirection) or a nil leaves the receiver uneven: no run then.
-    return receiver.run(order) if views else None
+    return receiver.run(order)
 
 
 def backing_off(names: list[str]) -> BaseException | None:
@@ -162,128 +205,17 @@ def node_down_reply(reply: BaseException) -> bool:
     return str(reply).startswith(NODE_DOWN_REPLIES)
 
 
-class _Held:
-    """One thread's held connections: ``conns``, id(client) -> (client, connection). Given back when the thread
-    ends (its ``threading.local`` storage goes, and this with it)."""
-
-    __slots__ = ("__weakref__", "conns", "workers")
-
-    def __init__(self) -> None:
-        self.conns: dict[int, tuple[Any, Any]] = {}
-        self.workers = DecryptWorkers()  # TLS: one decrypting thread per node, started on first use
-
-    def give_back(self) -> None:
-        conns, self.conns = list(self.conns.values()), {}
-        for client, conn in conns:
-            conn.disconnect()
-            client.connection_pool.release(conn)
-        self.workers.stop()
-
-    def __del__(self) -> None:
-        try:
-            self.give_back()
-        except Exception:  # interpreter shutdown: nothing left to tidy
-            pass
-
-
-class HeldConnections:
-    """One connection per node and thread, kept out of the node's connection pool from one fetch to the next.
-
-    A fetch then skips the pool's checkout and return (a lock, a liveness poll of the socket, bookkeeping,
-    metrics): about a tenth of the cost of reading a batch. Over TLS the held connection is a
-    :class:`~.tls_stream.MemoryTLSConnection` (records decrypted from memory, many per call); with
-    ``decrypt_threads`` set (off by default: slower where measured), a batch's replies from several
-    nodes are decrypted at once, one thread per node (:mod:`.tls_decrypt`; started once, kept with the
-    connections). Every fetch reads all the replies it asked for or
-    drops the connection (:meth:`drop`), so a held connection never carries a stray reply into the next fetch;
-    the reader also refuses bytes beyond the replies it expects. A forked child (a DataLoader worker) forgets the
-    connections of its parent without touching them and holds its own.
-    """
-
-    def __init__(self) -> None:
-        # TLS: decrypt each node's replies on its own thread (opt-in). Off by default: the hand-overs cost
-        # more than the parallel decryption gains, measured on 2 cores and on 64 (docs/benchmarks.md).
-        self.decrypt_threads = False
-        self._pid = os.getpid()
-        self._local = threading.local()
-        self._threads: weakref.WeakSet[_Held] = weakref.WeakSet()
-
-    def _held(self) -> _Held:
-        if self._pid != os.getpid():  # a forked child: the parent's sockets (and threads) are the parent's
-            for inherited in list(self._threads):
-                inherited.conns, inherited.workers = {}, DecryptWorkers()  # forgotten, not closed
-            self._pid, self._local, self._threads = os.getpid(), threading.local(), weakref.WeakSet()
-        held: _Held | None = getattr(self._local, "held", None)
-        if held is None:
-            held = self._local.held = _Held()
-            self._threads.add(held)
-        return held
-
-    def _mine(self) -> dict[int, tuple[Any, Any]]:
-        return self._held().conns
-
-    def prefetch(self, conns: list[Sent]) -> None:
-        """Start decrypting the replies of every TLS connection of ``conns`` (sent, not yet read), each on its
-        node's worker thread (:mod:`.tls_decrypt`); plaintext connections are left as they are."""
-        self._held().workers.start([(id(client), conn, len(idx)) for client, conn, idx, _ in conns])
-
-    def send(self, client: redis.Redis, packed: bytes, retry: Retry) -> Any:
-        """Send pre-packed RESP on this thread's connection to ``client``, reconnecting with backoff."""
-        mine = self._mine()
-        entry = mine.get(id(client))
-        if entry is None or entry[0] is not client:
-            entry = mine[id(client)] = (client, take_connection(client.connection_pool))  # TLS: decrypted from memory
-        conn = entry[1]
-        try:
-            retry.call_with_retry(lambda: conn.send_packed_command([packed]), lambda _err: conn.disconnect())
-        except BaseException:
-            self.drop(client, conn)
-            raise
-        return conn
-
-    def drop(self, client: redis.Redis, conn: Any) -> None:
-        """Disconnect ``conn`` and give it back to its pool; the next fetch takes a fresh one."""
-        conn.disconnect()
-        mine = self._mine()
-        if mine.get(id(client), (None, None))[1] is conn:
-            del mine[id(client)]
-        client.connection_pool.release(conn)
-
-    def forget(self, clients: list[Any]) -> None:
-        """Give back this thread's connections to clients other than ``clients`` (nodes that left the cluster)."""
-        mine = self._mine()
-        live = {id(c) for c in clients}
-        for key in [k for k in mine if k not in live]:
-            client, conn = mine.pop(key)
-            conn.disconnect()
-            client.connection_pool.release(conn)
-            self._held().workers.forget(key)
-
-    def close(self) -> None:
-        """Give back every thread's connections."""
-        if self._pid == os.getpid():
-            for held in list(self._threads):
-                held.give_back()
-        self._local, self._threads = threading.local(), weakref.WeakSet()
-
-
-class NodesBackend(Backend):
+class ServerNodes(Nodes):
     """Independent servers, keys placed by rendezvous hashing."""
 
     def __init__(self, hosts: list[tuple[str, int]], options: RedisOptions,
                  breakers: NodeBreakers | None = None) -> None:
+        super().__init__(hosts, options, breakers)
         self.hosts = hosts
-        self.options = options
-        self.breakers = breakers if breakers is not None else NodeBreakers(f"Redis at {hosts}")
-        self.retry = options.retry()
         self.clients = [redis_client(h, p, retry=options.retry(), retry_on_error=list(RETRYABLE_ERRORS),
                                      **options.connection_kwargs()) for h, p in hosts]
         self.names = [f"{h}:{p}" for h, p in hosts]
         self.ring = RendezvousHash(self.names)
-        self.pool = BufferPool()
-        self.held = HeldConnections()
-        self.reads = ReadPorts(options)
-        self.skipped: list[str] = []
 
     def _group(self, keys: Sequence[str | bytes]) -> dict[int, list[int]]:
         """The keys by node; nodes backing off are left out (their keys are misses, without a network call) and
@@ -299,17 +231,16 @@ class NodesBackend(Backend):
             groups = {n: idx for n, idx in groups.items() if available(self.names[n])}
         return groups
 
-    def fetch(self, keys: Sequence[bytes], views: bool = False, *, open_reads: bool = False
-              ) -> tuple[list[Any], BaseException | None]:
+    def fetch(self, keys: Sequence[bytes], sealed: bool = False) -> tuple[list[Any], BaseException | None]:
         out: list[Any] = [None] * len(keys)
         conns: list[Sent] = []
         failed: list[tuple[str, BaseException]] = []
-        by_reader: dict[str, tuple[str, int, list[int]]] = {}  # nodes read from their read port (open reads)
+        by_reader: dict[str, tuple[str, int, list[int]]] = {}  # nodes read from their read port (sealed)
         for node, idx in self._group(keys).items():
             client, name = self.clients[node], self.names[node]
             packed = pack_gets([keys[j] for j in idx])
             host, port = self.hosts[node]
-            reader = self.reads.client(host, port) if open_reads else None
+            reader = self.reads.client(host, port) if sealed else None
             try:
                 if reader is not None:
                     try:
@@ -324,7 +255,7 @@ class NodesBackend(Backend):
         # An error reply here (WRONGTYPE: a key of another type) leaves the value None, a miss, as MGET did;
         # a key the reader may not read, or one whose read port broke off, is read again through the client port.
         errored: list[tuple[int, BaseException]] = []
-        run = read_pipelined(conns, out, errored, views, self._receiver(len(keys)), self.held, failed)
+        run = read_pipelined(conns, out, errored, self._receiver(len(keys)), self.held, failed)
         again = [j for j, e in errored if str(e).startswith(REFUSED)]
         if by_reader and failed:
             again += self.reads.reclaim(failed, by_reader)
@@ -332,7 +263,7 @@ class NodesBackend(Backend):
         failed += [(self.names[n], redis.exceptions.ResponseError(f"{self.names[n]} cannot serve")) for n in down]
         error = self.breakers.account([c[3] for c in conns], failed) or backing_off(self.skipped)
         if again:
-            values, err = self.fetch([keys[j] for j in again], views)
+            values, err = self.fetch([keys[j] for j in again])
             for j, v in zip(again, values, strict=True):
                 out[j] = v
             error, run = error or err, None

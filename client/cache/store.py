@@ -1,4 +1,5 @@
-"""Key-value stores for the sample cache: the :class:`Store` interface and :class:`RedisStore`.
+"""Key-value stores for the sample cache: :class:`Store`, the one interface samples are read through, and its
+implementations :class:`RedisStore` and :class:`ClusterStore`.
 
 ``RedisStore`` picks its topology from what it finds:
 
@@ -16,7 +17,8 @@ and a pickled store (``spawn``) carries only its configuration.
 
 Failures are isolated per node (:class:`~.faults.NodeBreakers`): a node that fails is skipped without network
 calls until its next try while the others keep serving, and a store that cannot connect at all backs off the
-same way. :meth:`RedisStore.fetch` and :meth:`RedisStore.put` never raise for anything Redis does; one warning
+same way (the nodes: :mod:`.nodes`, :mod:`.cluster_nodes`). :meth:`RedisStore.fetch` and :meth:`RedisStore.put`
+never raise for anything Redis does; one warning
 is logged per outage (per process), one info line when every node answers again.
 """
 
@@ -31,13 +33,15 @@ from typing import Any
 import redis
 
 from ...core.errors import ConfigurationError
+from ...core.read_plane import SEALED_KEY_PREFIX
 from ...core.services_file import resolve_redis_hosts
 from ...core.tls_trust import explain_untrusted
-from .backends import STORE_ERRORS, Backend, NodesBackend, Value, probe_is_cluster
 from .catalog import RESERVED_KEYS, Catalog, RedisCatalog
-from .cluster_backend import ClusterBackend
+from .cluster_nodes import ClusterNodes
+from .entry import SEAL_PREFIX
 from .faults import CONNECT, NodeBreakers, OutagePolicy
 from .hashing import RendezvousHash
+from .nodes import STORE_ERRORS, ServerNodes, Value, probe_is_cluster
 from .options import RedisOptions, parse_hosts
 
 log = logging.getLogger(__name__)
@@ -45,7 +49,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CAPACITY = 100 * 1024**3  # bytes per node, as in Bagua (capped to the machine when not asked for)
 # Ends the outage warning of a store on named servers: the command that starts (and the one that checks) them.
 OUTAGE_HINT = "; `bagua-lightning up` starts the services, `bagua-lightning status` shows which answer"
-Fetched = tuple[list[Any], BaseException | None]  # values: bytes (or memoryview from fetch_views) or None
+Fetched = tuple[list[Any], BaseException | None]  # values: bytes, read-only buffers (memoryview) or None
 Written = tuple[list[bool], BaseException | None]
 
 
@@ -55,8 +59,8 @@ class Store(ABC):
     Subclasses implement Bagua's operations (``mget``, ``mset``, ``num_keys``, ``clear``, ``status``,
     ``shutdown``); ``get``/``set`` go through them. The loader uses only :meth:`fetch` and :meth:`put`, which
     never raise for a failing store (they return the error beside the values, so training goes on with the
-    source), and :meth:`catalog`. Stores that can do better than the defaults (one round trip for many
-    keys, write-if-absent on the server) override them.
+    source), :meth:`catalog` and :meth:`writable`. Stores that can do better than the defaults (one round trip
+    for many keys, values as views of receive buffers, write-if-absent on the server) override them.
 
     A store whose ``isolates_failures`` is True backs off failing nodes itself (and warns); the loader then
     keeps no store-wide circuit breaker around it.
@@ -96,23 +100,19 @@ class Store(ABC):
     def shutdown(self) -> None:
         """Close connections and stop the servers this store started; servers it found keep running."""
 
-    def fetch(self, keys: Sequence[str]) -> Fetched:
-        """Values of ``keys`` (None: missing or unreachable) and the first error met; never raises for the store."""
+    def fetch(self, keys: Sequence[str | bytes], sealed: bool = False) -> Fetched:
+        """Values of ``keys`` (``str``, or UTF-8 encoded ``bytes``; values None where missing or unreachable) and
+        the first error met; never raises for the store. Values are ``bytes`` or read-only buffers
+        (``memoryview``) valid as long as they are referenced (stores that can skip copies return those).
+
+        ``sealed``: the caller authenticates and decrypts the entries itself (sealed with the cache key), so a
+        store may read them where no secret is sent, such as a deployment's read ports (docs/deployment.md,
+        "Open reads"). The loader says so when it has a cache key.
+        """
         try:
-            return list(self.mget(keys)), None
+            return list(self.mget([k.decode() if type(k) is bytes else k for k in keys])), None  # type: ignore[union-attr]
         except Exception as exc:  # any store's failure is a miss for the loader, never a crash of training
             return [None] * len(keys), exc
-
-    def fetch_views(self, keys: Sequence[bytes]) -> Fetched:
-        """:meth:`fetch` of UTF-8 encoded ``keys``, where values may also be buffers (``memoryview``) valid as
-        long as they are referenced; the loader reads through this (stores that can skip copies override it)."""
-        return self.fetch([k.decode() for k in keys])
-
-    def fetch_sealed(self, keys: Sequence[bytes]) -> Fetched:
-        """:meth:`fetch_views` of keys whose entries the reader authenticates and decrypts itself (sealed with
-        the cache key): a store may read them where no secret is sent, such as a deployment's read ports
-        (docs/deployment.md, "Open reads"). The loader reads through this when it has a cache key."""
-        return self.fetch_views(keys)
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> Written:
         """Write ``items`` (with ``overwrite=False`` existing keys are kept); per key whether it was written,
@@ -144,6 +144,13 @@ def _raise(error: BaseException | None) -> None:
         raise error
 
 
+def _as_bytes(fetched: Fetched) -> list[bytes | None]:
+    """The values of a fetch as ``bytes`` (``mget``'s), or its error raised."""
+    values, error = fetched
+    _raise(error)
+    return [v if v is None or type(v) is bytes else bytes(v) for v in values]
+
+
 class ClusterStore(Store):
     """Entries sharded over several stores by their keys (rendezvous hashing on the store's position).
 
@@ -166,22 +173,12 @@ class ClusterStore(Store):
             groups.setdefault(self._ring.node_of(k), []).append(j)
         return groups
 
-    def fetch(self, keys: Sequence[str]) -> Fetched:
-        return self._fetch(keys, False)
-
-    def fetch_views(self, keys: Sequence[bytes]) -> Fetched:
-        return self._fetch(keys, True)
-
-    def fetch_sealed(self, keys: Sequence[bytes]) -> Fetched:
-        return self._fetch(keys, True, sealed=True)
-
-    def _fetch(self, keys: Sequence[Any], views: bool, sealed: bool = False) -> Fetched:
+    def fetch(self, keys: Sequence[str | bytes], sealed: bool = False) -> Fetched:
         out: list[Any] = [None] * len(keys)
         error: BaseException | None = None
         for i, idx in self._groups(keys).items():
-            store = self.stores[i]
             sub = [keys[j] for j in idx]
-            values, err = store.fetch_sealed(sub) if sealed else store.fetch_views(sub) if views else store.fetch(sub)
+            values, err = self.stores[i].fetch(sub, sealed=True) if sealed else self.stores[i].fetch(sub)
             error = error or err
             for j, v in zip(idx, values, strict=True):
                 out[j] = v
@@ -198,9 +195,7 @@ class ClusterStore(Store):
         return done, error
 
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
-        values, error = self.fetch(list(keys))
-        _raise(error)
-        return values
+        return _as_bytes(self.fetch(list(keys)))
 
     def mset(self, dictionary: Mapping[str, Value]) -> None:
         _raise(self.put(list(dictionary.items()))[1])
@@ -299,84 +294,86 @@ class RedisStore(Store):
             self.options.resolve_read_plane(self.hosts)
         hint = "" if self.local else OUTAGE_HINT  # a node-local server is started by the jobs themselves
         self.breakers = NodeBreakers(f"the sample cache ({self!r})", outage_policy, hint=hint)
-        self._backend_obj: Backend | None = None
+        self._nodes: ServerNodes | ClusterNodes | None = None
         self._pid = os.getpid()
         self._creator_pid = self._pid
 
     # Connections belong to one process: drop them when pickled or inherited through fork.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_backend_obj"] = None
+        state["_nodes"] = None
         state["managed_pid"] = None  # only the creating process stops the server it started
         return state  # ``breakers`` pickles without its outage: a spawned worker presumes every node up
 
     @property
-    def backend(self) -> Backend:
-        """The connected backend, created on first use in this process (raises a Redis error if unreachable)."""
-        if self._backend_obj is None or self._pid != os.getpid():
+    def nodes(self) -> ServerNodes | ClusterNodes:
+        """The connected nodes, set up on first use in this process (raises a Redis error if unreachable)."""
+        if self._nodes is None or self._pid != os.getpid():
             self._pid = os.getpid()
-            self._backend_obj = self._connect()
-        return self._backend_obj
+            self._nodes = self._connect()
+        return self._nodes
 
-    def _connect(self) -> Backend:
+    def _connect(self) -> ServerNodes | ClusterNodes:
         if (len(self.hosts) > 1 or not self.local) and probe_is_cluster(self.hosts, self.options):
-            return ClusterBackend(self.hosts, self.options, self.breakers)
+            return ClusterNodes(self.hosts, self.options, self.breakers)
         if self.cluster_mode or len(self.hosts) == 1:
-            return NodesBackend(self.hosts, self.options, self.breakers)
-        return NodesBackend([self.hosts[node_index() % len(self.hosts)]], self.options, self.breakers)
+            return ServerNodes(self.hosts, self.options, self.breakers)
+        return ServerNodes([self.hosts[node_index() % len(self.hosts)]], self.options, self.breakers)
 
-    def _usable(self) -> tuple[Backend | None, BaseException | None]:
-        """The backend, connected if need be, or None and why: connecting failed now, or backs off (then
-        without a network call)."""
-        backend = self._backend_obj
-        if backend is not None and self._pid == os.getpid():
-            return backend, None
+    def _usable(self) -> tuple[ServerNodes | ClusterNodes | None, BaseException | None]:
+        """The nodes, connected if need be, or None and why: connecting failed now, or backs off (then without
+        a network call)."""
+        nodes = self._nodes
+        if nodes is not None and self._pid == os.getpid():
+            return nodes, None
         if not self.breakers.available(CONNECT):
             return None, redis.ConnectionError(f"{self!r} is unavailable (backing off)")
         try:
-            backend = self.backend
+            nodes = self.nodes
         except STORE_ERRORS as exc:  # nothing answers (RedisClusterException included): back off
             self.breakers.failure(CONNECT, exc)
             return None, exc
         self.breakers.success(CONNECT)
-        return backend, None
+        return nodes, None
 
     @property
     def is_cluster(self) -> bool:
-        return isinstance(self.backend, ClusterBackend)
+        return isinstance(self.nodes, ClusterNodes)
 
-    def fetch(self, keys: Sequence[str]) -> Fetched:
-        """Values of the reachable nodes (one pipelined round trip per node, all nodes at once) and the first
-        error met; never raises for the store."""
-        return self._fetch([k.encode() for k in keys], False)
-
-    def fetch_views(self, keys: Sequence[bytes]) -> Fetched:
-        """:meth:`fetch` of encoded keys, values as views of the receive buffers (two copies less per value)."""
-        return self._fetch(keys, True)
-
-    def fetch_sealed(self, keys: Sequence[bytes]) -> Fetched:
-        """:meth:`fetch_views`, from the nodes' read ports where the deployment has them (``read_port_offset``)."""
-        return self._fetch(keys, True, open_reads=True)
-
-    def _fetch(self, keys: Sequence[bytes], views: bool, open_reads: bool = False) -> Fetched:
-        backend, error = self._usable()
-        if backend is None:
+    def fetch(self, keys: Sequence[str | bytes], sealed: bool = False) -> Fetched:
+        """Values of the reachable nodes (one pipelined round trip per node, all nodes at once; views of the
+        receive buffers) and the first error met; never raises for the store. ``sealed``: from the nodes' read
+        ports where the deployment has them (``read_port_offset``)."""
+        if str in set(map(type, keys)):
+            keys = [k.encode() if type(k) is str else k for k in keys]  # type: ignore[union-attr]
+        nodes, error = self._usable()
+        if nodes is None:
             return [None] * len(keys), explain_untrusted(error)
         try:
-            values, error = backend.fetch(keys, views, open_reads=open_reads)
-        except STORE_ERRORS as exc:  # backends report node failures beside the values; this is anything else
+            values, error = nodes.fetch(keys, sealed)  # type: ignore[arg-type]
+        except STORE_ERRORS as exc:  # the nodes report node failures beside the values; this is anything else
             self._lost(exc)
             return [None] * len(keys), explain_untrusted(exc)
         return values, error if error is None else explain_untrusted(error)
 
     def put(self, items: Sequence[tuple[str, Value]], overwrite: bool = True) -> Written:
         """Write ``items`` pipelined per node (``SET`` / ``SET NX``); the keys of failing nodes are not written.
-        Never raises for the store."""
-        backend, error = self._usable()
-        if backend is None:
+        Never raises for the store.
+
+        Raises:
+            ConfigurationError: a key under ``"!sealed:"`` whose value is not a sealed entry: the read ports
+                serve those keys without a password (:mod:`bagua_lightning.core.read_plane`).
+        """
+        for key, value in items:
+            if key.startswith(SEALED_KEY_PREFIX) and bytes(memoryview(value)[:len(SEAL_PREFIX)]) != SEAL_PREFIX:
+                raise ConfigurationError(
+                    f"key {key!r}: keys under {SEALED_KEY_PREFIX!r} hold sealed cache entries only, as the "
+                    "deployment's read ports serve them without a password; store this value under another key.")
+        nodes, error = self._usable()
+        if nodes is None:
             return [False] * len(items), error
         try:
-            return backend.put(items, overwrite)
+            return nodes.put(items, overwrite)
         except STORE_ERRORS as exc:
             self._lost(exc)
             return [False] * len(items), exc
@@ -384,17 +381,15 @@ class RedisStore(Store):
     def _lost(self, exc: BaseException) -> None:
         # Reconnect (and re-probe the topology) at the next try.
         self.breakers.failure(CONNECT, exc)
-        backend, self._backend_obj = self._backend_obj, None
-        if backend is not None:
+        nodes, self._nodes = self._nodes, None
+        if nodes is not None:
             try:
-                backend.close()
+                nodes.close()
             except STORE_ERRORS:
                 pass
 
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
-        values, error = self.fetch(list(keys))
-        _raise(error)
-        return values
+        return _as_bytes(self.fetch(list(keys)))
 
     def mset(self, dictionary: Mapping[str, Value]) -> None:
         _raise(self.put(list(dictionary.items()), overwrite=True)[1])
@@ -402,21 +397,21 @@ class RedisStore(Store):
     def writable(self) -> bool:
         if not self.breakers.down:
             return True
-        backend = self._backend_obj
-        if backend is None or self._pid != os.getpid():
+        nodes = self._nodes
+        if nodes is None or self._pid != os.getpid():
             return self.breakers.available(CONNECT)
-        return backend.writable()
+        return nodes.writable()
 
     def catalog(self) -> Catalog:
-        return RedisCatalog(self.backend.client_for_key(RESERVED_KEYS[0]), self.backend.primaries)
+        return RedisCatalog(self.nodes.client_for_key(RESERVED_KEYS[0]), self.nodes.primaries)
 
     def _each_primary(self, fn: Callable[[redis.Redis], Any]) -> list[Any]:
-        return [fn(c) for c in self.backend.primaries()]
+        return [fn(c) for c in self.nodes.primaries()]
 
     def num_keys(self) -> int:
         """Keys on every master, not counting the project's own bookkeeping keys."""
         total = sum(self._each_primary(lambda c: int(c.dbsize())))
-        reserved = sum(int(self.backend.client_for_key(k).exists(k)) for k in RESERVED_KEYS)
+        reserved = sum(int(self.nodes.client_for_key(k).exists(k)) for k in RESERVED_KEYS)
         return total - reserved
 
     def clear(self) -> None:
@@ -433,13 +428,13 @@ class RedisStore(Store):
             # The server this store started (a node-local one): stopped through its own authenticated
             # connection, so no process is ever signalled by pid.
             try:
-                self.backend.primaries()[0].shutdown(nosave=True)
+                self.nodes.primaries()[0].shutdown(nosave=True)
             except STORE_ERRORS as exc:
                 log.warning("could not stop the local Redis this store started: %s", exc)
             self.managed_pid = None
-        if self._backend_obj is not None:
-            self._backend_obj.close()
-            self._backend_obj = None
+        if self._nodes is not None:
+            self._nodes.close()
+            self._nodes = None
 
     def __repr__(self) -> str:
         hosts = ",".join(f"{h}:{p}" for h, p in self.hosts)

@@ -58,7 +58,7 @@ def pad(n: int) -> int:
 
 # A GET reply is "$<size>\r\n<entry>\r\n". Entries are padded (at the end of their data region) so that a
 # reply spans a multiple of this many bytes: back to back in a receive buffer, a batch's entries of one size
-# then all start on this boundary, and their arrays can be used where they lie (see backends.Receiver).
+# then all start on this boundary, and their arrays can be used where they lie (see resp.Receiver).
 REPLY_ALIGN = 16
 
 

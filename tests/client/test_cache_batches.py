@@ -15,7 +15,7 @@ import redis
 import torch
 
 from bagua_lightning.client.cache import codec
-from bagua_lightning.client.cache.backends import BufferPool, Receiver, Replies, pack_gets
+from bagua_lightning.client.cache.resp import BufferPool, Receiver, Replies, pack_gets
 from bagua_lightning.client.cache.values import REPLY_ALIGN, reply_pad
 
 from .test_cache_codec import SAMPLES, assert_same
@@ -357,7 +357,7 @@ def test_batches_read_from_real_servers_lie_evenly_and_samples_kept_stay_intact(
     ds.flush()
     loader = ds.cache_loader
     for _ in range(2):  # the first read learns the size of the values, the second lies evenly
-        values, error = loader.store.fetch_views([loader.redis_key(i).encode() for i in batches[0]])
+        values, error = loader.store.fetch([loader.redis_key(i).encode() for i in batches[0]])
         assert error is None
     assert getattr(values, "run", None) is not None, name
     del values

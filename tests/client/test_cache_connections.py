@@ -34,8 +34,8 @@ def test_a_held_connection_out_of_step_is_dropped_and_reads_recover(redis_standa
     ds.flush()
     check_batch(ds, batch)
     assert ds.stats.hits == 16
-    backend: Any = ds.cache_loader.store.backend  # type: ignore[attr-defined]
-    (_, conn), = backend.held._local.held.conns.values()
+    nodes: Any = ds.cache_loader.store.nodes  # type: ignore[attr-defined]
+    (_, conn), = nodes.held._local.held.conns.values()
     conn.send_packed_command(conn.pack_command("PING"))  # a reply nobody will ask for, ahead of the next GETs
     check_batch(ds, batch)  # out of step: dropped, the batch comes from the source, still right
     assert ds.stats.errors == 1 and ds.stats.corrupt == 0
@@ -100,30 +100,30 @@ def test_forked_workers_never_use_the_parents_connections(redis_cluster3: Cluste
     assert ds.stats.corrupt == 0 and ds.stats.errors == 0
 
 
-def _fetch_in_child(backend: Any, keys: list[bytes], out: Any) -> None:
-    values, error = backend.fetch(keys)
-    (_, conn), = backend.held._local.held.conns.values()
-    out.send((values, repr(error), conn._sock.getsockname()))
+def _fetch_in_child(nodes: Any, keys: list[bytes], out: Any) -> None:
+    values, error = nodes.fetch(keys)
+    (_, conn), = nodes.held._local.held.conns.values()
+    out.send(([bytes(v) for v in values], repr(error), conn._sock.getsockname()))  # views of its receive buffer
 
 
 def test_a_backend_used_across_a_fork_gives_the_child_its_own_connection(redis_standalone: ClusterInfo) -> None:
     import multiprocessing
 
-    from bagua_lightning.client.cache.backends import NodesBackend
+    from bagua_lightning.client.cache.nodes import ServerNodes
     from bagua_lightning.client.cache.options import RedisOptions
 
     host, port = redis_standalone.nodes[0].host, redis_standalone.nodes[0].port
-    backend = NodesBackend([(host, port)], RedisOptions(password=TEST_PASSWORD))
+    nodes = ServerNodes([(host, port)], RedisOptions(password=TEST_PASSWORD))
     try:
         keys = [b"fork:%d" % i for i in range(8)]
         with redis.Redis(host=host, port=port, password=TEST_PASSWORD) as c:
             c.mset({k: b"v" + k for k in keys})
-        assert backend.fetch(keys)[0] == [b"v" + k for k in keys]
-        (_, conn), = backend.held._local.held.conns.values()
+        assert nodes.fetch(keys)[0] == [b"v" + k for k in keys]
+        (_, conn), = nodes.held._local.held.conns.values()
         mine = conn._sock.getsockname()
         ctx = multiprocessing.get_context("fork")
         recv, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_fetch_in_child, args=(backend, keys, send))
+        child = ctx.Process(target=_fetch_in_child, args=(nodes, keys, send))
         child.start()
         try:
             assert recv.poll(30)
@@ -134,7 +134,7 @@ def test_a_backend_used_across_a_fork_gives_the_child_its_own_connection(redis_s
                 child.kill()
         assert values == [b"v" + k for k in keys] and error == "None"
         assert theirs != mine  # its own TCP connection, not the parent's socket
-        assert backend.fetch(keys)[0] == [b"v" + k for k in keys]  # the parent's is still in step
+        assert nodes.fetch(keys)[0] == [b"v" + k for k in keys]  # the parent's is still in step
         assert conn._sock is not None and conn._sock.getsockname() == mine
     finally:
-        backend.close()
+        nodes.close()

@@ -78,7 +78,7 @@ def test_dataloader_with_two_workers_fetches_batches(cluster_store: RedisStore,
         stats = ds.stats  # summed over the workers
         assert stats.misses == 96 and stats.hits == 96 * epoch, (epoch, stats)
     # This dataset's keys only: a store of an earlier test on the same cluster may still flush its write buffer.
-    assert sum(1 for c in cluster_store.backend.primaries() for _ in c.scan_iter(match="dl:*")) == 96
+    assert sum(1 for c in cluster_store.nodes.primaries() for _ in c.scan_iter(match="dl:*")) == 96
     assert stats.bytes_read > 0 and stats.bytes_written >= stats.bytes_read
 
 
@@ -226,7 +226,7 @@ def test_any_string_is_a_dataset_name(cluster_store: RedisStore, redis_cluster3:
 def test_store_keys_follow_the_documented_layout(cluster_store: RedisStore, redis_cluster3: ClusterInfo) -> None:
     ds = CachedDataset(Source(3), dataset_name="layout", version="7", hosts=redis_cluster3.hosts)
     ds.__getitems__([0, 1, 2])
-    keys = sorted(k.decode() for c in cluster_store.backend.primaries() for k in c.scan_iter(match="layout:*"))
+    keys = sorted(k.decode() for c in cluster_store.nodes.primaries() for k in c.scan_iter(match="layout:*"))
     assert keys == ["layout:7:0", "layout:7:1", "layout:7:2"]
     assert CacheLoader(dataset_name="my data", version="ds:v1", hosts=redis_cluster3.hosts).redis_key(5) == \
         "my%20data:ds%3Av1:5"

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from bagua_lightning.client import CachedDataset
 from bagua_lightning.client.cache import OutagePolicy, RedisStore
-from bagua_lightning.client.cache.backends import STORE_ERRORS
+from bagua_lightning.client.cache.nodes import STORE_ERRORS
 from bagua_lightning.services.redis_cluster import ClusterInfo, ClusterSpec, start_cluster, stop_cluster
 from tests.client.cache_datasets import Source
 from tests.client.conftest import free_port_block
@@ -242,9 +242,9 @@ def test_a_stale_slot_map_is_reloaded_and_every_sample_stays_correct(redis_clust
     assert read_epoch(ds, n) == n
     store = ds.cache_loader.store
     assert isinstance(store, RedisStore)
-    backend = store.backend
-    primaries, table = backend._slot_table()  # type: ignore[attr-defined]
-    backend._slots = (primaries, [0] * len(table))  # type: ignore[attr-defined]  # every slot on master 0: MOVEDs
-    backend._next_refresh = 0.0  # type: ignore[attr-defined]
+    nodes = store.nodes
+    primaries, table = nodes._slot_table()  # type: ignore[attr-defined]
+    nodes._slots = (primaries, [0] * len(table))  # type: ignore[attr-defined]  # every slot on master 0: MOVEDs
+    nodes._next_refresh = 0.0  # type: ignore[attr-defined]
     assert read_epoch(ds, n) == n  # redirected keys read again through the reloaded map
     assert read_epoch(ds, n) == n and ds.stats.corrupt == 0

@@ -15,9 +15,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from bagua_lightning.client.cache import batch_sealed, codec, digests
-from bagua_lightning.client.cache.backends import Replies
 from bagua_lightning.client.cache.codec import CorruptEntryError, decode, decode_many, encode
 from bagua_lightning.client.cache.entry import HEADER, OPENED
+from bagua_lightning.client.cache.resp import Replies
 from tests.client.conftest import cryptography_missing
 
 from .test_cache_codec import SAMPLES, assert_same

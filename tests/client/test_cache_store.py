@@ -8,9 +8,9 @@ import pytest
 import redis
 
 from bagua_lightning.client.cache import RedisStore
-from bagua_lightning.client.cache.backends import NodesBackend
-from bagua_lightning.client.cache.cluster_backend import ClusterBackend
+from bagua_lightning.client.cache.cluster_nodes import ClusterNodes
 from bagua_lightning.client.cache.hashing import RendezvousHash
+from bagua_lightning.client.cache.nodes import ServerNodes
 from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.services.redis_cluster import ClusterInfo
 from tests.client.conftest import TEST_PASSWORD
@@ -21,7 +21,7 @@ def test_bagua_parity(any_deployment: tuple[str, ClusterInfo, dict[str, Any]]) -
     store = RedisStore(hosts=info.hosts, **options)
     try:
         assert store.status()
-        assert isinstance(store.backend, ClusterBackend if kind == "cluster3" else NodesBackend)
+        assert isinstance(store.nodes, ClusterNodes if kind == "cluster3" else ServerNodes)
         store.mset({"1": "v1", "2": b"v2"})
         assert store.mget(["1", "2", "5"]) == [b"v1", b"v2", None]
         store.set("k", b"\x00bin")
@@ -42,7 +42,7 @@ def test_sharding_spreads_keys_over_every_server(redis_servers3: ClusterInfo) ->
     try:
         store.clear()
         store.mset({f"s:{i}": b"x" for i in range(600)})
-        per_node = [int(c.dbsize()) for c in store.backend.primaries()]
+        per_node = [int(c.dbsize()) for c in store.nodes.primaries()]
         assert sum(per_node) == 600 and min(per_node) > 120, per_node
     finally:
         store.clear()
@@ -56,7 +56,7 @@ def test_cluster_mode_false_uses_host_n_mod_m(redis_servers3: ClusterInfo, monke
         store.clear()
         store.mset({f"n:{i}": b"x" for i in range(50)})
         expected = redis_servers3.hosts[4 % 3]["port"]
-        assert store.backend.primaries()[0].connection_pool.connection_kwargs["port"] == expected
+        assert store.nodes.primaries()[0].connection_pool.connection_kwargs["port"] == expected
         with redis.Redis(port=expected) as direct:
             assert direct.dbsize() == 50
     finally:
@@ -109,7 +109,7 @@ def test_store_pickles_without_connections(redis_servers3: ClusterInfo) -> None:
     store = RedisStore(hosts=redis_servers3.hosts)
     store.set("p", b"1")
     clone = pickle.loads(pickle.dumps(store))
-    assert clone._backend_obj is None and clone.get("p") == b"1"
+    assert clone._nodes is None and clone.get("p") == b"1"
     store.clear()
 
 

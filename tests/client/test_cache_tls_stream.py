@@ -43,8 +43,8 @@ def _tls(info: ClusterInfo) -> ClientTLS:
 
 
 def _held(ds: CachedDataset) -> list[Any]:
-    backend: Any = ds.cache_loader.store.backend  # type: ignore[attr-defined]
-    return [conn for _, conn in backend.held._local.held.conns.values()]
+    nodes: Any = ds.cache_loader.store.nodes  # type: ignore[attr-defined]
+    return [conn for _, conn in nodes.held._local.held.conns.values()]
 
 
 def test_batches_read_over_tls_are_right_and_come_through_memory_decryption(
@@ -98,11 +98,11 @@ def test_each_nodes_replies_are_decrypted_on_its_own_persistent_thread(
                                         .tolist()) for i in range(90)}
         store.mset(values)
         keys = [*values, "tls-par:missing"]
-        store.backend.held.decrypt_threads = True  # type: ignore[attr-defined]  # also on a machine of few cores
+        store.nodes.held.decrypt_threads = True  # type: ignore[attr-defined]  # also on a machine of few cores
         for round_ in range(5):
             assert store.mget(keys) == [*values.values(), None], round_
             # One worker per node but the first (the reading thread decrypts that one), kept from batch to batch.
-            workers = store.backend.held._local.held.workers._workers  # type: ignore[attr-defined]
+            workers = store.nodes.held._local.held.workers._workers  # type: ignore[attr-defined]
             assert len(workers) == 2 and all(w.thread.is_alive() for w in workers.values())
             threads |= {w.thread for w in workers.values()}
         assert len(threads) == 2
@@ -119,7 +119,7 @@ def test_each_nodes_replies_are_decrypted_on_its_own_persistent_thread(
             got, error = store.fetch(keys)
             return error is None and got == [*values.values(), None]
         wait_until(all_served, 30, "every node to serve the batch again")
-        workers = store.backend.held._local.held.workers._workers  # type: ignore[attr-defined]
+        workers = store.nodes.held._local.held.workers._workers  # type: ignore[attr-defined]
         assert {w.thread for w in workers.values()} == threads  # the same workers served the new connections
     finally:
         store.clear()

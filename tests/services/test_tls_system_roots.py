@@ -60,7 +60,7 @@ if mode == "control":  # the library defaults: the system's roots (here: the oth
     attempt("grpc default roots", grpc_default_roots)
 else:
     from bagua_lightning.client.autotune import AutotuneClient
-    from bagua_lightning.client.cache.cluster_backend import ClusterBackend
+    from bagua_lightning.client.cache.cluster_nodes import ClusterNodes
     from bagua_lightning.client.cache.options import RedisOptions
     from bagua_lightning.client.cache.store import RedisStore
     from bagua_lightning.client.cache.tls_stream import MemoryTLSConnection
@@ -80,8 +80,8 @@ else:
     def cluster():
         options = RedisOptions(password=password, retries=0)
         options.resolve_tls([(host, port)])
-        return ClusterBackend([(host, port)], options).rc.ping()
-    attempt("ClusterBackend", cluster)
+        return ClusterNodes([(host, port)], options).rc.ping()
+    attempt("ClusterNodes", cluster)
     attempt("RedisPlanStore", lambda: RedisPlanStore("redis://" + addr).ping())
     attempt("RedisPlanStore rediss", lambda: RedisPlanStore("rediss://" + addr).ping())
     def held():
