@@ -2,8 +2,11 @@
 
 A deployment with client TLS (``bagua-lightning up``, compose, the Kubernetes manifests) gives every Redis
 node a second client port, its *read port*: plaintext, where a client logs in as :data:`READER_USER`, a user
-without a password that may only ``GET``/``MGET`` string keys (never the autotune service's plans under
-:data:`PROTECTED_PREFIX`) and ``PING``. A trainer with the cache key reads its samples there:
+without a password that may only ``GET``/``MGET`` keys under :data:`SEALED_KEY_PREFIX` and ``PING``. Only
+sealed cache entries live there: a sealing loader stores its entries under that prefix
+(:mod:`bagua_lightning.client.cache.loader`), and ``RedisStore`` refuses to write anything but a sealed entry
+under it. So a value written in clear (``RedisStore.set("cfg", ...)``, an unkeyed cache, the autotune
+service's plans) is never readable without the password. A trainer with the cache key reads its samples there:
 
 * nothing secret crosses that connection (the user name is public; there is no password), so a process that
   squats a dead node's read port learns nothing it could use;
@@ -26,27 +29,15 @@ from __future__ import annotations
 
 READER_USER = "bagua-reader"  # the ACL user of the read ports; it has no password (``nopass``)
 READ_PORT_OFFSET_ENV = "BAGUA_LIGHTNING_REDIS_READ_PORT_OFFSET"
-PROTECTED_PREFIX = "bagua_lightning:"  # keys the reader may not read (the autotune service's stored plans)
+# The keys of sealed entries, and the only keys the reader may read. "!" starts no key of an entry in clear: a
+# dataset name is percent-encoded (client/cache/keys.py), "!" becoming "%21".
+SEALED_KEY_PREFIX = "!sealed:"
 READER_COMMANDS = ("get", "mget", "ping")
-
-
-def _excluding(prefix: str) -> list[str]:
-    """Read-key patterns that match every key except those starting with ``prefix``: for each position, the
-    keys that agree with ``prefix`` before it and differ at it, and the keys that are a proper prefix of it."""
-    def esc(text: str) -> str:
-        return "".join("\\" + c if c in "*?[]\\^" else c for c in text)
-
-    patterns = []
-    for i, char in enumerate(prefix):
-        patterns.append(f"%R~{esc(prefix[:i])}[^{esc(char)}]*")
-        if i:
-            patterns.append(f"%R~{esc(prefix[:i])}")
-    return patterns
 
 
 def reader_acl_rules() -> list[str]:
     """The ACL rules of :data:`READER_USER` (after its name in a ``user`` line or ``ACL SETUSER``)."""
-    return ["reset", "on", "nopass", *_excluding(PROTECTED_PREFIX), "resetchannels", "-@all",
+    return ["reset", "on", "nopass", f"%R~{SEALED_KEY_PREFIX}*", "resetchannels", "-@all",
             *(f"+{command}" for command in READER_COMMANDS)]
 
 

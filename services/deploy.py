@@ -116,8 +116,21 @@ def up(cfg: UpConfig, *, fresh: bool = False, report: Report | None = None) -> S
             this call started is stopped again.
     """
     check_own_folder(state_dir())  # never adopt (chmod, fill with secrets) a folder another user made
+    warning = read_port_warning(cfg)
+    if warning:
+        log.warning("%s", warning)
     with exclusive():
         return _up(cfg, fresh, report or log.info)
+
+
+def read_port_warning(cfg: UpConfig) -> str | None:
+    """One line saying what the read ports expose when they listen beyond loopback; None on loopback."""
+    offset = cfg.read_port_offset
+    if offset is None or is_loopback(cfg.host):
+        return None
+    return (f"--host {cfg.host}: the Redis read ports (each node's port {offset:+d}) listen in plaintext without a "
+            "password for whoever reaches them: they serve sealed cache entries only (ciphertext, key names, "
+            "lengths), never a secret; `up --fresh --no-read-ports` starts none (trainers then read over TLS).")
 
 
 def _up(cfg: UpConfig, fresh: bool, report: Report) -> ServicesInfo:

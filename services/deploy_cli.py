@@ -85,7 +85,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     cfg = deploy.UpConfig(host=args.host, announce_ip=args.announce_ip, autotune_port=args.autotune_port,
                           redis_port=args.redis_port,
                           nodes=args.nodes, replicas=args.replicas, single=args.single, maxmemory=args.maxmemory,
-                          timeout_s=args.timeout, auth=not args.no_auth)
+                          timeout_s=args.timeout, auth=not args.no_auth, read_ports=not args.no_read_ports)
     _print_info(deploy.up(cfg, fresh=args.fresh, report=lambda line: print(line, flush=True)))
     return 0
 
@@ -209,6 +209,9 @@ def register(subparsers: Any) -> None:
                    help="seconds to wait for health (default %(default)s)")
     p.add_argument("--no-auth", action="store_true",
                    help="no Redis password, autotune token or cache key (loopback only)")
+    p.add_argument("--no-read-ports", action="store_true",
+                   help="no plaintext read ports (trainers then read sealed entries over TLS); they serve sealed "
+                        "cache entries only, without a password, so `up` warns when --host is not loopback")
     p.add_argument("--fresh", action="store_true",
                    help="stop whatever is recorded and start over: new secrets, an empty cache (default: keep "
                         "what is alive, restart only what is dead)")

@@ -97,6 +97,8 @@ class UpConfig:
         timeout_s: deadline for both services to become healthy, in seconds.
         auth: require a Redis password and an autotune token and configure a cache key (created in
             ``<state_dir>/secrets``); False only on loopback.
+        read_ports: with client TLS and ``auth``, give every Redis node its plaintext read port for sealed
+            entries (:mod:`bagua_lightning.core.read_plane`); False: none (``up --no-read-ports``).
     """
 
     host: str = DEFAULT_HOST
@@ -110,6 +112,7 @@ class UpConfig:
     maxmemory: int = DEFAULT_MAXMEMORY
     timeout_s: float = 60.0
     auth: bool = True
+    read_ports: bool = True
 
     def __post_init__(self) -> None:
         if self.single and self.replicas:
@@ -183,12 +186,14 @@ class UpConfig:
     @property
     def read_port_offset(self) -> int | None:
         """Offset of the Redis nodes' plaintext read ports (:mod:`bagua_lightning.core.read_plane`): with client
-        TLS (``bus_tls``) and a password (``auth``), +20000 (-20000 where that passes 65535); else None."""
+        TLS (``bus_tls``), a password (``auth``) and ``read_ports``, +20000 (-20000 where that passes 65535);
+        else None."""
         return self.read_port_offset_from(self.first_redis_port)
 
     def read_port_offset_from(self, redis_port: int) -> int | None:
         """:attr:`read_port_offset` of the deployment whose first Redis port is ``redis_port``."""
-        return read_port_offset(redis_port, self.redis_node_count) if self.bus_tls and self.auth else None
+        return (read_port_offset(redis_port, self.redis_node_count) if self.bus_tls and self.auth and self.read_ports
+                else None)
 
     @property
     def first_redis_port(self) -> int:

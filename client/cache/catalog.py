@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ...core.read_plane import SEALED_KEY_PREFIX
 from .keys import decode_part, encode_part, entry_prefix
 
 CATALOG_KEY = "__bagua_lightning_catalog__"
@@ -87,9 +88,9 @@ class RedisCatalog(Catalog):
         deleted = 0
         for ver in versions:
             prefix = entry_prefix(name, ver)
-            for primary in self.primaries():
+            for primary, match in ((p, m) for p in self.primaries() for m in (prefix, SEALED_KEY_PREFIX + prefix)):
                 batch: list[bytes] = []
-                for key in primary.scan_iter(match=prefix + "*", count=_SCAN_BATCH):
+                for key in primary.scan_iter(match=match + "*", count=_SCAN_BATCH):
                     batch.append(key)
                     if len(batch) >= _SCAN_BATCH:
                         deleted += _unlink(primary, batch)

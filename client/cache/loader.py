@@ -12,14 +12,15 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from ...core.errors import ConfigurationError
+from ...core.read_plane import SEALED_KEY_PREFIX
 from ...core.services_file import resolve_cache_key
 from . import codec
+from .digests import keyed_digest_kind
 from .faults import OutagePolicy, OutageTracker, quiet_outages
 from .keys import entry_prefix
 from .stats import CacheStats, SharedCounters
 from .store import STORE_ERRORS, RedisStore, Store
 
-_UNSEALED_KEYED = frozenset((codec.DIGEST_GMAC, codec.DIGEST_HMAC))  # kinds rewritten sealed when read (_upgrade)
 log = logging.getLogger("bagua_lightning.client.cache")
 
 BACKENDS = ("redis",)
@@ -111,9 +112,17 @@ class CacheLoader:
         self._lock = threading.Lock()
         _register_exit_flush(self)
 
+    def _key_prefix(self) -> str:
+        """What the store keys of this loader's entries start with: sealed entries (a cache key, ``seal`` not
+        False, ``cryptography`` installed) live apart, under the one prefix the read ports may read
+        (:mod:`bagua_lightning.core.read_plane`); entries in clear never do."""
+        sealing = self._secret is not None and self.seal is not False and keyed_digest_kind() == codec.DIGEST_SEAL
+        return SEALED_KEY_PREFIX + self._prefix if sealing else self._prefix
+
     def redis_key(self, key: Hashable) -> str:
-        """The store key of ``key``: ``"{dataset_name}:{version}:{key}"``, name and version encoded."""
-        return f"{self._prefix}{key}"
+        """The store key of ``key``: ``"{dataset_name}:{version}:{key}"``, name and version encoded (sealed:
+        after ``"!sealed:"``)."""
+        return f"{self._key_prefix()}{key}"
 
     def get(self, key: Any, load_fn: Callable[[Any], Any]) -> Any:
         """The cached value of ``key``, or ``load_fn(key)`` (then cached) on a miss."""
@@ -128,7 +137,7 @@ class CacheLoader:
         """
         if _registered_pid[0] != os.getpid():  # first use in a forked DataLoader worker
             _register_exit_flush(self)
-        prefix = self._prefix
+        prefix = self._key_prefix()
         rkeys = list(map(prefix.__add__, map(str, keys)))  # f"{prefix}{key}", in C loops
         out: list[Any] = [None] * len(keys)
         found = [False] * len(keys)
@@ -141,7 +150,7 @@ class CacheLoader:
         if to_fetch and (outage is None or outage.available()):
             everything = len(to_fetch) == len(rkeys)
             fetch_keys = list(map(str.encode, rkeys if everything else [rkeys[j] for j in to_fetch]))
-            values, error = self.store.fetch(fetch_keys, sealed=True) if self._secret is not None \
+            values, error = self.store.fetch(fetch_keys, sealed=True) if prefix.startswith(SEALED_KEY_PREFIX) \
                 else self.store.fetch(fetch_keys)
             decoded = codec.decode_many(values, fetch_keys, self._allow_pickle, self._secret)
             if everything and codec.Bad not in set(map(type, decoded)):  # every key a hit: the usual batch
@@ -167,8 +176,6 @@ class CacheLoader:
             elif outage is not None:
                 outage.success()
             counters.add("bytes_read", nbytes)
-            if self._secret is not None and self.seal is not False:
-                self._upgrade(to_fetch, values, rkeys, out, found)
         missing = [j for j, hit in enumerate(found) if not hit]
         counters.add("hits", len(keys) - len(missing))
         if missing:
@@ -189,23 +196,6 @@ class CacheLoader:
             if len(self._buffer) >= self.writer_buffer_size:
                 self.flush()
         return out
-
-    def _upgrade(self, to_fetch: list[int], values: list[Any], rkeys: list[str], out: list[Any],
-                 found: list[bool]) -> None:
-        """Rewrite sealed the hits among ``values`` that an earlier release authenticated only (``gmac-aes256``,
-        ``hmac-sha256``): they were read in clear, and from the read ports anyone on the path saw them; once
-        sealed, never again."""
-        if not any(v is not None and len(v) > 4 and v[4] in _UNSEALED_KEYED for v in values):
-            return
-        for j, value in zip(to_fetch, values, strict=True):
-            if found[j] and value[4] in _UNSEALED_KEYED:
-                entry = codec.encode(out[j], rkeys[j].encode(), allow_pickle=self._allow_pickle, secret=self._secret,
-                                     seal=self.seal)
-                if entry[4] == codec.DIGEST_SEAL:  # where cryptography is missing, nothing better to write
-                    self._buffer[rkeys[j]] = (entry, True)
-                    _pending[id(self)] = self
-        if len(self._buffer) >= self.writer_buffer_size:
-            self.flush()
 
     def _from_buffer(self, rkeys: list[str], out: list[Any], found: list[bool], to_fetch: list[int]) -> list[int]:
         rest = []

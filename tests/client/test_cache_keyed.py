@@ -196,18 +196,25 @@ def test_entry_forged_with_another_cache_key_in_redis_is_a_miss(store: RedisStor
     assert ds.stats.corrupt == 1
     unkeyed = CachedDataset(Source(4), dataset_name="keyed", hosts=redis_cluster3.hosts, cache_key=b"")
     unkeyed.__getitems__([0, 1])
-    assert unkeyed.stats.corrupt == 2  # a job without the key cannot read keyed entries
+    assert unkeyed.stats.hits == 0  # a job without the key never reads sealed entries (they live apart)
 
 
-def test_hmac_entries_in_redis_are_hits_for_a_sealing_writer(store: RedisStore, redis_cluster3: ClusterInfo) -> None:
-    with cryptography_missing():  # an earlier release (or one without cryptography) wrote these
-        _keyed(redis_cluster3, 16).__getitems__(list(range(16)))
+def test_hmac_entries_in_redis_live_apart_from_sealed_ones(store: RedisStore, redis_cluster3: ClusterInfo) -> None:
+    # Entries in clear (hmac: an earlier release, or a process without cryptography) are never where the read
+    # ports read: a sealing writer neither serves nor overwrites them, it keeps its own under "!sealed:".
+    with cryptography_missing():
+        hmac = _keyed(redis_cluster3, 16)
+        hmac.__getitems__(list(range(16)))
+        hmac_key = hmac.cache_loader.redis_key(0)
     ds = _keyed(redis_cluster3, 16)
-    assert (store.get(ds.cache_loader.redis_key(0)) or b"")[4] == codec.DIGEST_HMAC
+    assert ds.cache_loader.redis_key(0) == "!sealed:" + hmac_key
     source = ds.dataset
-    out = ds.__getitems__(list(range(16)))
-    assert [o[1] for o in out] == list(range(16))
-    assert ds.stats.corrupt == 0 and ds.stats.misses == 0 and source.loads == 0
+    for _ in range(2):
+        out = ds.__getitems__(list(range(16)))
+        assert [o[1] for o in out] == list(range(16))
+    assert ds.stats.corrupt == 0 and ds.stats.hits == 16 and source.loads == 16
+    assert (store.get(hmac_key) or b"")[4] == codec.DIGEST_HMAC
+    assert (store.get(ds.cache_loader.redis_key(0)) or b"")[4] == codec.DIGEST_SEAL
 
 
 def test_forked_dataloader_workers_write_and_verify_keyed_entries(store: RedisStore,

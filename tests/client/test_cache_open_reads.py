@@ -18,7 +18,7 @@ import pytest
 from bagua_lightning.client import CachedDataset, RedisStore
 from bagua_lightning.client.cache import codec
 from bagua_lightning.core.errors import ConfigurationError
-from bagua_lightning.core.read_plane import READER_USER
+from bagua_lightning.core.read_plane import READER_USER, SEALED_KEY_PREFIX
 from bagua_lightning.core.redis_server import client_for
 from bagua_lightning.core.tls_trust import ClientTLS
 from bagua_lightning.services.redis_cluster import ClusterInfo, ClusterSpec, running_cluster
@@ -61,6 +61,15 @@ def _admin(info: ClusterInfo, tls: ClientTLS, node: int = 0) -> Any:
     return contextlib.closing(client_for(info.nodes[node].host, info.nodes[node].port, TEST_PASSWORD, tls=tls))
 
 
+def _scan(info: ClusterInfo, tls: ClientTLS, match: str) -> dict[bytes, bytes]:
+    """The keys matching ``match`` on every node, with their values."""
+    out = {}
+    for i in range(len(info.nodes)):
+        with _admin(info, tls, i) as c:
+            out.update({k: c.get(k) for k in c.scan_iter(match=match)})
+    return out
+
+
 def _reader_connections(info: ClusterInfo, tls: ClientTLS) -> int:
     """Connections of the reader, over all nodes."""
     total = 0
@@ -90,7 +99,7 @@ def test_a_keyed_loader_reads_sealed_entries_from_the_read_ports(
         assert all(c.connection_pool.connection_kwargs["password"] == "" for c in backend.reads.clients())
         # what the nodes hold is ciphertext: no sample's bytes appear in its entry
         with _admin(info, tls) as c:
-            keys = [k for k in c.scan_iter(match="open-reads:*")]
+            keys = [k for k in c.scan_iter(match=f"{SEALED_KEY_PREFIX}open-reads:*")]
             assert keys
             value = c.get(keys[0])
         index = int(keys[0].rsplit(b":", 1)[1])
@@ -100,28 +109,51 @@ def test_a_keyed_loader_reads_sealed_entries_from_the_read_ports(
         ds.cache_loader.cleanup()
 
 
-def test_entries_an_earlier_release_authenticated_only_are_read_then_rewritten_sealed(
-        sealed_cluster: tuple[ClusterInfo, ClientTLS]) -> None:
+def test_the_reader_reads_sealed_entries_only(sealed_cluster: tuple[ClusterInfo, ClientTLS]) -> None:
+    """Entries in clear (an unkeyed cache, a loader with ``seal=False``, ``RedisStore.set``) are stored apart from
+    the sealed ones and the password-less reader gets ``NOPERM`` for them; nobody can store a clear value under
+    the sealed prefix through ``RedisStore``."""
     info, tls = sealed_cluster
-    before = _dataset(info, tls, "open-reads-upgrade", Source(32))
-    before.cache_loader.seal = False  # what a cache key wrote before sealing: gmac-aes256
-    now = _dataset(info, tls, "open-reads-upgrade", Source(32))
+    clear = CachedDataset(Source(16), dataset_name="open-reads-clear", hosts=info.hosts, password=TEST_PASSWORD,
+                          tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key, writer_buffer_size=4, cache_key=b"")
+    gmac = _dataset(info, tls, "open-reads-gmac", Source(16))
+    gmac.cache_loader.seal = False  # authenticated, in clear
+    sealed = _dataset(info, tls, "open-reads-gmac", Source(16))  # the same name: its entries live apart
+    store = RedisStore(hosts=info.hosts, password=TEST_PASSWORD, tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key)
     try:
-        check_batch(before, list(range(32)))
-        before.flush()
-        with _admin(info, tls) as c:
-            def kinds() -> set[int]:
-                return {c.get(k)[4] for k in c.scan_iter(match="open-reads-upgrade:*")}  # type: ignore[index]
+        for ds in (clear, gmac, sealed):
+            _cache_then_read(ds, 16)
+            assert ds.stats.hits == 16 and ds.stats.corrupt == 0
+        store.set("cfg", b"db_password=swordfish")
+        with pytest.raises(ConfigurationError, match="sealed cache entries only"):
+            store.set(f"{SEALED_KEY_PREFIX}cfg", b"db_password=swordfish")
+        unkeyed, gmacs = _scan(info, tls, "open-reads-clear:*"), _scan(info, tls, "open-reads-gmac:*")
+        sealed_entries = _scan(info, tls, f"{SEALED_KEY_PREFIX}open-reads-gmac:*")
+        assert len(unkeyed) == len(gmacs) == len(sealed_entries) == 16
+        assert {v[4] for v in unkeyed.values()} == {codec.default_digest_kind()}
+        assert {v[4] for v in gmacs.values()} == {codec.DIGEST_GMAC}
+        assert {v[4] for v in sealed_entries.values()} == {codec.DIGEST_SEAL}
+        plain = [*unkeyed, *gmacs]
+        from bagua_lightning.core.redis_server import reader_client
 
-            assert kinds() == {codec.DIGEST_GMAC}
-            check_batch(now, list(range(32)))  # hits, still accepted
-            now.flush()
-            assert now.stats.hits == 32 and now.stats.misses == 0
-            assert kinds() == {codec.DIGEST_SEAL}  # and rewritten sealed
-        check_batch(now, list(range(32)))
-        assert now.stats.hits == 64 and now.stats.corrupt == 0
+        refused = 0
+        for node in info.masters:
+            with contextlib.closing(reader_client(node.host, node.port + int(info.read_port_offset or 0))) as r:
+                for key in [b"cfg", *plain]:
+                    try:
+                        r.get(key)
+                    except Exception as exc:  # redis.NoPermissionError: the key is not the reader's
+                        assert "NOPERM" in str(exc) or "permission" in str(exc).lower(), exc
+                        refused += 1
+        assert refused == len(info.masters) * (1 + len(plain))
+        from bagua_lightning.client.cache.catalog import remove_dataset
+
+        assert remove_dataset(store, "open-reads-gmac") == 32  # forgetting a dataset removes both kinds
+        assert not _scan(info, tls, f"{SEALED_KEY_PREFIX}open-reads-gmac:*")
     finally:
-        before.cache_loader.cleanup()
+        store.shutdown()
+        for ds in (clear, gmac, sealed):
+            ds.cache_loader.cleanup()
 
 
 def test_a_standalone_server_is_read_from_its_read_port_too(tmp_path: Path) -> None:

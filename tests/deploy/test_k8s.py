@@ -29,7 +29,12 @@ from redis.exceptions import RedisClusterException
 
 import bagua_lightning
 from bagua_lightning.cli import build_parser
-from bagua_lightning.core.read_plane import READ_PORT_OFFSET_ENV, READER_USER, reader_acl_line
+from bagua_lightning.core.read_plane import (
+    READ_PORT_OFFSET_ENV,
+    READER_USER,
+    SEALED_KEY_PREFIX,
+    reader_acl_line,
+)
 from bagua_lightning.services.autotune.persistence import RedisPlanStore
 from bagua_lightning.services.autotune.readiness import SERVICE_NAME
 from tests.procs import free_port, running, wait_until
@@ -507,17 +512,19 @@ def _check_read_ports(ports: list[int], read_ports: list[int], secret: str, clie
         try:
             assert reader.ping()
             if admin.info("replication")["role"] == "master":
-                key = next(f"bagua-cache:{i}" for i in range(10000)
-                           if admin.execute_command("CLUSTER", "KEYSLOT", f"bagua-cache:{i}")
+                key = next(f"{SEALED_KEY_PREFIX}bagua-cache:{i}" for i in range(10000)
+                           if admin.execute_command("CLUSTER", "KEYSLOT", f"{SEALED_KEY_PREFIX}bagua-cache:{i}")
                            in _served_slots(admin, port))
                 admin.set(key, b"sealed")
                 assert reader.get(key) == b"sealed"
+                admin.set(key[len(SEALED_KEY_PREFIX):], b"clear")  # a value in clear: not the reader's
             else:
                 with pytest.raises(redis.exceptions.MovedError) as moved:
-                    reader.get("bagua-cache:0")
+                    reader.get(f"{SEALED_KEY_PREFIX}bagua-cache:0")
                 assert moved.value.port in read_ports
-            for command in (("SET", "bagua-cache:0", "x"), ("GET", "bagua_lightning:autotune:plan:x"), ("KEYS", "*"),
-                            ("CONFIG", "GET", "*"), ("FLUSHALL",)):
+            for command in (("SET", f"{SEALED_KEY_PREFIX}bagua-cache:0", "x"), ("GET", "bagua-cache:0"),
+                            ("GET", "bagua_lightning:autotune:plan:x"), ("KEYS", "*"), ("CONFIG", "GET", "*"),
+                            ("FLUSHALL",)):
                 with pytest.raises(redis.exceptions.NoPermissionError):
                     reader.execute_command(*command)
             with pytest.raises(redis.AuthenticationError):

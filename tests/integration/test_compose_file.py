@@ -357,17 +357,19 @@ def test_a_node_started_with_the_compose_arguments_lets_only_the_reader_in_on_it
             return redis.Redis(port=port, socket_timeout=5, **options)
         admin = reader(password="pw")
         wait_until(lambda: bool(admin.ping()), 20, "redis-server with the compose node's arguments")
-        admin.set("bagua-cache:v1:x", b"sealed")
+        admin.set("!sealed:bagua-cache:v1:x", b"sealed")
+        admin.set("bagua-cache:v1:x", b"in clear")
         admin.set("bagua_lightning:autotune:plan:x", b"plan")
         r = reader(username=READER_USER, password="")
-        assert r.get("bagua-cache:v1:x") == b"sealed" and r.ping()
-        for command in (("SET", "bagua-cache:v1:x", "forged"), ("GET", "bagua_lightning:autotune:plan:x"),
+        assert r.get("!sealed:bagua-cache:v1:x") == b"sealed" and r.ping()
+        for command in (("SET", "!sealed:bagua-cache:v1:x", "forged"), ("GET", "bagua-cache:v1:x"),
+                        ("GET", "bagua_lightning:autotune:plan:x"),
                         ("KEYS", "*"), ("CONFIG", "GET", "*"), ("FLUSHALL",)):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 r.execute_command(*command)
         with pytest.raises(redis.AuthenticationError):
-            reader().get("bagua-cache:v1:x")  # the default user: the password is still needed
-        assert admin.get("bagua-cache:v1:x") == b"sealed"
+            reader().get("!sealed:bagua-cache:v1:x")  # the default user: the password is still needed
+        assert admin.get("!sealed:bagua-cache:v1:x") == b"sealed"
 
 
 # ----------------------------------------------------------------------- commands = the native launcher's

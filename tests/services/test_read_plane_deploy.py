@@ -24,7 +24,12 @@ from redis.retry import Retry
 from bagua_lightning.core import procs
 from bagua_lightning.core.errors import ConfigurationError, ServiceUnavailableError
 from bagua_lightning.core.pinned_redis import cluster_client, pinned_kwargs
-from bagua_lightning.core.read_plane import READ_PORT_OFFSET_ENV, READER_USER, reader_acl_rules
+from bagua_lightning.core.read_plane import (
+    READ_PORT_OFFSET_ENV,
+    READER_USER,
+    SEALED_KEY_PREFIX,
+    reader_acl_rules,
+)
 from bagua_lightning.core.redis_server import (
     TLS_PORT_OFFSET,
     NodeConfig,
@@ -47,6 +52,9 @@ from tests.services.test_deploy_recovery import _cli, _kill, _redis_pids, _secre
 
 KEYS = 200
 PROTECTED = "bagua_lightning:autotune:plan:x"  # the autotune service's plans: never readable by the reader
+SEALED = SEALED_KEY_PREFIX
+# values in clear: RedisStore.set("cfg", ...), an unkeyed cache's entry, one named like a sealed key otherwise
+CLEAR = ("cfg", "bagua-cache:v1:0000", "sealed:bagua-cache:v1:0000", "%21sealed:x", "!sealed")
 
 
 @pytest.fixture(autouse=True)
@@ -64,11 +72,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[
         result = _cli("up", *args)
         assert result.returncode == 0, result.stderr
         info = _info()
-        keys = {f"bagua-cache:v1:{i:04d}": os.urandom(32) for i in range(KEYS)}
+        keys = {f"{SEALED}bagua-cache:v1:{i:04d}": os.urandom(32) for i in range(KEYS)}
         with _admin_cluster(info) as rc:
             for key, value in keys.items():
                 rc.set(key, value)
             rc.set(PROTECTED, b"plan")
+            for key in CLEAR:
+                rc.set(key, b"db_password=swordfish")
         for host in info.redis_hosts:  # on every replica too
             with _admin(info, int(host["port"])) as c:
                 assert c.execute_command("WAIT", 1, 5000) == 1
@@ -126,17 +136,19 @@ def _role(info: ServicesInfo, port: int) -> str:
 
 
 def _assert_reader_only(read_port: int) -> None:
-    """On ``read_port``: the reader may PING; writes, the protected keys, KEYS/CONFIG/FLUSHALL are refused;
-    the default user needs its password."""
+    """On ``read_port``: the reader may PING; writes, the protected keys, every key outside the sealed prefix,
+    KEYS/CONFIG/FLUSHALL are refused; the default user needs its password."""
     with _reader(read_port) as r:
         assert r.ping()
         with pytest.raises(redis.exceptions.NoPermissionError):
-            r.set("bagua-cache:v1:forged", b"x")
+            r.set(f"{SEALED}bagua-cache:v1:forged", b"x")
+        for key in (PROTECTED, *CLEAR):  # no clear value is readable without the password
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                r.get(key)
         with pytest.raises(redis.exceptions.NoPermissionError):
-            r.get(PROTECTED)
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            r.mget(["bagua-cache:v1:0000", PROTECTED])
-        for command in (("KEYS", "*"), ("CONFIG", "GET", "requirepass"), ("FLUSHALL",), ("DEL", "bagua-cache:v1:0000"),
+            r.mget([f"{SEALED}bagua-cache:v1:0000", PROTECTED])
+        for command in (("KEYS", "*"), ("CONFIG", "GET", "requirepass"), ("FLUSHALL",),
+                        ("DEL", f"{SEALED}bagua-cache:v1:0000"),
                         ("ACL", "LIST"), ("CLUSTER", "SLOTS")):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 r.execute_command(*command)
@@ -147,7 +159,7 @@ def _assert_reader_only(read_port: int) -> None:
             pytest.raises(redis.AuthenticationError):
         wrong.ping()
     with _reader(read_port, username=None, password=None) as anonymous, pytest.raises(redis.AuthenticationError):
-        anonymous.get("bagua-cache:v1:0000")  # the default user without AUTH: NOAUTH
+        anonymous.get(f"{SEALED}bagua-cache:v1:0000")  # the default user without AUTH: NOAUTH
 
 
 def _assert_reads(info: ServicesInfo, port: int, keys: dict[str, bytes]) -> None:
@@ -304,9 +316,11 @@ def test_a_single_server_has_a_read_port_until_down(tmp_path: Path) -> None:
         offset = info.redis_read_port_offset
         assert offset == read_port_offset(port, 1)
         with _admin(info, port) as c:
-            c.set("bagua-cache:v1:single", b"sealed")
+            c.set(f"{SEALED}bagua-cache:v1:single", b"sealed")
+            for key in (PROTECTED, *CLEAR):
+                c.set(key, b"db_password=swordfish")
         with _reader(port + offset) as r:
-            assert r.get("bagua-cache:v1:single") == b"sealed"
+            assert r.get(f"{SEALED}bagua-cache:v1:single") == b"sealed"
         _assert_reader_only(port + offset)
         pids = info.pids["redis"]
         deploy.down(timeout_s=5)
@@ -325,6 +339,16 @@ def test_no_auth_means_no_read_port(tmp_path: Path) -> None:
         port = int(info.redis_hosts[0]["port"])
         with socket.socket() as probe:  # nothing listens where the read port would be
             assert probe.connect_ex(("127.0.0.1", port + read_port_offset(port, 1))) != 0
+
+
+def test_up_warns_in_one_line_where_read_ports_listen_beyond_loopback() -> None:
+    assert deploy.read_port_warning(deploy.UpConfig()) is None
+    assert deploy.read_port_warning(deploy.UpConfig(host="10.1.2.3", read_ports=False)) is None
+    assert deploy.UpConfig(host="10.1.2.3", read_ports=False).read_port_offset is None
+    for host in ("10.1.2.3", "0.0.0.0"):
+        line = deploy.read_port_warning(deploy.UpConfig(host=host))
+        assert line is not None and "\n" not in line
+        assert f"--host {host}" in line and "sealed cache entries only" in line and "--no-read-ports" in line
 
 
 def test_read_port_settings_are_checked() -> None:
