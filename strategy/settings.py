@@ -13,7 +13,7 @@ from typing import Any
 from ..core.errors import ConfigurationError
 from ..core.services_file import resolve_autotune_address
 from ..engine.algorithms.auto import auto_settings
-from ..engine.algorithms.base import Algorithm, get_algorithm_class
+from ..engine.algorithms.base import Algorithm, algorithm_classes, get_algorithm_class
 from ..engine.autotune import DEFAULT_INTERVAL as DEFAULT_AUTOTUNE_INTERVAL
 from ..engine.autotune import AutotuneSettings
 from ..engine.autotune.selection import AutoSettings
@@ -25,16 +25,16 @@ class BaguaSettings:
     """The strategy's own arguments (Lightning's are ``DDPStrategy``'s), and what is derived from them."""
 
     algorithm: str = "gradient_allreduce"
-    """A registered algorithm (``"gradient_allreduce"``, ``"bytegrad"``, ``"decentralized"``,
-    ``"low_precision_decentralized"``, ``"qadam"``, ``"async"``), or ``"auto"``: measure ``auto_candidates``
-    while training and keep the fastest."""
+    """The name of a registered algorithm (one file of ``engine/algorithms/`` each;
+    :func:`~bagua_lightning.engine.algorithms.base.algorithm_classes` lists them, and an unknown name is refused
+    with that list), or ``"auto"``: measure ``auto_candidates`` while training and keep the fastest."""
 
     flatten: bool = True
     """Communicate flat buckets with gradients as views of them (no copy)."""
 
     autotune: bool = False
     """Tune the bucket plan with the autotune service while training; only for algorithms that communicate
-    gradients in buckets (gradient_allreduce, bytegrad, qadam; with ``"auto"``: once it has chosen one)."""
+    gradients in buckets (``uses_gradient_buckets``; with ``"auto"``: once it has chosen one)."""
 
     bucket_size: int = DEFAULT_BUCKET_SIZE
     """Bytes per bucket of the default plan (Bagua's default: 10 MiB)."""
@@ -59,8 +59,9 @@ class BaguaSettings:
     class name and a fingerprint of its parameters."""
 
     auto_candidates: list[str] | tuple[str, ...] | None = None
-    """With ``algorithm="auto"``: the algorithms to measure (registered, needing no optimizer of their own);
-    None: gradient_allreduce and bytegrad."""
+    """With ``algorithm="auto"``: the algorithms to measure (registered, needing no optimizer of their own:
+    :func:`~bagua_lightning.engine.algorithms.base.switchable_algorithms`); None:
+    :data:`~bagua_lightning.engine.autotune.selection.DEFAULT_CANDIDATES`."""
 
     auto_warmup_steps: int = 3
     """With ``algorithm="auto"``: untimed steps after each switch."""
@@ -113,8 +114,8 @@ class BaguaSettings:
             if self.auto is None and not self.algorithm_class.uses_gradient_buckets:
                 raise ConfigurationError(
                     f"autotune=True needs an algorithm that communicates gradients in buckets; {self.algorithm!r} "
-                    "averages weights outside backward, so there is no bucket plan to tune. Use "
-                    "gradient_allreduce, bytegrad or qadam, or drop autotune=True")
+                    "averages weights outside backward, so there is no bucket plan to tune. Use one of "
+                    f"{_bucketed_algorithms()}, or drop autotune=True")
             self.autotune_settings = AutotuneSettings(
                 address=resolve_autotune_address(self.autotune_service), interval=self.autotune_interval,
                 token=self.autotune_token, tls=tls is not False, root_certificates=None if isinstance(tls, bool)
@@ -129,3 +130,9 @@ class BaguaSettings:
     def algorithm_class(self) -> type[Algorithm]:
         """The engine class of the algorithm (with ``"auto"``: of the first candidate)."""
         return self.algorithm_classes[0]
+
+
+def _bucketed_algorithms() -> list[str]:
+    """The registered algorithms that communicate gradients in buckets (those ``autotune=True`` can tune);
+    ``auto``'s ``uses_gradient_buckets`` is a property of the instance (true once it has chosen such a one)."""
+    return sorted(name for name, cls in algorithm_classes().items() if cls.uses_gradient_buckets is True)

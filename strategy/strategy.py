@@ -68,9 +68,9 @@ class BaguaStrategy(DDPStrategy):
     """Distributed training with one of Bagua's algorithms.
 
     Args:
-        algorithm: a registered algorithm (``"gradient_allreduce"``, ``"bytegrad"``, ``"decentralized"``,
-            ``"low_precision_decentralized"``, ``"qadam"``, ``"async"``) or ``"auto"`` (measure
-            ``auto_candidates`` while training and keep the fastest: :mod:`bagua_lightning.engine.autotune.selection`).
+        algorithm: the name of a registered algorithm (``engine/algorithms/``; each is also a ``bagua_<name>``
+            strategy alias) or ``"auto"`` (measure ``auto_candidates`` while training and keep the fastest:
+            :mod:`bagua_lightning.engine.autotune.selection`).
         flatten, autotune, bucket_size, autotune_service, autotune_interval, autotune_token, autotune_tls,
             autotune_model_name, auto_candidates, auto_warmup_steps, auto_trial_steps, auto_max_runoffs: the
             strategy's settings,

@@ -5,10 +5,10 @@ Bagua's ``AutoAlgorithm(candidates=[...])`` (``with_bagua``) is derived from its
 to the candidate driving the model now; at the start of a training forward the selector
 (:class:`~bagua_lightning.engine.autotune.selection.AlgorithmSelector`, which says what is timed and how)
 may hand the model to the next candidate, or, after the last trial, to the one kept. A hand-over between
-candidates tears the previous one down, averages the replicas when it let them drift (decentralized, async)
-and sets the next one up on the same bucket plan and optimizers, so every rank switches at the same forward
-without a broadcast. Once the choice is made, the chosen algorithm is handed to the driver, which calls it
-directly from then on: ``auto`` leaves the step path.
+candidates tears the previous one down, averages the replicas when it let them drift (an algorithm that
+averages weights, not gradients) and sets the next one up on the same bucket plan and optimizers, so every
+rank switches at the same forward without a broadcast. Once the choice is made, the chosen algorithm is
+handed to the driver, which calls it directly from then on: ``auto`` leaves the step path.
 
 The candidates ``auto`` accepts are derived from the registry
 (:func:`~bagua_lightning.engine.algorithms.base.switchable_algorithms`): an algorithm's own file is all it
@@ -73,8 +73,8 @@ class AutoAlgorithm(Algorithm):
 
     Args:
         candidates: names of registered algorithms that need no optimizer of their own
-            (``"gradient_allreduce"``, ``"bytegrad"``, ``"decentralized"``, ``"low_precision_decentralized"``,
-            ``"async"``, ...), in the order of the first round; None: gradient_allreduce and bytegrad.
+            (:func:`~bagua_lightning.engine.algorithms.base.switchable_algorithms`), in the order of the first
+            round; None: :data:`~bagua_lightning.engine.autotune.selection.DEFAULT_CANDIDATES`.
         warmup_steps: untimed steps after each switch (>= 1).
         trial_steps: timed steps per candidate (>= 3; their median counts).
         candidate_kwargs: keyword arguments given to every candidate (e.g. ``{"hierarchical": False}``).

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +17,12 @@ from torch import nn
 
 from bagua_lightning.core.errors import ConfigurationError
 from bagua_lightning.engine.algorithms import base
-from bagua_lightning.engine.algorithms.base import Algorithm, algorithm_classes, register_algorithm
+from bagua_lightning.engine.algorithms.base import (
+    Algorithm,
+    algorithm_classes,
+    register_algorithm,
+    switchable_algorithms,
+)
 from bagua_lightning.strategy import BaguaStrategy
 from bagua_lightning.torch_api import algorithms as bagua_algorithms
 from bagua_lightning.torch_api.algorithms.base import bagua_algorithm
@@ -48,14 +57,73 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[Algorithm]]:
     bagua_algorithm.cache_clear()
 
 
-def test_builtins_are_registered_once_each() -> None:
+def _registrations_in_files() -> dict[str, str]:
+    """``{name: module}`` of every ``@register_algorithm(name=...)`` written in ``engine/algorithms/*.py``."""
+    found: dict[str, str] = {}
+    for path in sorted(Path(base.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register_algorithm":
+                (name,) = [kw.value.value for kw in node.keywords if kw.arg == "name"]  # type: ignore[attr-defined]
+                assert name not in found, f"{name!r} is registered in {found[name]} and {path.stem}"
+                found[name] = path.stem
+    return found
+
+
+def test_every_registration_reaches_the_registry_once() -> None:
+    """The registry (``ALGORITHMS``) is the list: every algorithm file's registration is in it, under its own
+    name, with its own Bagua class name; a new file needs no edit here."""
     classes = algorithm_classes()
-    assert set(classes) == {"gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
-                            "qadam", "async", "auto"}
+    assert classes == base.ALGORITHMS
+    assert {name: cls.__module__.rpartition(".")[2] for name, cls in classes.items()} == _registrations_in_files()
+    assert {"gradient_allreduce", "auto"} <= set(classes)  # Bagua's default, and the one that picks
     assert all(cls.spec.name == name == cls.name for name, cls in classes.items())
     assert len({c.spec.bagua_name for c in classes.values()}) == len(classes)
-    for cls in classes.values():  # Bagua's class of each, by Bagua's name, from the package
-        assert getattr(bagua_algorithms, cls.spec.bagua_name) is bagua_algorithm(cls.name)[0]
+
+
+@pytest.mark.parametrize("name", sorted(algorithm_classes()))
+def test_each_registered_algorithm_reaches_both_front_doors(name: str) -> None:
+    cls = algorithm_classes()[name]
+    # Bagua's class of each, by Bagua's name, from the package.
+    assert getattr(bagua_algorithms, cls.spec.bagua_name) is bagua_algorithm(name)[0]
+    registry = _StrategyRegistry()
+    BaguaStrategy.register_strategies(registry)
+    assert registry[f"bagua_{name}"]["init_params"] == {"algorithm": name}
+    assert registry[f"bagua_{name}"]["description"] == f"BaguaStrategy with {name}: {cls.spec.description}"
+    # auto may try it exactly when it is switchable and needs no optimizer of its own
+    assert (name in switchable_algorithms()) == (cls.spec.switchable and cls.spec.optimizer_arg is None)
+
+
+def test_autotune_on_an_algorithm_without_buckets_names_the_ones_with() -> None:
+    from bagua_lightning.strategy.settings import BaguaSettings
+
+    bucketed = sorted(n for n, c in algorithm_classes().items() if c.uses_gradient_buckets is True)
+    assert "gradient_allreduce" in bucketed and "decentralized" not in bucketed
+    with pytest.raises(ConfigurationError, match="no bucket plan to tune") as info:
+        BaguaSettings(algorithm="decentralized", autotune=True)
+    assert str(bucketed) in str(info.value)
+
+
+#: Docstrings that describe the algorithm arguments: they point at the registry instead of listing it.
+_DESCRIBING_THE_CHOICE = ["bagua_lightning.strategy.settings", "bagua_lightning.strategy.strategy",
+                          "bagua_lightning.engine.algorithms.auto", "bagua_lightning.engine.autotune.selection"]
+
+
+@pytest.mark.parametrize("module_name", _DESCRIBING_THE_CHOICE)
+def test_docstrings_name_no_list_of_algorithms(module_name: str) -> None:
+    """A list of the algorithms written in a docstring goes stale when one is added: at most two names (an
+    example, a default) per docstring."""
+    module = importlib.import_module(module_name)
+    names = [n for n in algorithm_classes() if n != "auto"]
+    docs = {module_name: module.__doc__ or ""}
+    for attr, value in vars(module).items():
+        if getattr(value, "__module__", None) == module_name and inspect.isclass(value):
+            docs[attr] = inspect.getdoc(value) or ""
+            docs[f"{attr}.__init__"] = inspect.getdoc(value.__init__) or ""
+            source = inspect.getsource(value)  # attribute docstrings (a dataclass field's) are not __doc__
+            docs.update({f"{attr} field {i}": text for i, text in enumerate(re.findall(r'"""(.*?)"""', source, re.S))})
+    for where, text in docs.items():
+        named = {n for n in names if re.search(rf"\b{n}\b", text)}
+        assert len(named) <= 2, f"{module_name} {where} lists {sorted(named)}: point at the registry instead"
 
 
 def test_one_file_is_enough_for_both_front_doors(toy: type[Algorithm]) -> None:
