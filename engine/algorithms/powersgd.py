@@ -255,7 +255,7 @@ class PowerSGDAlgorithm(GradientBucketAlgorithm):
         """``bucket.flat`` becomes the rank-r approximation of its average over ``group``'s ``size`` ranks."""
         layout = self._layout(bucket)
         matrices = layout.matrices
-        if layout.errors is not None:
+        if layout.errors is not None and matrices:
             torch._foreach_add_([x.m for x in matrices], [x.error for x in matrices if x.error is not None])
         self._prepare_q(layout)
         for x in matrices:
