@@ -19,7 +19,11 @@ and its place in the block is not read.
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from typing import Any
 
 from .batches import UNIFORM_MIN, Groups, build_groups, decode_opened_rows, join_group
@@ -44,6 +48,38 @@ _U64 = struct.Struct("<Q")
 _BLOCKS = BufferPool()  # the blocks batches are opened into, reused once no sample views them
 # A sealed entry's header: prefix (magic, version, kind, zeros), nonce, zeros, (flags,) the three lengths
 _SEALED = struct.Struct(f"<8s{NONCE_SIZE}s{DIGEST_SIZE - NONCE_SIZE}s4xIIQ")
+
+
+def _decrypt_threads() -> int:
+    """Threads that decrypt a large batch beside the reader: one per four cores beyond the first four, at most
+    three (none on a small machine, where the redis-servers and the DataLoader need the cores)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(0, min(3, (cores - 4) // 4))
+
+
+DECRYPT_THREADS = _decrypt_threads()
+PARALLEL_MIN_BYTES = 256 * 1024  # a batch's ciphertext below which the reader decrypts it alone
+_POOL: list[Any] = [None, -1]  # the executor of this process, and its pid (a forked child makes its own)
+
+
+def in_spans(work: Callable[[int, int], int], n: int, nbytes: int) -> list[tuple[int, int, int]]:
+    """``work(lo, hi)`` (returns how many of its entries ``lo..hi-1`` it did, in order, stopping at the first
+    that fails) over the ``n`` entries of a batch of ``nbytes``: where the host has the cores and the batch is
+    large, split among the reader and :data:`DECRYPT_THREADS` threads (AES-GCM releases the GIL, so they
+    decrypt at once); else the reader does all. Each span as (lo, hi, done)."""
+    parts = min(DECRYPT_THREADS + 1, n) if nbytes >= PARALLEL_MIN_BYTES else 1
+    if parts <= 1:
+        return [(0, n, work(0, n))]
+    if _POOL[1] != os.getpid():
+        _POOL[:] = [ThreadPoolExecutor(DECRYPT_THREADS, thread_name_prefix="bagua-cache-open"), os.getpid()]
+    cuts = [n * i // parts for i in range(parts + 1)]
+    spans = list(pairwise(cuts))
+    futures = [_POOL[0].submit(work, lo, hi) for lo, hi in spans[1:]]
+    first = work(0, cuts[1])
+    return [(0, cuts[1], first)] + [(lo, hi, f.result()) for (lo, hi), f in zip(spans[1:], futures, strict=True)]
 
 
 def sealed_indices(values: list[Any]) -> list[int]:
@@ -155,18 +191,24 @@ def open_uniform(values: list[Any], keys: list[bytes], secret: bytes) -> list[An
     block = _BLOCKS.take(n * stride)  # no view of it left: samples that still hold theirs keep theirs
     bmv = memoryview(block)
     pack = _U64.pack
-    try:
-        for at, mv, key in zip(range(0, n * stride, stride), views, keys, strict=True):
+    def into_block(lo: int, hi: int) -> int:
+        for i in range(lo, hi):
+            mv, key, at = views[i], keys[i], i * stride
             if mv[:DIGEST_OFFSET] != SEAL_PREFIX or mv[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE] != rest:
-                return None
+                return i - lo
             bmv[at:at + HEADER_SIZE] = mv[:HEADER_SIZE]
-            into(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE], mv[HEADER_SIZE:], pack(len(key)) + key + clear,
-                 bmv[at + HEADER_SIZE:at + length])
-    except Exception:  # a tag that does not match, say: entry by entry, which says which and why
+            try:
+                into(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE], mv[HEADER_SIZE:], pack(len(key)) + key + clear,
+                     bmv[at + HEADER_SIZE:at + length])
+            except Exception:  # a tag that does not match, say: entry by entry, which says which and why
+                return i - lo
+        return hi - lo
+
+    if any(done != hi - lo for lo, hi, done in in_spans(into_block, n, n * size)):
         return None
     block[4:n * stride:stride] = bytes((OPENED,)) * n
     built = decode_opened_rows(block, stride, length, n)
-    del bmv
+    bmv.release()  # (the span workers' closure still holds the view: released, the pool sees the block free)
     _BLOCKS.give([block])
     return built
 
@@ -179,18 +221,30 @@ def _open_in_place(views: list[memoryview], keys: list[bytes], secret: bytes, ru
     under a nonce) and None is returned, for :func:`decode_sealed` to say which and why."""
     into, cipher = raw_opener(secret), seal_cipher(secret)
     pack = _U64.pack
-    done = 0
-    try:
-        for mv, key in zip(views, keys, strict=True):
+
+    def in_place(lo: int, hi: int) -> int:
+        for i in range(lo, hi):
+            mv, key = views[i], keys[i]
             if mv[:DIGEST_OFFSET] != SEAL_PREFIX or mv[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE] != rest:
-                raise CorruptEntryError("not a batch of sealed entries alike")
-            into(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE], mv[HEADER_SIZE:], pack(len(key)) + key + clear,
-                 mv[HEADER_SIZE:length])
-            done += 1
-    except Exception:
-        for mv, key in zip(views[:done], keys[:done], strict=True):
-            cipher.encrypt_into(bytes(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE]), mv[HEADER_SIZE:length],
-                                pack(len(key)) + key + clear, mv[HEADER_SIZE:])
+                return i - lo
+            nonce, aad = mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE], pack(len(key)) + key + clear
+            try:
+                into(nonce, mv[HEADER_SIZE:], aad, mv[HEADER_SIZE:length])
+            except Exception:
+                # OpenSSL wrote the unauthenticated plaintext before it checked the tag: the keystream put back
+                # over it gives the ciphertext as received (the new tag goes to scratch, never into the entry).
+                scratch = bytearray(length - HEADER_SIZE + SEAL_TAG_SIZE)
+                cipher.encrypt_into(bytes(nonce), mv[HEADER_SIZE:length], aad, scratch)
+                mv[HEADER_SIZE:length] = memoryview(scratch)[:length - HEADER_SIZE]
+                return i - lo
+        return hi - lo
+
+    spans = in_spans(in_place, len(views), len(views) * length)
+    if any(done != hi - lo for lo, hi, done in spans):
+        for lo, _, done in spans:
+            for mv, key in zip(views[lo:lo + done], keys[lo:lo + done], strict=True):
+                cipher.encrypt_into(bytes(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE]), mv[HEADER_SIZE:length],
+                                    pack(len(key)) + key + clear, mv[HEADER_SIZE:])
         return None
     for mv in views:
         mv[4] = OPENED

@@ -422,6 +422,7 @@ def test_without_the_into_methods_sealing_still_works(monkeypatch: pytest.Monkey
         got = decode_many(broken, keys, secret=SECRET)
         assert type(got[3]) is codec.Bad and "does not open" in str(got[3].error)
     finally:
+        monkeypatch.undo()  # the real cipher from here on, for this test's last read and every later test
         digests.seal_cipher.cache_clear()
     assert_pairs(decode_many(again, keys, secret=SECRET), samples)  # the real one reads what the other wrote
 
@@ -430,3 +431,25 @@ def test_sealed_indices_only_look_at_the_kind_byte() -> None:
     entries = batch(4)[0]
     values: list[Any] = [entries[0], None, b"", b"BLC", bytes(encode(1, KEY)), memoryview(bytearray(entries[1]))]
     assert batch_sealed.sealed_indices(values) == [0, 5]
+
+
+@pytest.mark.parametrize("bad", [None, 1, N - 2])  # none, one in the reader's span, one in a thread's
+def test_a_large_batch_is_opened_on_several_threads_alike(monkeypatch: pytest.MonkeyPatch, bad: int | None) -> None:
+    # As on a host of many cores: every batch split among the reader and three threads.
+    monkeypatch.setattr(batch_sealed, "DECRYPT_THREADS", 3)
+    monkeypatch.setattr(batch_sealed, "PARALLEL_MIN_BYTES", 0)
+    entries, keys, samples = batch(N)
+    if bad is not None:
+        entries[bad] = _flip(entries[bad], len(entries[bad]) - 3)
+    skip = frozenset(() if bad is None else (bad,))
+    run = _in_one_buffer(entries)
+    as_received = bytes(run.run[0])  # type: ignore[attr-defined]
+    for values in (run, [memoryview(bytearray(e)) for e in entries]):  # in place, and into a block
+        got = decode_many(values, keys, secret=SECRET)
+        assert_pairs(got, samples, skip=skip)
+        if bad is not None:
+            assert type(got[bad]) is codec.Bad and "does not open" in str(got[bad].error)
+    if bad is None:
+        assert all(v[4] == OPENED for v in run)
+    else:  # one did not open: every entry that the threads had opened was sealed again where it lies
+        assert bytes(run.run[0]) == as_received  # type: ignore[attr-defined]
