@@ -67,17 +67,19 @@ _LOAD_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(DDPStrategy.load_
 class BaguaStrategy(DDPStrategy):
     """Distributed training with one of Bagua's algorithms.
 
+    The strategy's settings (``flatten``, ``autotune``, ``bucket_size``, ``autotune_service``,
+    ``autotune_interval``, ``autotune_token``, ``autotune_tls``, ``autotune_model_name``, ``auto_candidates``,
+    ``auto_warmup_steps``, ``auto_trial_steps``, ``auto_max_runoffs``) are each documented in
+    :class:`~bagua_lightning.strategy.settings.BaguaSettings`, which validates them
+    (:class:`~bagua_lightning.core.errors.ConfigurationError` naming a bad value and the fix). ``accelerator``,
+    ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``start_method``,
+    ``process_group_backend`` and ``timeout`` are as for ``DDPStrategy`` (``process_group_backend`` None: by
+    device).
+
     Args:
         algorithm: the name of a registered algorithm (``engine/algorithms/``; each is also a ``bagua_<name>``
             strategy alias) or ``"auto"`` (measure ``auto_candidates`` while training and keep the fastest:
             :mod:`bagua_lightning.engine.autotune.selection`).
-        flatten, autotune, bucket_size, autotune_service, autotune_interval, autotune_token, autotune_tls,
-            autotune_model_name, auto_candidates, auto_warmup_steps, auto_trial_steps, auto_max_runoffs: the
-            strategy's settings,
-            each documented in :class:`~bagua_lightning.strategy.settings.BaguaSettings`, which validates them
-            (:class:`~bagua_lightning.core.errors.ConfigurationError` naming a bad value and the fix).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, start_method,
-            process_group_backend, timeout: as for ``DDPStrategy`` (``process_group_backend`` None: by device).
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``, ``average``,
             ``peer_selection_mode``, ``sync_interval_ms``); unknown ones raise ``ConfigurationError`` listing
             the accepted ones.

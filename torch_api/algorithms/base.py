@@ -370,7 +370,7 @@ def bagua_algorithm(name: str) -> tuple[type[EngineAlgorithm], type[RegisteredAl
     methods.update({a: _exposed(engine, a, on_impl=False) for a in spec.exposed})
     factory_cls = type(spec.bagua_name, (EngineAlgorithm,), {
         **shared, **methods, "__init__": factory_init, "impl_class": impl_cls,
-        "__doc__": f"Create Bagua's ``{spec.name}`` algorithm.\n\n{engine.__doc__ or ''}",
+        "__doc__": f"Create Bagua's ``{spec.name}`` algorithm.\n\n{inspect.cleandoc(engine.__doc__ or '')}",
     })
     return factory_cls, impl_cls
 
