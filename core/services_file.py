@@ -76,6 +76,7 @@ ENV_REDIS_PASSWORD = "BAGUA_LIGHTNING_REDIS_PASSWORD"
 ENV_AUTOTUNE_TOKEN = "BAGUA_LIGHTNING_AUTOTUNE_TOKEN"
 ENV_CACHE_KEY = "BAGUA_LIGHTNING_CACHE_KEY"
 SECRET_NAMES = ("redis_password", "autotune_token", "cache_key")
+PREVIOUS_SUFFIX = ".previous"  # beside a secret's file while its rotation's grace period runs (the old value)
 
 
 class ServicesFileError(ConfigurationError):
@@ -369,6 +370,25 @@ def resolve_cache_key(hosts: Iterable[Any] | None = None) -> bytes | None:
         if hosts is None or is_recorded_redis(hosts, info):
             key = _recorded_secret("cache_key", info)
     return key.encode() if key else None
+
+
+def resolve_cache_keys(hosts: Iterable[Any] | None = None) -> list[bytes]:
+    """The cache keys entries may be sealed with, the current one first: :func:`resolve_cache_key`, then, while a
+    rotation's grace period runs (``rotate-secrets --cache-key`` until ``--finish``), the previous key of the
+    deployment (the file beside its key file, ``.previous``); empty without a key. Read afresh at each call."""
+    current = resolve_cache_key(hosts)
+    if current is None:
+        return []
+    keys = [current]
+    if not os.environ.get(ENV_CACHE_KEY):
+        info = read_services_file()
+        path = info.secrets.get("cache_key") if info is not None else None
+        previous = Path(path + PREVIOUS_SUFFIX) if path else None
+        if previous is not None and previous.is_file() and (hosts is None or is_recorded_redis(hosts, info)):
+            old = read_secret(previous).encode()
+            if old != current:
+                keys.append(old)
+    return keys
 
 
 def resolve_redis_read_port_offset(hosts: Iterable[Any]) -> int | None:

@@ -107,9 +107,13 @@ def _cmd_rotate(args: argparse.Namespace) -> int:
     from . import rotate
 
     if args.finish:
-        if args.redis_password or args.autotune_token or args.cache_key or args.grace is not None:
-            raise ConfigurationError("--finish ends an open password rotation; give it alone.")
-        rotate.finish()
+        if args.autotune_token or args.grace is not None:
+            raise ConfigurationError("--finish ends an open rotation of the Redis password (alone or with "
+                                     "--redis-password) or of the cache key (--cache-key); the token has none.")
+        if args.redis_password or not args.cache_key:
+            rotate.finish()
+        if args.cache_key:
+            rotate.finish_cache_key()
     else:
         rotate.rotate(redis_password=args.redis_password, autotune_token=args.autotune_token,
                       cache_key=args.cache_key, grace_s=args.grace)
@@ -240,8 +244,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--redis-password", action="store_true",
                    help="add a new Redis password beside the old one (both work until --finish or --grace)")
     p.add_argument("--autotune-token", action="store_true", help="a new token; restarts the autotune service")
-    p.add_argument("--cache-key", action="store_true", help="a new cache key (cached entries become misses)")
+    p.add_argument("--cache-key", action="store_true",
+                   help="a new cache key; the old one opens entries too until --cache-key --finish")
     p.add_argument("--grace", type=positive_float_arg, default=None, metavar="SECONDS",
                    help="with --redis-password: wait this long, then remove the old password")
-    p.add_argument("--finish", action="store_true", help="remove the old Redis password of an open rotation")
+    p.add_argument("--finish", action="store_true",
+                   help="remove the old Redis password (or, with --cache-key, the old cache key) of an open rotation")
     p.set_defaults(func=_cmd_rotate)

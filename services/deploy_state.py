@@ -13,7 +13,7 @@ from pathlib import Path
 from ..core import procs
 from ..core.errors import ConfigurationError
 from ..core.file_trust import check_trusted
-from ..core.services_file import ServicesInfo, read_services_file, services_file_path
+from ..core.services_file import PREVIOUS_SUFFIX, ServicesInfo, read_services_file, services_file_path
 from ..core.tls_trust import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, TLS_ENV
 from .deploy_config import (
     AUTOTUNE_LOG,
@@ -25,8 +25,6 @@ from .deploy_config import (
 )
 from .health import Health, check_autotune, check_redis
 from .redis_tls import client_tls, service_certificate
-
-PREVIOUS_SUFFIX = ".previous"  # beside the password file while a rotation's grace period runs
 
 
 def start_autotune(cfg: UpConfig, state: str, folder: Path, deployment: str,

@@ -12,8 +12,12 @@ Never part of ``up`` (which keeps the secrets of everything alive); always an ex
   ``up`` restarts during the grace period accepts both too.
 - **Autotune token**: the service holds one token, so it is restarted with the new one (seconds; plans
   are in Redis); jobs started before then must be restarted too.
-- **Cache key**: a new key file. Entries written with the old key fail their check and are misses from
-  then on, so the cache refills; running jobs keep the old key until they end.
+- **Cache key**, online, in two steps, with key ids (:mod:`bagua_lightning.client.cache.keyring`): every
+  sealed entry names the key that sealed it. Start: the old key is kept in ``cache-key.previous`` (0600) and
+  a new one replaces ``cache-key``. During the grace period both keys open entries and new entries are sealed
+  with the new one: a job started before learns the new key from the files when it meets an entry of it, a
+  job started after reads both, so both keep hitting. ``rotate-secrets --cache-key --finish`` removes the old
+  key's file; entries still sealed with it are misses from then on and are written again with the new one.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from ..core import procs
 from ..core.addresses import check_host, parse_address
 from ..core.errors import ConfigurationError
 from ..core.redis_server import client_for
-from ..core.services_file import ServicesInfo, read_services_file, write_services_file
+from ..core.services_file import PREVIOUS_SUFFIX, ServicesInfo, read_services_file, write_services_file
 from .deploy_config import AUTOTUNE_LOG, SECRETS, UpConfig
 from .deploy_state import exclusive, owned, previous_password_file, running_services, start_autotune
 from .health import check_autotune, wait_healthy
@@ -75,9 +79,7 @@ def rotate(*, redis_password: bool = False, autotune_token: bool = False, cache_
             procs.new_secret_file(Path(info.secrets["autotune_token"]))
             report(f"autotune token: new one in {info.secrets['autotune_token']}")
         if cache_key:
-            procs.new_secret_file(Path(info.secrets["cache_key"]))
-            report(f"cache key: new one in {info.secrets['cache_key']} (entries cached with the old key are misses "
-                   "from now on)")
+            _start_cache_key_rotation(info, report)
         if redis_password or autotune_token:
             _restart_autotune(info, report)
     if redis_password and grace_s is not None:
@@ -110,6 +112,38 @@ def _start_password_rotation(info: ServicesInfo, report: Report) -> None:
         procs.write_private(cluster_copy, new)
     report(f"redis password: the new one is in {path} and works on all {len(nodes)} nodes; the old one too, "
            "for now")
+
+
+def _cache_key_files(info: ServicesInfo) -> tuple[Path, Path]:
+    if "cache_key" not in info.secrets:
+        raise ConfigurationError("the deployment has no cache key (--no-auth); nothing to rotate.")
+    path = Path(info.secrets["cache_key"])
+    return path, Path(str(path) + PREVIOUS_SUFFIX)
+
+
+def _start_cache_key_rotation(info: ServicesInfo, report: Report) -> None:
+    path, previous = _cache_key_files(info)
+    if previous.exists():
+        raise ConfigurationError(f"a cache key rotation is still open ({previous} exists); end it with "
+                                 "`bagua-lightning rotate-secrets --cache-key --finish` first.")
+    procs.write_private(previous, procs.read_secret(path))  # first: the old key stays valid whatever follows
+    procs.new_secret_file(path)
+    report(f"cache key: the new one is in {path} and seals new entries; the old one ({previous}) still opens "
+           "entries until `bagua-lightning rotate-secrets --cache-key --finish`")
+
+
+def finish_cache_key(report: Report = print) -> None:
+    """End a cache key rotation: delete the old key's file (entries sealed with it are misses from then on)."""
+    with exclusive():
+        info = read_services_file()
+        if info is None:
+            raise ConfigurationError("no services are recorded; nothing to finish.")
+        _, previous = _cache_key_files(info)
+        if not previous.is_file():
+            raise ConfigurationError("no cache key rotation is open; nothing to finish.")
+        previous.unlink()
+        report(f"cache key: the old one is retired ({previous} removed); entries still sealed with it are misses "
+               "and are written again with the new one")
 
 
 def _token() -> str:

@@ -36,11 +36,11 @@ from .entry import (
     MAX_ENTRY_BYTES,
     OPENED,
     SEAL_PREFIX,
-    SEAL_ZEROS,
     Bad,
     check_sealed,
     decode_opened,
 )
+from .keyring import key_field
 from .resp import BufferPool
 from .values import ALIGN, CorruptEntryError
 
@@ -101,6 +101,7 @@ def decode_sealed(values: list[Any], keys: list[bytes], allow_pickle: bool, secr
         return [Bad(exc)] * n
     found = []  # (index, entry, nonce, data start, opened length)
     unpack = _SEALED.unpack_from
+    field = key_field(secret)  # what follows the nonce of an entry sealed with this key (.keyring)
     for j in range(n):
         value = values[j]
         try:
@@ -112,8 +113,8 @@ def decode_sealed(values: list[Any], keys: list[bytes], allow_pickle: bool, secr
                 raise CorruptEntryError(f"sealed entry of {size} bytes")
             prefix, nonce, zeros, skel_len, tail_len, data_len = unpack(mv, 0)
             data_start = (HEADER_SIZE + skel_len + tail_len + ALIGN - 1) & -ALIGN
-            if prefix != SEAL_PREFIX or zeros != SEAL_ZEROS or data_start + data_len + SEAL_TAG_SIZE != size:
-                check_sealed(mv, size, data_start, data_len)  # raises, saying what
+            if prefix != SEAL_PREFIX or zeros != field or data_start + data_len + SEAL_TAG_SIZE != size:
+                check_sealed(mv, size, data_start, data_len, secret)  # raises, saying what
             found.append((j, mv, nonce, data_start, size - SEAL_TAG_SIZE))
         except CorruptEntryError as exc:
             out[j] = Bad(exc)
@@ -173,7 +174,7 @@ def open_uniform(values: list[Any], keys: list[bytes], secret: bytes) -> list[An
         return None
     prefix, _, zeros, skel_len, tail_len, data_len = _SEALED.unpack_from(head, 0)
     data_start = (HEADER_SIZE + skel_len + tail_len + ALIGN - 1) & -ALIGN
-    if prefix != SEAL_PREFIX or zeros != SEAL_ZEROS or data_start + data_len + SEAL_TAG_SIZE != size:
+    if prefix != SEAL_PREFIX or zeros != key_field(secret) or data_start + data_len + SEAL_TAG_SIZE != size:
         return None
     rest = bytes(head[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE])  # the zeros, flags and lengths: shared by all
     clear = rest[DIGEST_SIZE - NONCE_SIZE:]
@@ -191,6 +192,7 @@ def open_uniform(values: list[Any], keys: list[bytes], secret: bytes) -> list[An
     block = _BLOCKS.take(n * stride)  # no view of it left: samples that still hold theirs keep theirs
     bmv = memoryview(block)
     pack = _U64.pack
+
     def into_block(lo: int, hi: int) -> int:
         for i in range(lo, hi):
             mv, key, at = views[i], keys[i], i * stride

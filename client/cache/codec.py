@@ -20,11 +20,12 @@ digest kind are checked by value. A flipped bit, a truncated value or a valid en
 :func:`decode` with :class:`CorruptEntryError`; the loader counts that as a miss and rewrites the entry.
 Digest kinds:
 
-* ``aes256-gcm`` (sealed; a random 12-byte nonce, then 12 zero bytes): written when a cache key (a secret
+* ``aes256-gcm`` (sealed; a random 12-byte nonce, then the id of the key that sealed it, 8 bytes, and 4 zero
+  bytes: :mod:`.keyring`): written when a cache key (a secret
   shared by the job, see :func:`bagua_lightning.core.services_file.resolve_cache_key`) is configured and the
   ``cryptography`` package is installed. Everything after the header is encrypted (skeleton, tail, pad, data
   region; a pickled entry's too), and GCM's 16-byte tag, at the end of the entry, authenticates the redis
-  key, the flags and lengths, and the ciphertext; the 12 zero bytes are checked by value. So an entry can be
+  key, the flags and lengths, and the ciphertext; the key id and zeros are checked by value. So an entry can be
   read over a connection that protects nothing (an eavesdropper sees the lengths, never types, shapes,
   numbers or contents) and a forged, altered or moved entry is a miss. ``encode(..., seal=False)`` writes
   ``gmac-aes256`` instead.
@@ -90,6 +91,7 @@ from .entry import (
     Bad,
     decode,
 )
+from .keyring import key_field
 from .values import PICKLE_HINT, REPLY_ALIGN, CorruptEntryError, Encoder, pad, reply_pad
 
 __all__ = ["DIGEST_CRC32", "DIGEST_GMAC", "DIGEST_HMAC", "DIGEST_NAMES", "DIGEST_SEAL", "DIGEST_XXH3",
@@ -159,6 +161,7 @@ def _assemble(key: bytes, secret: bytes | None, kind: int, flags: int, skeleton:
         assert secret is not None
         nonce = os.urandom(NONCE_SIZE)
         out[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE] = nonce
+        out[DIGEST_OFFSET + NONCE_SIZE:COVERED] = key_field(secret)  # the entry names its key (.keyring)
         plain = bytearray(data_start - HEADER_SIZE + data_len)
         plain[:meta_len] = bytes(skeleton) + tail
         at = data_start - HEADER_SIZE

@@ -4,7 +4,7 @@ Kinds (the byte after the format version in an entry's header, :mod:`.codec`); e
 24-byte field:
 
 * ``aes256-gcm`` (sealed): written when a cache key is configured. The field is a random 12-byte nonce, drawn
-  for each written entry, then 12 zero bytes; everything after the 52-byte header (skeleton, tail, pad, data
+  for each written entry, then the 8-byte id of the cache key and 4 zero bytes (:mod:`.keyring`); everything after the 52-byte header (skeleton, tail, pad, data
   region) is AES-256-GCM ciphertext (under an AES key derived from the cache key with HKDF-SHA256, its own
   ``info``), and the full 16-byte tag follows it, at the very end of the entry. Associated data:
   ``u64(len(redis key)) | redis key | flags and lengths`` (the header's bytes after the digest field). So the

@@ -33,6 +33,7 @@ from .digests import (
     opener,
 )
 from .digests import digest as _digest
+from .keyring import check_key
 from .skeletons import DECODERS, decoder_for
 from .values import ALIGN, CorruptEntryError
 
@@ -52,7 +53,6 @@ PAD16 = bytes(16)
 XXH_PREFIX = MAGIC + bytes((FORMAT_VERSION, DIGEST_XXH3, 0, 0, 0))
 KEYED_PREFIXES = tuple(MAGIC + bytes((FORMAT_VERSION, kind, 0, 0, 0)) for kind in (DIGEST_GMAC, DIGEST_HMAC))
 SEAL_PREFIX = MAGIC + bytes((FORMAT_VERSION, DIGEST_SEAL, 0, 0, 0))
-SEAL_ZEROS = bytes(DIGEST_SIZE - NONCE_SIZE)  # what follows the nonce in a sealed entry's digest field
 OPENED = 0xF5  # the kind byte of an entry opened by this process (see the module's docstring); never on the wire
 
 MISMATCH = "digest mismatch (corrupted, truncated, stored under another key)"
@@ -143,11 +143,13 @@ def _build(mv: memoryview, flags: int, tail_start: int, tail_len: int, data: Any
     return decoder.build(tail, data if mode == SHARED or writable is None else writable, writable)
 
 
-def check_sealed(mv: memoryview, size: int, data_start: int, data_len: int) -> None:
-    """The checks by value of a sealed entry of ``size`` bytes whose header says ``data_start``/``data_len``
-    (whatever else it holds is authenticated when it is opened)."""
-    if mv[:DIGEST_OFFSET] != SEAL_PREFIX or mv[DIGEST_OFFSET + NONCE_SIZE:COVERED] != SEAL_ZEROS:
+def check_sealed(mv: memoryview, size: int, data_start: int, data_len: int, secret: bytes) -> None:
+    """The checks by value of a sealed entry of ``size`` bytes whose header says ``data_start``/``data_len``,
+    to be opened with the cache key ``secret`` (the key it names, :mod:`.keyring`; whatever else it holds is
+    authenticated when it is opened)."""
+    if mv[:DIGEST_OFFSET] != SEAL_PREFIX:
         raise CorruptEntryError("sealed entry with a damaged header")
+    check_key(mv, secret)
     if data_start + data_len + SEAL_TAG_SIZE != size:
         raise CorruptEntryError(f"sealed entry length {size} does not match its header "
                                 f"({data_start + data_len + SEAL_TAG_SIZE})")
@@ -157,7 +159,7 @@ def open_entry(mv: memoryview, key: bytes, secret: bytes, data_start: int, data_
     """The sealed entry ``mv`` stored under ``key``, opened into a new writable buffer: its header, then
     everything after it decrypted (skeleton, tail, pad, data), without the tag."""
     size = len(mv)
-    check_sealed(mv, size, data_start, data_len)
+    check_sealed(mv, size, data_start, data_len, secret)
     opened = bytearray(size - SEAL_TAG_SIZE)
     out = memoryview(opened)
     out[:HEADER_SIZE] = mv[:HEADER_SIZE]

@@ -13,10 +13,10 @@ from typing import Any
 
 from ...core.errors import ConfigurationError
 from ...core.read_plane import SEALED_KEY_PREFIX
-from ...core.services_file import resolve_cache_key
 from . import codec
 from .digests import keyed_digest_kind
 from .faults import OutagePolicy, OutageTracker, quiet_outages
+from .keyring import Keyring
 from .keys import entry_prefix
 from .stats import CacheStats, SharedCounters
 from .store import STORE_ERRORS, RedisStore, Store
@@ -49,9 +49,10 @@ class CacheLoader:
             from the cache when reading it: only for a Redis that nobody untrusted can write to.
         store: an existing :class:`Store` to use instead of creating a ``RedisStore``.
         cache_key: the secret that seals entries (AES-256-GCM, docs/cache.md); None: the deployment's
-            (:func:`bagua_lightning.core.services_file.resolve_cache_key`), ``b""``: none (unkeyed digest). Every
-            job sharing a cache must use the same key: an entry written without it, or with another, is a
-            miss.
+            (:func:`bagua_lightning.core.services_file.resolve_cache_keys`; during a key rotation both keys
+            open entries and new ones are sealed with the new one, :mod:`.keyring`), ``b""``: none (unkeyed
+            digest). Every job sharing a cache must use the same key: an entry written without it, or with
+            another, is a miss.
         outage_policy: back-off while the store is unavailable.
         record_catalog: keep the datasets catalog up to date on writes.
         **kwargs: :class:`RedisStore` arguments (``hosts``, ``cluster_mode``, ``capacity_per_node``,
@@ -86,9 +87,10 @@ class CacheLoader:
         self.store: Store = store if store is not None else RedisStore(outage_policy=outage_policy, **kwargs)
         self.record_catalog = record_catalog
         self._allow_pickle = serializer == "pickle"
-        if cache_key is None:
-            cache_key = resolve_cache_key()
-        self._secret = (cache_key.encode() if isinstance(cache_key, str) else cache_key) or None
+        # The cache keys by id (.keyring): the deployment's, read again during a rotation, or the one given.
+        given = cache_key.encode() if isinstance(cache_key, str) else cache_key
+        self._keyring = Keyring.resolve() if given is None else Keyring([given]) if given else None
+        self._secret = self._keyring.current if self._keyring is not None else None
         # A RedisStore backs off each failing node itself (the keys of the others keep hitting); any other
         # store gets one circuit breaker around all of it.
         self._outage: OutageTracker | None = None if self.store.isolates_failures else OutageTracker(
@@ -153,6 +155,8 @@ class CacheLoader:
             values, error = self.store.fetch(fetch_keys, sealed=True) if prefix.startswith(SEALED_KEY_PREFIX) \
                 else self.store.fetch(fetch_keys)
             decoded = codec.decode_many(values, fetch_keys, self._allow_pickle, self._secret)
+            if self._keyring is not None:  # entries another key of the ring sealed (a rotation), opened with it
+                self._secret = self._keyring.reopen(decoded, values, fetch_keys, self._allow_pickle)
             if everything and codec.Bad not in set(map(type, decoded)):  # every key a hit: the usual batch
                 out = decoded
                 found = [True] * len(keys)

@@ -76,7 +76,9 @@ def test_sealed_layout_is_aes_gcm_as_documented() -> None:
     entry = sealed(sample)
     _, data_start, data_len = layout(entry)
     assert entry[:8] == b"BLC\x02\x05\x00\x00\x00"
-    assert entry[20:32] == bytes(12)  # the nonce, then 12 zero bytes
+    # the nonce, then the id of the key that sealed it (HKDF, its own info) and 4 zero bytes
+    assert entry[20:28] == HKDF(hashes.SHA256(), 8, None, b"bagua-lightning cache key id v1").derive(SECRET)
+    assert entry[28:32] == bytes(4)
     assert len(entry) == data_start + data_len + 16  # the whole tag at the very end
     aes_key = HKDF(hashes.SHA256(), 32, None, digests.SEAL_KEY_INFO).derive(SECRET)
     assert aes_key != HKDF(hashes.SHA256(), 32, None, digests.GMAC_KEY_INFO).derive(SECRET)
@@ -321,8 +323,8 @@ def test_without_the_cache_key_a_sealed_entry_is_a_miss_that_says_why() -> None:
     for n in (3, N):
         got = decode_many(entries[:n], keys[:n])
         assert all(type(v) is codec.Bad and "cache key" in str(v.error) for v in got)
-    got = decode_many(entries, keys, secret=b"another job's key")
-    assert all(type(v) is codec.Bad and "does not open" in str(v.error) for v in got)
+    got = decode_many(entries, keys, secret=b"another job's key")  # refused by the key id they name
+    assert all(type(v) is codec.Bad and "names cache key" in str(v.error) for v in got)
 
 
 def test_pickled_entries_are_sealed_too() -> None:
