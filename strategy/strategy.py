@@ -125,6 +125,9 @@ class BaguaStrategy(DDPStrategy):
         self._logged_step = -1
         self.autotune_summary: AutotuneSummary | None = None
         self._auto_algorithm: AutoAlgorithm | None = None  # the fit's ``auto`` (kept after it: its selection)
+        # An algorithm's checkpointed state read before the model is wrapped (Lightning restores the model before
+        # the strategy's setup): loaded into the algorithm once configure_ddp has set it up.
+        self._pending_algorithm_state: dict[str, Any] | None = None
         self._auto_reported = False
         super().__init__(
             accelerator=accelerator,
@@ -203,6 +206,9 @@ class BaguaStrategy(DDPStrategy):
         self.model = BaguaDistributedDataParallel(
             self.model, algorithm, self._comm, flatten=self.flatten, bucket_size=self.bucket_size
         )
+        pending, self._pending_algorithm_state = self._pending_algorithm_state, None
+        if pending is not None and pending.get("algorithm") == self.algorithm_name:
+            algorithm.load_state_dict(pending["state"])
 
     @property
     def bagua_module(self) -> BaguaDistributedDataParallel | None:
@@ -397,7 +403,9 @@ class BaguaStrategy(DDPStrategy):
         super().load_model_state_dict(checkpoint, strict=strict)
         saved = checkpoint.get(CHECKPOINT_KEY)
         algorithm = self.algorithm
-        if saved and algorithm is not None and saved.get("algorithm") == self.algorithm_name:
+        if saved and algorithm is None:
+            self._pending_algorithm_state = dict(saved)  # the model is not wrapped yet: configure_ddp loads it
+        elif saved and saved.get("algorithm") == self.algorithm_name:
             algorithm.load_state_dict(saved["state"])
 
     @override

@@ -55,7 +55,7 @@ def test_settings_refuse_what_cannot_be_measured(kwargs: dict[str, Any], match: 
 def test_candidates_come_from_the_registry() -> None:
     # Every registered algorithm that needs no optimizer of its own and accepts a switch; not qadam, not auto.
     assert set(switchable_algorithms()) == {"gradient_allreduce", "bytegrad", "decentralized",
-                                            "low_precision_decentralized", "async"}
+                                            "low_precision_decentralized", "async", "powersgd", "half_allreduce"}
 
 
 def test_defaults_are_the_allreduce_like_algorithms() -> None:
