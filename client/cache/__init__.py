@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .codec import CorruptEntryError, decode, encode
 from .faults import OutagePolicy
-from .loader import CacheLoader
-from .stats import CacheStats
+from .loader import CacheLoader, CacheStats
 from .store import ClusterStore, RedisOptions, RedisStore, Store
 
 if TYPE_CHECKING:

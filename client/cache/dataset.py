@@ -8,8 +8,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from .loader import CacheLoader
-from .stats import CacheStats
+from .loader import CacheLoader, CacheStats
 
 
 def _index(i: Any) -> int:
@@ -62,7 +61,7 @@ class CachedDataset(Dataset[Any]):
 
     def __getitem__(self, index: Any) -> Any:
         i = self._check(index)
-        value = self.cache_loader.get(i, self.dataset.__getitem__)
+        value = self.cache_loader.get_many([i], self._load_many)[0]
         self._count(1)
         return value
 
