@@ -15,6 +15,9 @@ and ``bagua_lightning.torch_api``'s ``with_bagua`` (which hooks the module itsel
   returns;
 * a step post-hook on each optimizer calls ``on_optimizer_step_end`` and counts steps;
 * :meth:`AlgorithmDriver.no_sync` skips communication for gradient accumulation;
+* :meth:`AlgorithmDriver.apply_plan` re-buckets between two steps (``wrapper.driver.apply_plan`` for a
+  :class:`BaguaDistributedDataParallel`, which keeps no forwarding copy); the plan is checked against the
+  model once, where the buckets are built from it;
 * :meth:`BaguaDistributedDataParallel.switch_algorithm` hands the module to another algorithm between
   two steps (``algorithm="auto"`` measures its candidates so), averaging the replicas first when the
   previous algorithm let them drift apart.
@@ -36,12 +39,12 @@ from torch.utils._pytree import tree_flatten
 
 from ..core.errors import ConfigurationError
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
+from . import peer_watch
 from .algorithms.base import Algorithm
 from .comm import CommContext
 from .parameters import (
     IGNORE_ATTRIBUTE,
     average_module_parameters,
-    check_plan,
     default_plan,
     is_communicated,
     trainable_parameters,
@@ -188,8 +191,8 @@ class AlgorithmDriver:
         if plan is None:
             plan = default_plan(named, bucket_size=bucket_size,
                                 hierarchical=bool(getattr(algorithm, "hierarchical", False)))
-        else:
-            check_plan(plan, named)
+        # A given plan is checked against the model once, where buckets are built from it (gradient buckets:
+        # engine/buckets.py; weight buckets: engine/algorithms/weights.py), not here as well.
         algorithm.flatten = flatten
         self.initial_plan = plan
         algorithm._hand_over = self._take_over
@@ -207,7 +210,10 @@ class AlgorithmDriver:
         communicating = torch.is_grad_enabled() and self.module.training and self._sync
         self._sync_this_backward = communicating
         if communicating:
-            self.algorithm.on_forward_start(self.step)
+            try:
+                self.algorithm.on_forward_start(self.step)
+            except RuntimeError as exc:  # a peer failed: say which (the backend's error does not)
+                peer_watch.raise_named(exc)
         return communicating
 
     def after_forward(self, out: Any) -> None:
@@ -233,13 +239,19 @@ class AlgorithmDriver:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._sync_this_backward or self._closed:
             return
-        if not self._in_backward:
-            self._begin_backward()
-        self.algorithm.on_grad_ready(param)  # type: ignore[arg-type]
+        try:
+            if not self._in_backward:
+                self._begin_backward()
+            self.algorithm.on_grad_ready(param)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            peer_watch.raise_named(exc)
 
     def _end_backward(self) -> None:
         self._in_backward = False
-        self.algorithm.on_backward_end(self.step)
+        try:
+            self.algorithm.on_backward_end(self.step)
+        except RuntimeError as exc:
+            peer_watch.raise_named(exc)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -270,7 +282,10 @@ class AlgorithmDriver:
         self.algorithm.bind_optimizers(self.optimizers)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.algorithm.on_optimizer_step(optimizer, self.step)
+        try:
+            self.algorithm.on_optimizer_step(optimizer, self.step)
+        except RuntimeError as exc:
+            peer_watch.raise_named(exc)
         self.step += 1
 
     @property
@@ -279,10 +294,14 @@ class AlgorithmDriver:
         return getattr(self.algorithm, "plan", None) if self.algorithm.uses_gradient_buckets else None
 
     def apply_plan(self, plan: BucketPlan) -> None:
-        """Re-bucket with ``plan``; call between steps, at the same step on every rank."""
+        """Re-bucket with ``plan``; call between steps, at the same step on every rank.
+
+        Raises:
+            PlanMismatchError: ``plan`` does not cover exactly the model's trainable parameters (checked where
+                the buckets are built from it).
+        """
         if self._in_backward:
             raise RuntimeError("apply_plan was called during backward; call it between training steps")
-        check_plan(plan, trainable_parameters(self.module))
         self.algorithm.apply_plan(plan)
 
     def last_step_timings(self) -> StepTimings | None:
@@ -355,10 +374,6 @@ class BaguaDistributedDataParallel(nn.Module):
     def bucket_plan(self) -> BucketPlan | None:
         """The plan in use (None for algorithms that do not bucket gradients)."""
         return self.driver.bucket_plan
-
-    def apply_plan(self, plan: BucketPlan) -> None:
-        """Re-bucket with ``plan``; call between steps, at the same step on every rank."""
-        self.driver.apply_plan(plan)
 
     def last_step_timings(self) -> StepTimings | None:
         """Per-bucket timings of the latest communicating step whose timings are available."""

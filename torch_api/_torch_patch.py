@@ -90,12 +90,14 @@ def _nccl_like_reduce(original: Callable[..., Any]) -> Callable[..., Any]:
 def _forgetting_destroy(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def destroy_process_group(group: Any = None) -> None:
-        original(group)
-        if group is None or group is c10d.GroupMember.WORLD:
-            _bagua_groups.clear()
+        world = group is None or group is c10d.GroupMember.WORLD
+        if world:  # first: the peers read this rank's exit mark before its connections close
             from ..engine import peer_watch
 
             peer_watch.stop()
+        original(group)
+        if world:
+            _bagua_groups.clear()
         else:
             _bagua_groups.pop(group, None)
 
