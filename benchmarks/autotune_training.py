@@ -159,7 +159,7 @@ def worker(args: argparse.Namespace) -> None:
         wrapped = bagua(model, opt, 10 * 1024**2)
         settings = AutotuneSettings(address=address, interval=args.interval, rpc_timeout_s=2.0,
                                     connect_timeout_s=30.0, model_name=f"bench-{args.model}-{int(time.time())}")
-        ctl = AutotuneController(settings, wrapped, model, model_prefix="Transformer",
+        ctl = AutotuneController(settings, wrapped.driver, model, model_prefix="Transformer",
                                  nproc_per_node=local_size, device=device, group=comm.group)
         ctl.setup()
         completed_at = None

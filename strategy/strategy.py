@@ -67,19 +67,17 @@ _LOAD_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(DDPStrategy.load_
 class BaguaStrategy(DDPStrategy):
     """Distributed training with one of Bagua's algorithms.
 
-    The strategy's settings (``flatten``, ``autotune``, ``bucket_size``, ``autotune_service``,
-    ``autotune_interval``, ``autotune_token``, ``autotune_tls``, ``autotune_model_name``, ``auto_candidates``,
-    ``auto_warmup_steps``, ``auto_trial_steps``, ``auto_max_runoffs``) are each documented in
-    :class:`~bagua_lightning.strategy.settings.BaguaSettings`, which validates them
-    (:class:`~bagua_lightning.core.errors.ConfigurationError` naming a bad value and the fix). ``accelerator``,
-    ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``start_method``,
-    ``process_group_backend`` and ``timeout`` are as for ``DDPStrategy`` (``process_group_backend`` None: by
-    device).
-
     Args:
         algorithm: the name of a registered algorithm (``engine/algorithms/``; each is also a ``bagua_<name>``
             strategy alias) or ``"auto"`` (measure ``auto_candidates`` while training and keep the fastest:
             :mod:`bagua_lightning.engine.autotune.selection`).
+        flatten, autotune, bucket_size, autotune_service, autotune_interval, autotune_token, autotune_tls,
+            autotune_model_name, auto_candidates, auto_warmup_steps, auto_trial_steps, auto_max_runoffs: the
+            strategy's settings,
+            each documented in :class:`~bagua_lightning.strategy.settings.BaguaSettings`, which validates them
+            (:class:`~bagua_lightning.core.errors.ConfigurationError` naming a bad value and the fix).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, start_method,
+            process_group_backend, timeout: as for ``DDPStrategy`` (``process_group_backend`` None: by device).
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``, ``average``,
             ``peer_selection_mode``, ``sync_interval_ms``); unknown ones raise ``ConfigurationError`` listing
             the accepted ones.
@@ -125,9 +123,6 @@ class BaguaStrategy(DDPStrategy):
         self._logged_step = -1
         self.autotune_summary: AutotuneSummary | None = None
         self._auto_algorithm: AutoAlgorithm | None = None  # the fit's ``auto`` (kept after it: its selection)
-        # An algorithm's checkpointed state read before the model is wrapped (Lightning restores the model before
-        # the strategy's setup): loaded into the algorithm once configure_ddp has set it up.
-        self._pending_algorithm_state: dict[str, Any] | None = None
         self._auto_reported = False
         super().__init__(
             accelerator=accelerator,
@@ -206,9 +201,6 @@ class BaguaStrategy(DDPStrategy):
         self.model = BaguaDistributedDataParallel(
             self.model, algorithm, self._comm, flatten=self.flatten, bucket_size=self.bucket_size
         )
-        pending, self._pending_algorithm_state = self._pending_algorithm_state, None
-        if pending is not None and pending.get("algorithm") == self.algorithm_name:
-            algorithm.load_state_dict(pending["state"])
 
     @property
     def bagua_module(self) -> BaguaDistributedDataParallel | None:
@@ -246,7 +238,7 @@ class BaguaStrategy(DDPStrategy):
         module = self.bagua_module
         if module is None:
             raise RuntimeError("apply_plan needs a running fit (the model is not wrapped)")
-        module.apply_plan(plan)
+        module.driver.apply_plan(plan)
 
     def last_step_timings(self) -> StepTimings | None:
         """Per-bucket timings of the latest measured step (None when not available)."""
@@ -278,8 +270,8 @@ class BaguaStrategy(DDPStrategy):
         assert self.settings.autotune_settings is not None and self._comm is not None
         self._stop_autotune()
         resume, self._resume_autotune = self._resume_autotune, None
-        self._autotune = AutotuneController(
-            self.settings.autotune_settings, wrapper, wrapper.module, model_prefix=type(wrapper.module).__name__,
+        self._autotune = AutotuneController(  # tunes the driver itself (the wrapper forwards no plan)
+            self.settings.autotune_settings, wrapper.driver, wrapper.module, model_prefix=type(wrapper.module).__name__,
             nproc_per_node=self._comm.local_size, group=self._comm.group,
             device=self.root_device if self._comm.is_nccl else torch.device("cpu"), resume=resume,
             selection=self.selection)
@@ -403,9 +395,7 @@ class BaguaStrategy(DDPStrategy):
         super().load_model_state_dict(checkpoint, strict=strict)
         saved = checkpoint.get(CHECKPOINT_KEY)
         algorithm = self.algorithm
-        if saved and algorithm is None:
-            self._pending_algorithm_state = dict(saved)  # the model is not wrapped yet: configure_ddp loads it
-        elif saved and saved.get("algorithm") == self.algorithm_name:
+        if saved and algorithm is not None and saved.get("algorithm") == self.algorithm_name:
             algorithm.load_state_dict(saved["state"])
 
     @override

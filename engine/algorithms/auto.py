@@ -208,8 +208,10 @@ class AutoAlgorithm(Algorithm):
             self._selector.on_step_end()
 
     def apply_plan(self, plan: BucketPlan) -> None:
-        self._plan = plan  # later candidates start on it too
+        # Reached only while measuring (after the choice the driver calls the chosen algorithm itself): the
+        # candidate in use takes the plan (and checks it), and later candidates start on it too.
         self.current.apply_plan(plan)
+        self._plan = plan
 
     def last_step_timings(self) -> StepTimings | None:
         return self.current.last_step_timings()

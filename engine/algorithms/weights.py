@@ -24,19 +24,23 @@ from torch._utils import _unflatten_dense_tensors
 
 from ...proto.plan import BucketPlan
 from ..comm import CommContext
-from ..parameters import trainable_parameters
+from ..parameters import check_plan, trainable_parameters
 
 
 class WeightBuckets:
     """Trainable parameters of ``module`` grouped by ``plan`` into buckets of one dtype and device.
 
-    Parameters the plan does not name (or every parameter, for an empty plan) are
-    appended as extra buckets, one per dtype/device, in ``named_parameters`` order,
-    so every rank with the same model and plan builds the same layout.
+    ``plan`` is checked against the model here, the one check on a weight algorithm's way
+    (:class:`~bagua_lightning.core.errors.PlanMismatchError` unless it covers exactly the trainable
+    parameters); None: one bucket per dtype/device, in ``named_parameters`` order, so every rank with the
+    same model and plan builds the same layout.
     """
 
     def __init__(self, module: nn.Module, plan: BucketPlan | None = None) -> None:
-        named = dict(trainable_parameters(module))  # experts and ignored names stay local
+        trainable = trainable_parameters(module)  # experts and ignored names stay local
+        if plan is not None:
+            check_plan(plan, trainable)
+        named = dict(trainable)
         groups: list[list[torch.Tensor]] = []
         used: set[str] = set()
         for names in plan.tensor_names if plan is not None else []:

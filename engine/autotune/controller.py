@@ -72,7 +72,8 @@ DEFAULT_CONNECT_TIMEOUT_S = 2.0  # seconds: how long set-up waits for the servic
 
 
 class PlanTarget(Protocol):
-    """What the controller tunes (``BaguaDistributedDataParallel`` and ``BaguaStrategy`` qualify)."""
+    """What the controller tunes: an :class:`~bagua_lightning.engine.ddp.AlgorithmDriver` (a
+    ``BaguaDistributedDataParallel``'s ``driver``; what ``BaguaStrategy`` hands it) or ``BaguaStrategy``."""
 
     @property
     def bucket_plan(self) -> BucketPlan | None: ...
@@ -418,7 +419,8 @@ class AutotuneController:
             try:
                 plan = message.unpack(self.tensors)
                 assert plan is not None
-                self.target.apply_plan(plan)  # validates the plan against the model, once
+                # The plan is checked against the model once, where the buckets are built from it.
+                self.target.apply_plan(plan)
                 self.version = version
                 self.applied.append((step, version, plan.fingerprint()))
                 applied = True

@@ -129,7 +129,7 @@ def bagua_run(
         if apply_plan_at is not None and step == apply_plan_at:
             # One bucket per tensor, registration order: a very different partition.
             decls = declare(trainable_parameters(model))
-            wrapper.apply_plan(BucketPlan(buckets=tuple((d,) for d in decls), bucket_size=1))
+            wrapper.driver.apply_plan(BucketPlan(buckets=tuple((d,) for d in decls), bucket_size=1))
 
     losses = train(wrapper, opt, data, no_sync=wrapper.no_sync, set_to_none=set_to_none, on_step=on_step)
     timings = wrapper.last_step_timings()

@@ -104,7 +104,7 @@ def bagua_run(comm: CommContext, data: list[tuple[torch.Tensor, torch.Tensor]], 
     def on_step(step: int) -> None:
         if step == replan_at:  # one bucket per tensor, registration order: what an autotuner plan may do
             decls = declare(trainable_parameters(model))
-            wrapper.apply_plan(BucketPlan(buckets=tuple((d,) for d in decls), bucket_size=1))
+            wrapper.driver.apply_plan(BucketPlan(buckets=tuple((d,) for d in decls), bucket_size=1))
 
     losses = train(wrapper, opt, data, on_step)
     plan = wrapper.bucket_plan

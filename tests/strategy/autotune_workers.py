@@ -75,7 +75,8 @@ def wait_for(path: Path, timeout_s: float = 60.0) -> None:
 
 
 class FailingTarget:
-    """The wrapper, except that applying a plan fails on this rank (a rank that cannot follow the others)."""
+    """The wrapper's driver, except that applying a plan fails on this rank (a rank that cannot follow the
+    others)."""
 
     def __init__(self, wrapper: BaguaDistributedDataParallel) -> None:
         self.wrapper = wrapper
@@ -96,7 +97,7 @@ def mismatch(comm: CommContext, address: str) -> str:
     model = Net()
     wrapper = BaguaDistributedDataParallel(model, get_algorithm_class("gradient_allreduce").from_kwargs(), comm,
                                            bucket_size=4096)
-    target = FailingTarget(wrapper) if comm.rank == 1 else wrapper
+    target = FailingTarget(wrapper) if comm.rank == 1 else wrapper.driver
     ctl = AutotuneController(AutotuneSettings(address=address, interval=3, model_name="mismatch-net"), target,
                              model, model_prefix="Net", nproc_per_node=comm.local_size, group=comm.group)
     try:
@@ -125,7 +126,7 @@ def run(comm: CommContext, steps: int, *, address: str | None, interval: int = 3
         settings = AutotuneSettings(address=address, interval=interval, rpc_timeout_s=0.5, connect_timeout_s=1.0,
                                     model_name=model_name, apply_delay=apply_delay,
                                     aggregate_reports=aggregate_reports)
-        ctl = AutotuneController(settings, wrapper, model, model_prefix="Net", nproc_per_node=comm.local_size,
+        ctl = AutotuneController(settings, wrapper.driver, model, model_prefix="Net", nproc_per_node=comm.local_size,
                                  group=comm.group)
     records: list[list[Any]] = []
     losses: list[float] = []
