@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..core.errors import ConfigurationError
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
+from . import peer_watch
 from .algorithms.base import Algorithm
 from .comm import CommContext
 from .parameters import (
@@ -209,7 +210,10 @@ class AlgorithmDriver:
         communicating = torch.is_grad_enabled() and self.module.training and self._sync
         self._sync_this_backward = communicating
         if communicating:
-            self.algorithm.on_forward_start(self.step)
+            try:
+                self.algorithm.on_forward_start(self.step)
+            except RuntimeError as exc:  # a peer failed: say which (the backend's error does not)
+                peer_watch.raise_named(exc)
         return communicating
 
     def after_forward(self, out: Any) -> None:
@@ -235,13 +239,19 @@ class AlgorithmDriver:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._sync_this_backward or self._closed:
             return
-        if not self._in_backward:
-            self._begin_backward()
-        self.algorithm.on_grad_ready(param)  # type: ignore[arg-type]
+        try:
+            if not self._in_backward:
+                self._begin_backward()
+            self.algorithm.on_grad_ready(param)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            peer_watch.raise_named(exc)
 
     def _end_backward(self) -> None:
         self._in_backward = False
-        self.algorithm.on_backward_end(self.step)
+        try:
+            self.algorithm.on_backward_end(self.step)
+        except RuntimeError as exc:
+            peer_watch.raise_named(exc)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -272,7 +282,10 @@ class AlgorithmDriver:
         self.algorithm.bind_optimizers(self.optimizers)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.algorithm.on_optimizer_step(optimizer, self.step)
+        try:
+            self.algorithm.on_optimizer_step(optimizer, self.step)
+        except RuntimeError as exc:
+            peer_watch.raise_named(exc)
         self.step += 1
 
     @property

@@ -67,17 +67,19 @@ _LOAD_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(DDPStrategy.load_
 class BaguaStrategy(DDPStrategy):
     """Distributed training with one of Bagua's algorithms.
 
+    The strategy's settings (``flatten``, ``autotune``, ``bucket_size``, ``autotune_service``,
+    ``autotune_interval``, ``autotune_token``, ``autotune_tls``, ``autotune_model_name``, ``auto_candidates``,
+    ``auto_warmup_steps``, ``auto_trial_steps``, ``auto_max_runoffs``) are each documented in
+    :class:`~bagua_lightning.strategy.settings.BaguaSettings`, which validates them
+    (:class:`~bagua_lightning.core.errors.ConfigurationError` naming a bad value and the fix). ``accelerator``,
+    ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``start_method``,
+    ``process_group_backend`` and ``timeout`` are as for ``DDPStrategy`` (``process_group_backend`` None: by
+    device).
+
     Args:
         algorithm: the name of a registered algorithm (``engine/algorithms/``; each is also a ``bagua_<name>``
             strategy alias) or ``"auto"`` (measure ``auto_candidates`` while training and keep the fastest:
             :mod:`bagua_lightning.engine.autotune.selection`).
-        flatten, autotune, bucket_size, autotune_service, autotune_interval, autotune_token, autotune_tls,
-            autotune_model_name, auto_candidates, auto_warmup_steps, auto_trial_steps, auto_max_runoffs: the
-            strategy's settings,
-            each documented in :class:`~bagua_lightning.strategy.settings.BaguaSettings`, which validates them
-            (:class:`~bagua_lightning.core.errors.ConfigurationError` naming a bad value and the fix).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, start_method,
-            process_group_backend, timeout: as for ``DDPStrategy`` (``process_group_backend`` None: by device).
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``, ``average``,
             ``peer_selection_mode``, ``sync_interval_ms``); unknown ones raise ``ConfigurationError`` listing
             the accepted ones.
@@ -123,6 +125,9 @@ class BaguaStrategy(DDPStrategy):
         self._logged_step = -1
         self.autotune_summary: AutotuneSummary | None = None
         self._auto_algorithm: AutoAlgorithm | None = None  # the fit's ``auto`` (kept after it: its selection)
+        # An algorithm's checkpointed state read before the model is wrapped (Lightning restores the model before
+        # the strategy's setup): loaded into the algorithm once configure_ddp has set it up.
+        self._pending_algorithm_state: dict[str, Any] | None = None
         self._auto_reported = False
         super().__init__(
             accelerator=accelerator,
@@ -201,6 +206,9 @@ class BaguaStrategy(DDPStrategy):
         self.model = BaguaDistributedDataParallel(
             self.model, algorithm, self._comm, flatten=self.flatten, bucket_size=self.bucket_size
         )
+        pending, self._pending_algorithm_state = self._pending_algorithm_state, None
+        if pending is not None and pending.get("algorithm") == self.algorithm_name:
+            algorithm.load_state_dict(pending["state"])
 
     @property
     def bagua_module(self) -> BaguaDistributedDataParallel | None:
@@ -395,7 +403,9 @@ class BaguaStrategy(DDPStrategy):
         super().load_model_state_dict(checkpoint, strict=strict)
         saved = checkpoint.get(CHECKPOINT_KEY)
         algorithm = self.algorithm
-        if saved and algorithm is not None and saved.get("algorithm") == self.algorithm_name:
+        if saved and algorithm is None:
+            self._pending_algorithm_state = dict(saved)  # the model is not wrapped yet: configure_ddp loads it
+        elif saved and saved.get("algorithm") == self.algorithm_name:
             algorithm.load_state_dict(saved["state"])
 
     @override
