@@ -51,8 +51,8 @@ class ElasticTraining:
             across the nodes). Others are refused with the reason.
         sampler: the epoch's indices, dealt over the live nodes.
         config: the nodes' settings (``min_nodes``, the coordinator, timeouts).
-        on_commit: called with ``(indices, membership)`` after each committed step (e.g. to record what
-            this rank trained on).
+        on_commit: called with ``(indices, membership)`` after each committed step, before the sampler
+            moves on (``sampler.step_indices(membership, ranks per node)`` then lists the whole step's).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, algorithm: Algorithm,
@@ -97,9 +97,9 @@ class ElasticTraining:
                 self._zero_backward()  # the epoch's last step is short: this rank contributes nothing
             if self.session.commit():
                 self.optimizer.step()
-                sampler.advance(membership, self.local_size)
-                if self.on_commit is not None and indices:
+                if self.on_commit is not None:
                     self.on_commit(indices, membership)
+                sampler.advance(membership, self.local_size)
             else:
                 self.steps_redone += 1
                 log.warning("fault tolerance: step %d did not commit on every node; redoing it", membership.step)

@@ -272,11 +272,12 @@ class ElasticSession:
         try:
             self.manager.start_quorum()
         except Exception as e:
-            lost = sorted(self._seen - set(self._members)) or sorted(self._members)
+            me = self.config.node_id
+            lost = sorted((self._seen | set(self._members)) - {me})
             raise FaultToleranceError(
                 f"no quorum of at least min_nodes={self.config.min_nodes} node(s) within "
-                f"{self.config.quorum_timeout_s:g} s (coordinator {self.config.lighthouse}); nodes last seen "
-                f"training: {sorted(self._members) or '[]'}, lost: {lost}: {type(e).__name__}: {e}"
+                f"{self.config.quorum_timeout_s:g} s (coordinator {self.config.lighthouse}); this node {me} is "
+                f"alive, lost: {lost} (the last quorum had {list(self._members)}): {type(e).__name__}: {e}"
             ) from e
         index = self.manager.participating_rank()
         count = self.manager.num_participants()
@@ -370,6 +371,12 @@ class ElasticSampler:
         start = self.position + (membership.index * local_size + local_rank) * self.batch_size
         stop = min(start + self.batch_size, self.num_samples)
         return self.order()[start:stop].tolist() if start < stop else []
+
+    def step_indices(self, membership: Membership, local_size: int) -> list[int]:
+        """Every index the step of ``membership`` deals out, over all its nodes and ranks."""
+        start = self.position
+        stop = min(start + membership.count * local_size * self.batch_size, self.num_samples)
+        return self.order()[start:stop].tolist()
 
     def advance(self, membership: Membership, local_size: int) -> None:
         """The step of ``membership`` committed: its indices are spent."""

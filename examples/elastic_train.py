@@ -8,7 +8,7 @@
         -m bagua_lightning.examples.elastic_train --out /tmp/ft &
 
 Each rank appends one JSON line per committed step to ``OUT/<node>-<rank>.jsonl`` (the step, the nodes
-of its quorum and the sample indices it trained on) and writes its final weights to
+of its quorum, the sample indices it trained on and those of the whole step) and writes its final weights to
 ``OUT/<node>-<rank>.final.pt`` (tensors only). The tests and ``benchmarks/failover_training.py`` run it.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ def _data(n: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim, generator=g)
     w = torch.randn(dim, 1, generator=g)
-    return x, x @ w + 0.1 * torch.randn(n, 1, generator=g)
+    return x, x @ w / dim**0.5 + 0.1 * torch.randn(n, 1, generator=g)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quorum-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("bagua_lightning").setLevel(logging.INFO)  # membership changes, healing
 
     if "MASTER_PORT" in os.environ and not dist.is_initialized():
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     node = os.environ.get("BAGUA_LIGHTNING_NODE_ID", "node0")
     args.out.mkdir(parents=True, exist_ok=True)
     record = args.out / f"{node}-{rank}.jsonl"
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed + rank + 1000 * int(node[-1]))  # different on purpose: healing makes them equal
     x, y = _data(args.samples, 16, args.seed)
     model = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     algorithm = get_algorithm_class(args.algorithm)()
     sampler = ElasticSampler(args.samples, args.batch_size, seed=args.seed)
     losses: list[float] = []
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     def committed(indices: list[int], m: Membership) -> None:
         with record.open("a") as f:
             f.write(json.dumps({"step": m.step, "count": m.count, "nodes": list(m.nodes), "indices": indices,
+                                "step_indices": sampler.step_indices(m, world),
                                 "loss": losses[-1] if losses else None, "t": time.time()}) + "\n")
 
     config = FaultTolerance(min_nodes=args.min_nodes, timeout_s=args.timeout, quorum_timeout_s=args.quorum_timeout)

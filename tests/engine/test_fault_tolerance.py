@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -151,7 +152,14 @@ class _Node:
         return len(path.read_text().splitlines()) if path.exists() else 0
 
     def signal(self, sig: int) -> None:
-        os.killpg(self.proc.pid, sig)  # this node's own process group: the torchrun we started and its ranks
+        """``sig`` to the whole node: the torchrun we started and its ranks (torchrun starts each rank in a
+        session of its own, so the ranks are found as its children, before the first signal)."""
+        ranks = psutil.Process(self.proc.pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        for child in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.send_signal(sig)
 
     def wait(self, timeout_s: float) -> int:
         return self.proc.wait(timeout=timeout_s)
@@ -160,9 +168,10 @@ class _Node:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGCONT)
-        stop_process(self.proc)
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
         self._log.close()
 
 
@@ -180,15 +189,18 @@ def _records(out: Path) -> list[dict[str, object]]:
 
 
 def _trained_indices(out: Path) -> list[int]:
-    """Every index whose step's update lives on: per step number, the records of the last quorum that
-    committed it (a node that committed a step its peers redid died with that update)."""
+    """Every index whose step's update lives on: per step number, the indices of the whole step as the last
+    quorum that committed it recorded them (any rank of it: a rank that died after the step's allreduce
+    wrote no record of its own share, though its gradients are in the update; a node that committed a
+    step its peers redid died with that update)."""
     by_step: dict[int, dict[tuple[int, tuple[str, ...]], list[dict[str, object]]]] = {}
     for r in _records(out):
         by_step.setdefault(int(r["step"]), {}).setdefault((int(r["count"]), tuple(r["nodes"])), []).append(r)
     indices: list[int] = []
     for groups in by_step.values():
         latest = max(groups.values(), key=lambda rs: max(float(r["t"]) for r in rs))
-        indices += [i for r in latest for i in r["indices"]]
+        assert len({tuple(r["step_indices"]) for r in latest}) == 1, latest  # every rank of it agrees
+        indices += latest[0]["step_indices"]
     return sorted(indices)
 
 
@@ -200,7 +212,7 @@ def _final(out: Path, name: str) -> dict[str, torch.Tensor]:
 def test_a_killed_node_leaves_the_others_training_and_heals_from_a_live_peer_when_back(tmp_path: Path) -> None:
     """2 nodes x 2 ranks; kill -9 node1 mid-epoch; node0 trains on alone; node1 comes back, heals, and ends
     the epoch with node0's weights; every sample of the epoch was trained on exactly once."""
-    args = ("--samples", "960", "--step-sleep", "0.1", "--timeout", "5")
+    args = ("--samples", "2400", "--step-sleep", "0.15", "--timeout", "5")
     with _lighthouse(tmp_path) as (lighthouse, _):
         node0 = _Node(tmp_path, lighthouse, 0, 2, *args)
         node1 = _Node(tmp_path, lighthouse, 1, 2, *args)
@@ -217,7 +229,7 @@ def test_a_killed_node_leaves_the_others_training_and_heals_from_a_live_peer_whe
                 assert node0.wait(240) == 0, node0.text()[-4000:]
                 assert back.wait(60) == 0, back.text()[-4000:]
                 assert "healed from a live peer" in back.text()
-    assert _trained_indices(tmp_path / "out") == list(range(960))
+    assert _trained_indices(tmp_path / "out") == list(range(2400))
     final = {f"node{n}-{r}": _final(tmp_path / "out", f"node{n}-{r}") for n in (0, 1) for r in (0, 1)}
     for name, state in final.items():
         for key, value in state.items():
