@@ -119,6 +119,9 @@ class NodeConfig:
         read_port: with ``tls.clients`` and a password: a plaintext *read port* where the password-less,
             read-only user :data:`~bagua_lightning.core.read_plane.READER_USER` may GET/MGET/PING (see
             :mod:`~bagua_lightning.core.read_plane`); None: no plaintext port at all.
+        persist: keep the data across a restart of the process (or of the machine): an append-only file in
+            ``data_dir`` (``appendonly yes``, ``appendfsync everysec``: a killed process loses no write it
+            answered, a machine that loses power at most the last second's); False: nothing on disk.
     """
 
     port: int
@@ -133,6 +136,7 @@ class NodeConfig:
     tls: NodeTLS | None = None
     announce_ip: str | None = None
     read_port: int | None = None
+    persist: bool = False
 
     def __post_init__(self) -> None:
         if self.tls is not None and not self.cluster and not self.tls.clients:
@@ -181,9 +185,13 @@ class NodeConfig:
             "set-proc-title no",
             f"dir {_quote(str(self.data_dir))}",
             f"logfile {LOG_FILE}",
-            # The cache is rebuilt from the source when lost: no snapshots, no append-only file.
+            # No snapshots. With `persist`, an append-only file (its rewrites start with an RDB preamble):
+            # Redis writes it before it answers, so a node killed, or a machine rebooted, comes back with what
+            # it held (up to the last second's writes on a power loss: fsync every second). Else a cache
+            # rebuilt from the source when lost: nothing on disk.
             'save ""',
-            "appendonly no",
+            *(["appendonly yes", "appendfsync everysec", 'appenddirname "appendonlydir"'] if self.persist
+              else ["appendonly no"]),
             f"maxmemory {self.maxmemory}",
             f"maxmemory-policy {self.eviction_policy}",
         ]
@@ -235,6 +243,7 @@ def launch_node(config: NodeConfig) -> subprocess.Popen[bytes]:
     if config.cluster:
         # A stale nodes.conf would make the node rejoin an old cluster with its old slots.
         (config.data_dir / "nodes.conf").unlink(missing_ok=True)
+    shutil.rmtree(config.data_dir / "appendonlydir", ignore_errors=True)  # nor old data: a new node starts empty
     proc = subprocess.Popen(
         [redis_server_binary(), str(conf), "-"],
         cwd=config.data_dir,

@@ -7,7 +7,9 @@ autotune service keeping its persisted plans in the Redis deployment. ``up`` wai
 records their addresses, process records and the paths of their secret files in the services file, where
 ``BaguaStrategy(autotune=True)`` and ``CachedDataset`` find them. ``up`` on healthy recorded services does
 nothing; on a partly healthy deployment it restarts only what is dead and keeps the secrets, the data and
-the processes of what is alive (:mod:`.deploy_recovery`); ``up --fresh`` starts over. ``down`` stops what
+the processes of what is alive (:mod:`.deploy_recovery`); on one whose every process is gone (a reboot) it
+restarts everything from its state folder: the same secrets and CA, each Redis node from its ``nodes.conf``
+and append-only file with its data; ``up --fresh`` starts over. ``down`` stops what
 ``up`` started and the node-local cache server, and removes the file. With no port named, ``up`` takes the
 default ports when they are free, else a free block (:mod:`.deploy_ports`).
 
@@ -75,9 +77,10 @@ from .deploy_config import (
     SECRETS_DIR,
     UpConfig,
     autotune_service_args,
+    deployment_ports,
     redis_state_url,
 )
-from .deploy_ports import all_free, claim_ports, claimed
+from .deploy_ports import all_free, claim_ports, claimed, port_free
 from .deploy_state import exclusive, owned, running_services, start_autotune
 from .health import check_autotune, wait_healthy
 from .redis_tls import client_tls, remove_tls_dir
@@ -151,19 +154,36 @@ def _up(cfg: UpConfig, fresh: bool, report: Report) -> ServicesInfo:
             )
         deploy_recovery.report_kept(existing, report)
         return existing
-    records = [r for rs in existing.processes.values() for r in rs]
-    if not owned(existing) or not any(procs.is_running(r) for r in records):
-        log.info("recorded services are not running (%s); starting afresh",
+    if not owned(existing):  # a copied or foreign record: nothing of it is ours to bring back
+        log.info("recorded services are not this state folder's own (%s); starting afresh",
                  ", ".join(f"{k}: {h.detail}" for k, h in health.items()))
         _down()
         # The recorded ports again when they are all free; else, where none was named, a free block.
         again = cfg if all_free(cfg, int(cfg.autotune_port or 0), cfg.first_redis_port) else asked
         return _start_fresh(again, report)
+    records = [r for rs in existing.processes.values() for r in rs]
+    stopped = not any(procs.is_running(r) for r in records)  # every process gone: a reboot, say
     if differences:
+        state = "is stopped (every process is gone)" if stopped else "runs partly"
         raise ConfigurationError(
-            f"the recorded services run partly, with other settings ({'; '.join(differences)}); run `up` with "
-            "their options to restart what is dead, or `up --fresh` to start over with these.")
+            f"the recorded deployment {state}, with other settings ({'; '.join(differences)}); run `up` with "
+            "its options to restart what is dead from its own state, or `up --fresh` to start over with these.")
+    if stopped:
+        _require_ports(existing, cfg)
+    # Whatever is dead restarts from its own state: the same secrets and CA, each Redis node from its
+    # nodes.conf and append-only file (its data), the autotune service with its plans.
     return deploy_recovery.recover(existing, cfg, report)
+
+
+def _require_ports(info: ServicesInfo, cfg: UpConfig) -> None:
+    """Every port of the stopped deployment ``info`` is free again, or one line naming the one that is not."""
+    for flag, port in deployment_ports(cfg, int(cfg.autotune_port or 0), cfg.first_redis_port):
+        exc = port_free(cfg.host, port)
+        if exc is not None:
+            raise ConfigurationError(
+                f"the recorded deployment {info.deployment[:12]} is stopped (every process is gone) and its port "
+                f"{port} on {cfg.host} ({flag}) is taken ({exc.strerror}); stop what uses it and run `up` again to "
+                "bring the deployment back with its data and secrets, or `up --fresh` to start over elsewhere.")
 
 
 def _with_recorded_ports(info: ServicesInfo, cfg: UpConfig) -> UpConfig:
@@ -212,7 +232,7 @@ def _start(cfg: UpConfig, folder: Path, report: Report) -> ServicesInfo:
             password=secrets.get("redis_password", ""), cluster=not cfg.single, bus_tls=cfg.bus_tls,
             client_tls=cfg.bus_tls, read_port_offset=cfg.read_port_offset,
             service_hosts=[cfg.client_host] if cfg.bus_tls else None,
-            tls_dir=tls_dir, state_root=folder, timeout_s=cfg.timeout_s, deployment=deployment,
+            tls_dir=tls_dir, state_root=folder, timeout_s=cfg.timeout_s, deployment=deployment, persist=True,
         )
         cluster = redis_cluster.start_cluster(spec)
         tls = client_tls(tls_dir) if cfg.bus_tls else None

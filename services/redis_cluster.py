@@ -106,6 +106,8 @@ class ClusterSpec:
         state_root: the state folder; None: ``bagua_lightning.core.services_file.state_dir()``.
         timeout_s: deadline for the whole start-up.
         deployment: the id the processes carry; None: a fresh one.
+        persist: every node keeps its data in an append-only file, so that a node restarted from its folder
+            (``up`` after a crash or a reboot) comes back with it (:class:`NodeConfig`'s ``persist``).
     """
 
     nodes: int = 3
@@ -125,6 +127,7 @@ class ClusterSpec:
     state_root: Path | None = None
     timeout_s: float = 60.0
     deployment: str | None = None
+    persist: bool = False
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -216,7 +219,8 @@ def start_cluster(spec: ClusterSpec | None = None, **kwargs: Any) -> ClusterInfo
             cfg = NodeConfig(port=port, host=spec.host, data_dir=folder / f"node-{port}", cluster=spec.cluster,
                              maxmemory=spec.maxmemory, password=spec.password, deployment=deployment,
                              node_timeout_ms=spec.node_timeout_ms, tls=certificates.get(port),
-                             announce_ip=spec.announce_ip if spec.cluster else None, read_port=spec.read_port(port))
+                             announce_ip=spec.announce_ip if spec.cluster else None, read_port=spec.read_port(port),
+                             persist=spec.persist)
             proc = launch_node(cfg)
             role = ("master" if i < spec.nodes else "replica") if spec.cluster else "standalone"
             started.append((proc, NodeInfo(host=address, port=port, role=role,

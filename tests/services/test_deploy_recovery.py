@@ -223,7 +223,7 @@ def test_partly_running_services_with_other_settings_are_not_restarted(tmp_path:
         info = deploy.up(cfg)
         _kill(info.pids["autotune"])
         other = deploy.UpConfig(autotune_port=free_port(), redis_port=cfg.redis_port, single=True)
-        with pytest.raises(ConfigurationError, match=r"run partly, with other settings .*--fresh"):
+        with pytest.raises(ConfigurationError, match=r"runs partly, with other settings .*--fresh"):
             deploy.up(other)
         assert procs.pid_alive(info.pids["redis"][0])
         lines: list[str] = []

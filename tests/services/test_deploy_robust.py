@@ -101,7 +101,8 @@ def test_a_named_port_whose_bus_port_is_taken_fails_in_one_line(env: dict[str, s
     assert not Path(env["BAGUA_LIGHTNING_SERVICES_FILE"]).exists()
 
 
-def test_up_after_everything_died_starts_afresh_on_free_ports(env: dict[str, str]) -> None:
+def test_up_after_everything_died_with_a_port_taken_says_which_then_fresh_starts_elsewhere(
+        env: dict[str, str]) -> None:
     import signal
 
     first = cli(env, "up", "--single", "--maxmemory", "32mb")
@@ -124,7 +125,11 @@ def test_up_after_everything_died_starts_afresh_on_free_ports(env: dict[str, str
             return False
         wait_until(bindable, 30, f"port {port} to be free to hold")
         with listening(port, or_taken=False):  # someone else took a recorded port
-            again = cli(env, "up", "--single", "--maxmemory", "32mb")
+            one_line_error(cli(env, "up", "--single", "--maxmemory", "32mb"), 2,
+                           f"deployment {before.deployment[:12]} is stopped", f"port {port} on 127.0.0.1",
+                           "`up --fresh`")
+            assert read_services_file(services) == before  # nothing changed: it can still come back
+            again = cli(env, "up", "--single", "--maxmemory", "32mb", "--fresh")
         assert again.returncode == 0, again.stderr
         assert again.stdout.count(": started (pid") == 2 and "kept" not in again.stdout
         after = read_services_file(services)
