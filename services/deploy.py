@@ -172,7 +172,14 @@ def _up(cfg: UpConfig, fresh: bool, report: Report) -> ServicesInfo:
         _require_ports(existing, cfg)
     # Whatever is dead restarts from its own state: the same secrets and CA, each Redis node from its
     # nodes.conf and append-only file (its data), the autotune service with its plans.
-    return deploy_recovery.recover(existing, cfg, report)
+    try:
+        return deploy_recovery.recover(existing, cfg, report)
+    except OSError as exc:
+        if exc.errno not in _DISK_ERRORS:
+            raise
+        raise ConfigurationError(
+            f"cannot write {exc.filename or existing.state_dir} ({exc.strerror}); free space there and run `up` "
+            "again. What this `up` restarted is recorded (`down` stops it) or was stopped again.") from None
 
 
 def _require_ports(info: ServicesInfo, cfg: UpConfig) -> None:

@@ -108,7 +108,9 @@ def recover(info: ServicesInfo, cfg: UpConfig, report: Callable[[str], None]) ->
         restarted = _recover_redis(cluster, cfg, password, deadline, report)
         tls = cluster.client_tls()
         info.processes["redis"] = cluster.processes
-        write_services_file(info)  # the new records first: `down` stops them even if what follows fails
+        # the new records first: `down` stops them even if what follows fails (they are in the Redis
+        # deployment's own record already: _recover_redis wrote it before it reported them)
+        write_services_file(info)
         if not restarted:
             health = _answers(lambda: check_redis(info.redis_hosts, info.redis_cluster, password,
                                                   node_ids=info.redis_node_ids or None, tls=tls), ALIVE_PATIENCE_S)
@@ -158,11 +160,11 @@ def _recover_redis(cluster: ClusterInfo, cfg: UpConfig, password: str | None, de
                 if cluster.read_port_offset is not None:  # its redis.conf opened the read port and the reader
                     check_reader(node.host, node.port + cluster.read_port_offset)
                 _readd_previous_password(node, password, tls)
+            write_deployment(cluster)  # recorded, or stopped again: never running unrecorded
         except BaseException:
             for proc, _, _ in started:
                 procs.stop_child(proc)
             raise
-    write_deployment(cluster)
     for proc, node, why in started:
         report(f"redis node {node.host}:{node.port}: restarted (pid {proc.pid}; {why})")
     return len(started)
@@ -265,11 +267,14 @@ def _recover_autotune(info: ServicesInfo, cfg: UpConfig, secrets: dict[str, str]
         try:
             wait_healthy(lambda: check_autotune(address, token=token, tls_ca=ca), deadline, f"the autotune service on {address}",
                          proc, root / AUTOTUNE_LOG)
+            record = procs.record(proc.pid, info.deployment)
+            info.processes["autotune"] = [record]
+            write_services_file(info)  # recorded, or stopped again: never running unrecorded
         except BaseException:
             procs.stop_child(proc)
             raise
     report(f"autotune service {address}: restarted (pid {proc.pid}; was: {reason})")
-    return procs.record(proc.pid, info.deployment)
+    return record
 
 
 __all__ = ["recover", "relaunch_node", "report_kept"]

@@ -278,3 +278,42 @@ def test_waiting_for_a_service_ends_when_its_process_exits() -> None:
             wait_healthy(lambda: Health(False, "not answering"), time.monotonic() + 600, "the service", proc)
     finally:
         proc.wait()
+
+
+_LEFTOVERS = """
+import json, os, sys
+dep = json.load(open(sys.argv[1]))["deployment"]
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\\0")
+    except OSError:
+        continue
+    if f"BAGUA_LIGHTNING_DEPLOYMENT={dep}".encode() in env:
+        print("left running", pid, flush=True)
+        os.kill(int(pid), 9)  # ours: it carries the deployment's id; never left behind by the test
+"""
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare -Urm (a private tmpfs for a full disk)")
+def test_recovery_on_a_full_disk_leaves_nothing_running_unrecorded(env: dict[str, str], tmp_path: Path) -> None:
+    state, services = tmp_path / "small", env["BAGUA_LIGHTNING_SERVICES_FILE"]
+    state.mkdir()
+    (tmp_path / "leftovers.py").write_text(_LEFTOVERS)
+    python = f"{sys.executable} -m bagua_lightning.cli --log-level WARNING"
+    read_pid = f"{sys.executable} -c \"import json; print(json.load(open('{services}'))['processes']['redis'][0]['pid'])\""
+    # In a private mount namespace: up on a small tmpfs, kill -9 its Redis node, fill the disk, up again
+    # (it must fail in one line), free the disk, down; then whatever of the deployment still runs is named.
+    script = (f"mount -t tmpfs -o size=16m tmpfs {state} || exit 99; "
+              f"{python} up --single --maxmemory 32mb --timeout 60 >/dev/null || exit 98; "
+              f"pid=$({read_pid}); kill -9 $pid; i=0; while kill -0 $pid 2>/dev/null && [ $i -lt 200 ]; do "
+              "sleep 0.05; i=$((i+1)); done; "
+              f"dd if=/dev/zero of={state}/filler bs=4k 2>/dev/null; "
+              f"{python} up --single --maxmemory 32mb --timeout 60; echo rc=$? >&2; "
+              f"rm -f {state}/filler; cp {services} {tmp_path}/record.json; {python} down >/dev/null; "
+              f"{sys.executable} {tmp_path}/leftovers.py {tmp_path}/record.json")
+    result = subprocess.run(["unshare", "-Urm", "sh", "-c", script], env={**env, "XDG_STATE_HOME": str(state)},
+                            capture_output=True, text=True, timeout=300)
+    assert "rc=2" in result.stderr or "rc=1" in result.stderr, result.stdout + result.stderr
+    errors = [ln for ln in result.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "left running" not in result.stdout, result.stdout + result.stderr
