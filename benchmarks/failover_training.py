@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -234,7 +235,7 @@ def run_anchor(work: Path, args: argparse.Namespace, fail: bool) -> dict[str, An
         for p in reversed(procs):
             p.kill()
     steps = [json.loads(line)["step"] for line in progress.read_text().splitlines()]
-    redone = sum(max(0, prev - cur + 1) for prev, cur in zip(steps, steps[1:], strict=False) if cur <= prev)
+    redone = sum(max(0, prev - cur + 1) for prev, cur in itertools.pairwise(steps) if cur <= prev)
     return {"wall_s": wall, "steps_redone": redone,
             "final_loss": _final_loss(out / "final.pt", args.samples, 64, 0)}
 
