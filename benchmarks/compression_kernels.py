@@ -5,8 +5,11 @@
     python benchmarks/compression_kernels.py                     # buckets of 1/25/100/420 MiB, 2/4/8 chunks
     python benchmarks/compression_kernels.py --model 100m        # + per-step overhead on the 110M model
 
-For each fp32 bucket size and chunk count it times, with CUDA events (warm-up, then
-the median of ``--repeats`` runs):
+For each fp32 bucket size and chunk count it times, with CUDA events, every pass below once
+per round in an order shuffled each round (``interleaved.round_order``), ``--repeats`` rounds
+after a warm-up; each pass's figure is its median, and its fraction of copy bandwidth comes
+with a 95 % bootstrap interval (``interleaved.bootstrap_ratio`` against the copy's timings of
+the same rounds):
 
 * ``copy``: a device-to-device copy of the bucket (the bandwidth reference);
 * ``compress``: ours (``kernels.compress``) and the torch-op path (extrema, header, scale, cast);
@@ -26,6 +29,15 @@ gradients in flat buckets, and each step runs bytegrad's compressed exchange on 
 over a 1-rank NCCL group (compress, all-to-all, owner step, all-gather, decompress: all the
 compression work of a step, no network), with the kernels and with the torch-op path; the
 overhead per step is the difference to the same step without the exchange.
+
+``--sweep``: launch parameters (``kernels.Tuning``) timed against each other and a copy, interleaved,
+before the rest; ``;`` between variants, ``,`` between fields, e.g. ``--sweep
+"per_sm=8,reverse=0;per_sm=8;decompress_per_sm=8"`` (an empty variant is the defaults). Each variant's
+bytes and values are checked against the defaults'. The sweep rotates among ``--sweep-rotate``
+input sets (a 100 MiB bucket reused call after call is partly still in L2 at the next call), and also
+times the passes on their own, a Triton copy, and a decompression with a multiply in place of the
+correctly rounded division (wrong values: a measure of what the division costs). The best
+variant (least compress + decompress time) is then used for the rest of the run.
 """
 
 from __future__ import annotations
@@ -47,7 +59,61 @@ from bagua_lightning.engine import kernels
 from bagua_lightning.engine.chunk_format import HEADER_BYTES
 from bagua_lightning.engine.compression import ChunkRanges, dequantise_into, read_header
 
+try:
+    import triton
+    import triton.language as tl
+
+    from bagua_lightning.engine.kernels import _minmax as _mm
+except ImportError:  # the benchmark needs a GPU, and with it Triton; this keeps --help working without
+    triton = None
+
+sys.path.insert(0, str(Path(__file__).parent))
+from interleaved import bootstrap_ratio, round_order
+
 MIB = 1 << 20
+#: where the buffers live (a smoke test of the script sets "cpu", with Triton's interpreter)
+DEVICE = "cuda"
+
+
+def tuning() -> Any:
+    """The kernels' launch parameters (None for a version of the kernels without ``Tuning``)."""
+    return getattr(kernels, "TUNING", None)
+
+
+def events_ms(fn: Callable[[], Any], batch: int) -> float:
+    """Milliseconds per call of ``batch`` calls of ``fn`` queued back to back between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(batch):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / batch
+
+
+def interleaved_ms(passes: dict[str, Callable[[], Any]], warmup: int, rounds: int, batch: int,
+                   seed: int = 0) -> dict[str, list[float]]:
+    """``rounds`` timings of every pass (``batch`` calls each), one per round, in an order shuffled per round."""
+    for fn in passes.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for r in range(rounds):
+        for name in round_order(list(passes), r, seed):
+            times[name].append(events_ms(passes[name], batch))
+    return times
+
+
+def of_copy(copy_ms: list[float], ms: list[float], nbytes: int, copy_nbytes: int) -> tuple[float, float, float]:
+    """Fraction of the copy's bandwidth, with its 95 % bootstrap interval: ``(ratio, low, high)``."""
+    r, lo, hi = bootstrap_ratio(copy_ms, ms)
+    f = nbytes / copy_nbytes
+    return r * f, lo * f, hi * f
+
+
+def fmt(ratio: tuple[float, float, float]) -> str:
+    return f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]"
 
 
 def timed(fn: Callable[[], Any], warmup: int, repeats: int, batch: int = 1) -> float:
@@ -115,22 +181,23 @@ def torch_owner(received: torch.Tensor, scale: float, mine: torch.Tensor, scratc
 def micro(sizes_mib: list[float], chunk_counts: list[int], warmup: int, repeats: int,
           batch: int) -> list[dict[str, Any]]:
     rows = []
+    table = []
     for mib in sizes_mib:
         numel = int(mib * MIB) // 4 // 64 * 64  # divisible by every chunk count
-        x = torch.randn(numel, device="cuda") * torch.linspace(0.1, 10, numel, device="cuda")
+        x = torch.randn(numel, device=DEVICE) * torch.linspace(0.1, 10, numel, device=DEVICE)
         dst = torch.empty_like(x)
-        t_copy = timed(lambda: dst.copy_(x), warmup, repeats, batch)  # noqa: B023
-        copy_bw = 8 * numel / t_copy
         for chunks in chunk_counts:
             n = numel // chunks
-            packed = torch.empty(chunks, HEADER_BYTES + n, dtype=torch.uint8, device="cuda")
+            packed = torch.empty(chunks, HEADER_BYTES + n, dtype=torch.uint8, device=DEVICE)
             ref = torch.empty_like(packed)
             out = torch.empty_like(x)
             received = torch.stack([kernels.compress(x[i * n:(i + 1) * n], 1, packed[i:i + 1].clone())[0]
                                     for i in range(chunks)])
-            own = torch.empty(1, HEADER_BYTES + n, dtype=torch.uint8, device="cuda")
-            mine, scratch = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+            own = torch.empty(1, HEADER_BYTES + n, dtype=torch.uint8, device=DEVICE)
+            mine, scratch = torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE)
+            kernels.compress(x, chunks, packed)
             passes: dict[str, Callable[[], Any]] = {
+                "copy": lambda: dst.copy_(x),  # noqa: B023
                 "compress": lambda: kernels.compress(x, chunks, packed),  # noqa: B023
                 "compress_torch": lambda: torch_compress(x, chunks, ref),  # noqa: B023
                 "decompress": lambda: kernels.decompress(packed, out),  # noqa: B023
@@ -139,26 +206,39 @@ def micro(sizes_mib: list[float], chunk_counts: list[int], warmup: int, repeats:
                 "owner": lambda: kernels.reduce_compressed(received, 1.0 / chunks, own),  # noqa: B023
                 "owner_torch": lambda: torch_owner(received, 1.0 / chunks, mine, scratch, own),  # noqa: B023
             }
-            row: dict[str, Any] = {"MiB": mib, "chunks": chunks, "copy_ms": t_copy}
-            for name, fn in passes.items():
-                row[f"{name}_ms"] = timed(fn, warmup, repeats, batch)
-                row[f"{name}_latency_ms"] = timed(fn, warmup, repeats, 1)
+            queued = interleaved_ms(passes, warmup, repeats, batch)
+            single = interleaved_ms(passes, 1, repeats, 1, seed=1)
+            t_copy = statistics.median(queued["copy"])
+            row: dict[str, Any] = {"MiB": mib, "chunks": chunks, "copy_ms": t_copy, "rounds": repeats}
+            for name in passes:
+                row[f"{name}_ms"] = statistics.median(queued[name])
+                row[f"{name}_latency_ms"] = statistics.median(single[name])
+                row[f"{name}_times_ms"] = queued[name]
             moved = {"compress": 9 * numel, "decompress": 5 * numel, "owner": (2 * chunks + 1) * n}
             for name, nbytes in moved.items():
-                row[f"{name}_of_copy"] = nbytes / row[f"{name}_ms"] / copy_bw
-                row[f"{name}_torch_of_copy"] = nbytes / row[f"{name}_torch_ms"] / copy_bw
+                for variant in (name, f"{name}_torch"):
+                    ratio = of_copy(queued["copy"], queued[variant], nbytes, 8 * numel)
+                    row[f"{variant}_of_copy"], row[f"{variant}_of_copy_ci95"] = ratio[0], list(ratio[1:])
             rows.append(row)
+            table.append(f"| {mib:g} | {chunks} | {t_copy:.3f} | " + " | ".join(
+                f"{row[name + '_ms']:.3f} | {fmt((row[name + '_of_copy'], *row[name + '_of_copy_ci95']))} | "
+                f"{row[name + '_torch_ms'] / row[name + '_ms']:.1f}x" for name in ("compress", "decompress", "owner"))
+                + " |")
             print(f"{mib:>6} MiB x{chunks}: copy {t_copy:.3f} ms | " + " | ".join(
-                f"{name} {row[name + '_ms']:.3f} ms ({row[name + '_of_copy']:.2f} of copy; "
-                f"torch {row[name + '_torch_ms']:.3f} ms, {row[name + '_torch_ms'] / row[name + '_ms']:.1f}x; "
-                f"latency {row[name + '_latency_ms']:.3f} vs {row[name + '_torch_latency_ms']:.3f} ms)"
+                f"{name} {row[name + '_ms']:.3f} ms ({fmt((row[name + '_of_copy'], *row[name + '_of_copy_ci95']))}"
+                f" of copy; torch {row[name + '_torch_ms']:.3f} ms, {row[name + '_torch_ms'] / row[name + '_ms']:.1f}x;"
+                f" latency {row[name + '_latency_ms']:.3f} vs {row[name + '_torch_latency_ms']:.3f} ms)"
                 for name in ("compress", "decompress", "owner")), flush=True)
         torch.cuda.empty_cache()
-    small = torch.randn(1024, device="cuda")
+    print("| MiB | chunks | copy ms | compress ms | of copy [95 %] | vs torch | decompress ms | of copy [95 %] "
+          "| vs torch | owner ms | of copy [95 %] | vs torch |")
+    print("| ---: " * 12 + "|")
+    print("\n".join(table), flush=True)
+    small = torch.randn(1024, device=DEVICE)
     small_copy = torch.empty_like(small)
-    packed = torch.empty(4, HEADER_BYTES + 256, dtype=torch.uint8, device="cuda")
+    packed = torch.empty(4, HEADER_BYTES + 256, dtype=torch.uint8, device=DEVICE)
     ref = torch.empty_like(packed)
-    own = torch.empty(1, HEADER_BYTES + 256, dtype=torch.uint8, device="cuda")
+    own = torch.empty(1, HEADER_BYTES + 256, dtype=torch.uint8, device=DEVICE)
     kernels.compress(small, 4, packed)
     overhead = {"copy": host_us(lambda: small_copy.copy_(small)),  # one torch launch, for reference
                 "compress": host_us(lambda: kernels.compress(small, 4, packed)),
@@ -168,35 +248,172 @@ def micro(sizes_mib: list[float], chunk_counts: list[int], warmup: int, repeats:
                 "owner": host_us(lambda: kernels.reduce_compressed(packed, 0.25, own)),
                 # decompress's one kernel launched through Triton's JIT (what every launch cost before the
                 # launchers called the compiled kernels directly), against "decompress": the whole launcher
-                "decompress_jit_launch": host_us(lambda: kernels._k()._decompress_kernel[(1, 4)](
-                    packed.view(torch.int32), small_copy, 256, (HEADER_BYTES + 256) // 4, BLOCK=kernels.BLOCK,
-                    PACK=4, num_warps=kernels.NUM_WARPS, enable_fp_fusion=False))}
+                "decompress_jit_launch": host_us(jit_decompress(packed, small_copy))}
     print("host time per call (us): " + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()), flush=True)
     rows.append({"host_us_per_call": overhead})
     return rows
 
 
-def sweep(configs: list[tuple[int, int, int]], warmup: int, repeats: int,
-          sizes_mib: tuple[int, ...] = (100, 420)) -> tuple[int, int, int]:
-    """Time compress + decompress of each size in 4 chunks per (block, warps, programs per SM); the best."""
-    best, best_t = configs[0], float("inf")
-    for block, warps, per_sm in configs:
-        kernels.BLOCK, kernels.NUM_WARPS, kernels.PROGRAMS_PER_SM = block, warps, per_sm
-        total = 0.0
-        for mib in sizes_mib:
-            numel = mib * MIB // 4
-            x = torch.randn(numel, device="cuda")
-            packed = torch.empty(4, HEADER_BYTES + numel // 4, dtype=torch.uint8, device="cuda")
-            t_c = timed(lambda: kernels.compress(x, 4, packed), warmup, repeats, 10)  # noqa: B023
-            t_d = timed(lambda: kernels.decompress(packed, x), warmup, repeats, 10)  # noqa: B023
-            total += t_c + t_d
-            print(f"  block {block} warps {warps} programs/SM {per_sm}: {mib} MiB compress {t_c:.3f} ms "
-                  f"decompress {t_d:.3f} ms", flush=True)
-        if total < best_t:
-            best, best_t = (block, warps, per_sm), total
-    kernels.BLOCK, kernels.NUM_WARPS, kernels.PROGRAMS_PER_SM = best
-    print(f"sweep: best block {best[0]}, warps {best[1]}, programs/SM {best[2]}", flush=True)
-    return best
+def jit_decompress(packed: torch.Tensor, out: torch.Tensor) -> Callable[[], Any]:
+    """One launch of decompress's kernel through Triton's JIT (what every launch cost before direct launches)."""
+    rows, n = packed.shape[0], packed.shape[1] - HEADER_BYTES
+    words, stride = packed.view(torch.int32), (HEADER_BYTES + n) // 4
+    t = tuning()
+    if t is None:  # the kernels before Tuning: one block per program
+        block, warps = kernels.BLOCK, kernels.NUM_WARPS  # type: ignore[attr-defined]
+        return lambda: kernels._k()._decompress_kernel[(1, rows)](
+            words, out, n, stride, BLOCK=block, PACK=4, num_warps=warps, enable_fp_fusion=False)
+    block = t.decompress_block
+    return lambda: kernels._k()._decompress_kernel[(-(-n // block), rows)](
+        words, out, n, block // 4, 1, stride, BLOCK=block, PACK=4, num_warps=t.decompress_warps,
+        enable_fp_fusion=False)
+
+
+COMPRESS_FIELDS = ("block", "warps", "per_sm", "reverse", "stream")
+
+
+def parse_tuning(spec: str) -> Any:
+    """``"per_sm=8,reverse=0"`` -> ``kernels.Tuning`` (the defaults for the fields not named)."""
+    fields: dict[str, Any] = {}
+    defaults = kernels.Tuning._field_defaults
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, _, value = item.partition("=")
+        if key not in defaults:
+            raise SystemExit(f"--sweep: unknown field {key!r}; the fields are {', '.join(defaults)}")
+        fields[key] = bool(int(value)) if isinstance(defaults[key], bool) else int(value)
+    return kernels.Tuning(**fields)
+
+
+if triton is not None:
+    @triton.jit
+    def _triton_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = idx < n
+        tl.store(dst_ptr + idx, tl.load(src_ptr + idx, mask=m), mask=m)
+
+    @triton.jit
+    def _decompress_by_multiply_kernel(packed_ptr, out_ptr, n, row_stride, BLOCK: tl.constexpr, PACK: tl.constexpr):
+        """decompress's kernel, one block per program, with ``* (1 / scale)`` for ``div_rn``: wrong values."""
+        b = tl.program_id(0)
+        c = tl.program_id(1).to(tl.int64)
+        row = c * row_stride
+        lo, hi = _mm._load_header(packed_ptr, row, PACK)
+        scale, lower = _mm._level_parameters(lo, hi)
+        idx, units = _mm._tile_at(b * (BLOCK // PACK), BLOCK, PACK)
+        v = (_mm._load_levels(packed_ptr, row, units, n, PACK).to(tl.float32) + lower) * (1.0 / scale)
+        tl.store(out_ptr + c * n + idx, v, mask=idx < n)
+
+
+def rotating(fn: Callable[[int], Any], sets: int) -> Callable[[], Any]:
+    """A call of ``fn(i)`` on input set ``i = 0, 1, ..., sets - 1, 0, ...`` in turn."""
+    state = [0]
+
+    def call() -> Any:
+        i = state[0]
+        state[0] = (i + 1) % sets
+        return fn(i)
+    return call
+
+
+def with_tuning(t: Any, fn: Callable[[], Any]) -> Any:
+    kernels.TUNING = t
+    return fn()
+
+
+def sweep(specs: list[str], sizes_mib: list[float], chunks: int, rotations: list[int], warmup: int, rounds: int,
+          batch: int) -> tuple[Any, list[dict[str, Any]]]:
+    """Time every variant's compress and decompress interleaved with a copy; the best of each, combined."""
+    variants = {spec or "defaults": parse_tuning(spec) for spec in specs}
+    report: list[dict[str, Any]] = []
+    totals = {name: [0.0, 0.0] for name in variants}
+    for mib in sizes_mib:
+        _sweep_size(variants, mib, chunks, rotations, warmup, rounds, batch, report, totals)
+        torch.cuda.empty_cache()
+    ok = [name for name in variants if all(r.get("same_bytes", True) for r in report
+                                           if r["pass"].endswith(" " + name))]
+    best_c = min(ok, key=lambda v: totals[v][0])
+    best_d = min(ok, key=lambda v: totals[v][1])
+    fields = {f: getattr(variants[best_c], f) for f in COMPRESS_FIELDS}
+    best = variants[best_d]._replace(**fields)
+    print(f"sweep: best compress {best_c!r}, best decompress {best_d!r}: {best}", flush=True)
+    return best, report
+
+
+def variant_passes(t: Any, plan: Any, xs: list[torch.Tensor], packs: list[torch.Tensor], outs: list[torch.Tensor],
+                   chunks: int) -> dict[str, Callable[[int], Any]]:
+    """A variant's compress and decompress on input set ``i``, and compression's two passes alone."""
+    partials = torch.empty(plan.partials, device=DEVICE)
+
+    def compress(i: int) -> Any:
+        return with_tuning(t, lambda: kernels.compress(xs[i], chunks, packs[i]))
+
+    def decompress(i: int) -> Any:
+        return with_tuning(t, lambda: kernels.decompress(packs[i], outs[i]))
+
+    def extrema(i: int) -> None:
+        plan.extrema(xs[i], xs[i], xs[i], xs[i], partials, *plan.extrema_ints, 0.0, 0.0, 0.0, *plan.consts)
+
+    def quantise(i: int) -> None:
+        plan.quantise(xs[i], partials, packs[i], *plan.quantise_args)
+
+    extrema(0)  # the quantise pass alone reads these partial extrema
+    return {"compress": compress, "decompress": decompress, "  extrema pass": extrema, "  quantise pass": quantise}
+
+
+def _sweep_size(variants: dict[str, Any], mib: float, chunks: int, rotations: list[int], warmup: int, rounds: int,
+                batch: int, report: list[dict[str, Any]], totals: dict[str, list[float]]) -> None:
+    """One bucket size of :func:`sweep`: its rows go to ``report``, the variants' medians into ``totals``."""
+    defaults = kernels.Tuning()
+    sets = max(rotations)
+    numel = int(mib * MIB) // 4 // 64 * 64
+    n = numel // chunks
+    xs = [torch.randn(numel, device=DEVICE) * torch.linspace(0.1, 10, numel, device=DEVICE) for _ in range(sets)]
+    dsts = [torch.empty_like(x) for x in xs]
+    packs = [torch.empty(chunks, HEADER_BYTES + n, dtype=torch.uint8, device=DEVICE) for _ in range(sets)]
+    outs = [torch.empty_like(x) for x in xs]
+    # The defaults' bytes and values; every variant must give the same.
+    kernels.TUNING = defaults
+    ref = kernels.compress(xs[0], chunks, torch.empty_like(packs[0]))
+    ref_values = kernels.decompress(ref, torch.empty_like(xs[0]))
+    same: dict[str, bool] = {}
+    for name, t in variants.items():
+        kernels.TUNING = t
+        got = kernels.compress(xs[0], chunks, torch.empty_like(packs[0]))
+        values = kernels.decompress(ref, torch.empty_like(xs[0]))
+        same[name] = bool(torch.equal(got, ref) and torch.equal(values, ref_values))
+    for rot in rotations:
+        passes: dict[str, Callable[[], Any]] = {
+            "copy": rotating(lambda i: dsts[i].copy_(xs[i]), rot),
+            "triton copy": rotating(lambda i: _triton_copy_kernel[(-(-numel // 2048),)](
+                xs[i], dsts[i], numel, BLOCK=2048, num_warps=4), rot),
+            "multiply-decode (wrong values)": rotating(lambda i: _decompress_by_multiply_kernel[
+                (-(-n // 2048), chunks)](packs[i].view(torch.int32), outs[i], n,
+                                         (HEADER_BYTES + n) // 4, BLOCK=2048, PACK=4, num_warps=4,
+                                         enable_fp_fusion=False), rot),
+        }
+        nbytes = {"copy": 8 * numel, "triton copy": 8 * numel, "multiply-decode (wrong values)": 5 * numel}
+        for name, t in variants.items():
+            kernels.TUNING = t
+            plan = kernels._CompressRows(xs[0], chunks, packs[0], None, False, False, kernels._current(xs[0]))
+            for kind, call in variant_passes(t, plan, xs, packs, outs, chunks).items():
+                passes[f"{kind} {name}"] = rotating(call, rot)
+            nbytes[f"compress {name}"], nbytes[f"decompress {name}"] = 9 * numel, 5 * numel
+            nbytes[f"  extrema pass {name}"], nbytes[f"  quantise pass {name}"] = 4 * numel, 5 * numel
+        times = interleaved_ms(passes, warmup, rounds, batch)
+        kernels.TUNING = defaults
+        print(f"sweep: {mib:g} MiB in {chunks} chunks, {rot} input set(s) in turn, {rounds} rounds of {batch} "
+              f"calls; copy {statistics.median(times['copy']):.4f} ms")
+        for name, series in times.items():
+            ratio = of_copy(times["copy"], series, nbytes[name], 8 * numel)
+            variant = name.split(" ", 1)[1] if name.startswith(("compress ", "decompress ")) else None
+            check = "" if variant is None else "  bytes ok" if same[variant] else "  BYTES DIFFER"
+            print(f"  {name:<60} {statistics.median(series):.4f} ms  {fmt(ratio)} of copy{check}")
+            report.append({"MiB": mib, "chunks": chunks, "sets": rot, "pass": name,
+                           "median_ms": statistics.median(series), "of_copy": ratio[0],
+                           "of_copy_ci95": list(ratio[1:]), "times_ms": series,
+                           **({"same_bytes": same[variant]} if variant is not None else {})})
+            if variant is not None and rot == max(rotations):
+                totals[variant][0 if name.startswith("compress") else 1] += statistics.median(series)
 
 
 def model_overhead(size: str, bucket_mib: int, steps: int, batch: int, seq_len: int) -> dict[str, Any]:
@@ -219,7 +436,7 @@ def model_overhead(size: str, bucket_mib: int, steps: int, batch: int, seq_len: 
         bucket.append(p)
         size_b += p.numel() * 4
         if size_b >= bucket_mib * MIB or p is params[-1]:
-            flat = torch.zeros(sum(q.numel() for q in bucket), device="cuda")
+            flat = torch.zeros(sum(q.numel() for q in bucket), device=DEVICE)
             off = 0
             for q in bucket:
                 q.grad = flat[off:off + q.numel()].view_as(q)
@@ -227,7 +444,7 @@ def model_overhead(size: str, bucket_mib: int, steps: int, batch: int, seq_len: 
             flats.append(flat)
             bucket, size_b = [], 0
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    tokens = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+    tokens = torch.randint(0, vocab, (batch, seq_len), device=DEVICE)
     buffers = [comm_module.ExchangeBuffers() for _ in flats]
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -278,22 +495,32 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=25)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sweep", default=None,
-                        help="BLOCK:WARPS:PROGRAMS_PER_SM,... to try first; the best one is used for the rest")
-    parser.add_argument("--sweep-sizes", default="100,420", help="bucket sizes (MiB) the sweep times")
+                        help="kernels.Tuning variants to time first, ';' between variants, ',' between fields "
+                             "(e.g. 'per_sm=8,reverse=0;decompress_per_sm=8'); the best is used for the rest")
+    parser.add_argument("--sweep-sizes", default="25,100,420", help="bucket sizes (MiB) the sweep times")
+    parser.add_argument("--sweep-chunks", type=int, default=4, help="chunks of the sweep's buckets")
+    parser.add_argument("--sweep-rotate", default="1,3",
+                        help="input sets the sweep's calls take in turn (1: one bucket, as the rest of the run)")
+    parser.add_argument("--no-micro", action="store_true", help="only the sweep (and --model)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("compression_kernels.py needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
-    if args.sweep:
-        configs = [tuple(int(v) for v in c.split(":")) for c in args.sweep.split(",")]
-        results["config"] = sweep(configs, args.warmup, args.repeats,  # type: ignore[arg-type]
-                                  tuple(int(s) for s in args.sweep_sizes.split(",")))
-    results["kernel_config"] = {"block": kernels.BLOCK, "warps": kernels.NUM_WARPS,
-                                "programs_per_sm": kernels.PROGRAMS_PER_SM}
-    sizes, chunks = [float(s) for s in args.sizes.split(",")], [int(c) for c in args.chunks.split(",")]
-    results["micro"] = micro(sizes, chunks, args.warmup, args.repeats, args.batch)
+    if args.sweep is not None:
+        best, results["sweep"] = sweep(args.sweep.split(";"), [float(s) for s in args.sweep_sizes.split(",")],
+                                       args.sweep_chunks, [int(r) for r in args.sweep_rotate.split(",")],
+                                       args.warmup, args.repeats, args.batch)
+        kernels.TUNING = best
+    t = tuning()
+    results["kernel_config"] = t._asdict() if t is not None else {
+        "block": getattr(kernels, "BLOCK", None), "warps": getattr(kernels, "NUM_WARPS", None),
+        "programs_per_sm": getattr(kernels, "PROGRAMS_PER_SM", None)}
+    print(f"kernel launch parameters: {results['kernel_config']}", flush=True)
+    if not args.no_micro:
+        sizes, chunks = [float(s) for s in args.sizes.split(",")], [int(c) for c in args.chunks.split(",")]
+        results["micro"] = micro(sizes, chunks, args.warmup, args.repeats, args.batch)
     if args.model:
         results["model"] = model_overhead(args.model, args.bucket_mib, args.steps, batch=8, seq_len=512)
     if args.json:

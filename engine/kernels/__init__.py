@@ -37,12 +37,33 @@ __all__ = [
     "weight_difference_compress",
 ]
 
-#: Elements per block and warps per program: 16 values per thread. With PROGRAMS_PER_SM, the best of a
-#: sweep on an H100 (``benchmarks/compression_kernels.py --sweep``; 4096/8/4 was within 5 %).
-BLOCK = 2048
-NUM_WARPS = 4
-#: Programs per SM for the looping passes (compression, owner step): enough loads in flight per SM.
-PROGRAMS_PER_SM = 8
+class Tuning(NamedTuple):
+    """Launch parameters of the kernels (``benchmarks/compression_kernels.py --sweep`` times alternatives).
+
+    Compression's two passes split each chunk into one contiguous span per program, about
+    ``per_sm`` programs per SM, each span a multiple of 64 elements: the programs move the same
+    bytes (with whole blocks per program, 12.1 blocks on average meant 13 for the slowest). The
+    owner step and ``add_decompressed`` loop over whole blocks.
+    """
+
+    #: elements per block and warps per program of the looping passes: 16 values per thread
+    block: int = 2048
+    warps: int = 4
+    #: programs per SM of the looping passes: enough loads in flight per SM
+    per_sm: int = 8
+    #: compression's second pass walks each span from the back: it re-reads first what the first pass
+    #: read last, which is still in L2
+    reverse: bool = True
+    #: compression's level stores marked first to be evicted from L2
+    stream: bool = False
+    #: decompression: elements per block, warps per program, programs per SM (0: one block per program)
+    decompress_block: int = 2048
+    decompress_warps: int = 4
+    decompress_per_sm: int = 0
+
+
+#: The tuning every launcher uses (part of every layout key: assigning another one takes effect at once).
+TUNING = Tuning()
 
 
 @functools.cache
@@ -78,31 +99,52 @@ class _Plan(NamedTuple):
 
     block: int
     nblocks: int  # blocks per row
-    programs: int  # programs per row of the looping passes
+    programs: int  # programs per row of the passes that loop over whole blocks (owner step)
     pb: int  # a power of two >= programs (the partial-extrema reduction's width)
     options: dict[str, Any]  # Triton launch options; shared, never modified
+    span: int  # elements per program of the span passes (a multiple of 4; the last program's may be shorter)
+    span_programs: int  # programs per row of the span passes
+    iters: int  # blocks per span
+    span_pb: int  # a power of two >= span_programs
+
+
+def _pow2_at_least(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(device: torch.device, n: int, rows: int, block: int | None, warps: int, per_sm: int,
           default_block: int) -> _Plan:
+    """``per_sm``: programs per SM; 0 for one block per program (the span passes' spans are then blocks)."""
     if block is not None and (block < 4 or block & (block - 1)):
         raise ValueError(f"block must be a power of two >= 4, got {block}")
     blk = block if block is not None else default_block if device.type == "cuda" else 64
     nblocks = -(-n // blk)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        total = per_sm * int(torch.cuda.get_device_properties(index).multi_processor_count)
+        total = max(1, per_sm) * int(torch.cuda.get_device_properties(index).multi_processor_count)
         programs = max(1, min(nblocks, -(-total // rows)))
+        # Spans of whole 64-element groups: 16-byte aligned loads and stores of every dtype.
+        align = 64
         # No fused multiply-add contraction: the CPU path rounds after every multiply (see _minmax).
         options: dict[str, Any] = {"num_warps": warps, "enable_fp_fusion": False}
     else:  # the interpreter: still more than one program, and more than one block per program
-        programs, options = max(1, min(nblocks, 3)), {}
-    return _Plan(blk, nblocks, programs, 1 << max(0, (programs - 1).bit_length()), options)
+        programs, align, options = max(1, min(nblocks, 3)), 4, {}
+    # per_sm 0: a span is a block; else the programs' spans as equal as whole align-element groups allow
+    span = blk if per_sm <= 0 else max(align, -(-(-(-n // programs)) // align) * align)  # noqa: B002
+    span_programs = max(1, -(-n // span))
+    return _Plan(blk, nblocks, programs, _pow2_at_least(programs), options, span, span_programs,
+                 -(-span // blk), _pow2_at_least(span_programs))
 
 
 def _plan_for(device: torch.device, n: int, rows: int, block: int | None) -> _Plan:
-    return _plan(device, n, rows, block, NUM_WARPS, PROGRAMS_PER_SM, BLOCK)
+    t = TUNING
+    return _plan(device, n, rows, block, t.warps, t.per_sm, t.block)
+
+
+def _decompress_plan_for(device: torch.device, n: int, rows: int, block: int | None) -> _Plan:
+    t = TUNING
+    return _plan(device, n, rows, block, t.decompress_warps, t.decompress_per_sm, t.decompress_block)
 
 
 def _packed_layout(packed: torch.Tensor, n: int) -> tuple[int, int]:
@@ -172,19 +214,19 @@ class _CompressRows(_Runner):
         p = _plan_for(src.device, n, chunks, block)
         row_stride, pack = _packed_layout(out, n)
         k = _k()
-        self.extrema = Launch(k._extrema_kernel, (p.programs, chunks), p.options)
-        self.quantise = Launch(k._quantise_kernel, (p.programs, chunks), p.options, _words(2, pack))
-        self.partials = chunks * p.programs * 2
-        self.ints = (n, p.nblocks, p.programs)
+        self.extrema = Launch(k._extrema_kernel, (p.span_programs, chunks), p.options)
+        self.quantise = Launch(k._quantise_kernel, (p.span_programs, chunks), p.options, _words(2, pack))
+        self.partials = chunks * p.span_programs * 2
+        self.extrema_ints = (n, p.span, p.iters, p.span_programs)
         self.consts = (p.block, combine, has_right)
-        self.tail = (row_stride, p.block, pack, p.pb)
+        self.quantise_args = (n, p.span // pack, p.iters, p.span_programs, row_stride, p.block, pack, p.span_pb,
+                              TUNING.reverse, TUNING.stream)
 
     def run(self, src: torch.Tensor, out: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
             weight: torch.Tensor, coefficients: tuple[float, float, float]) -> None:
         partials = _SCRATCH.get("extrema", self.device, self.index, self.partials)
-        n, nblocks, programs = self.ints
-        self.extrema(src, left, right, weight, partials, n, nblocks, programs, *coefficients, *self.consts)
-        self.quantise(src, partials, out, n, nblocks, programs, *self.tail)
+        self.extrema(src, left, right, weight, partials, *self.extrema_ints, *coefficients, *self.consts)
+        self.quantise(src, partials, out, *self.quantise_args)
 
 
 _NO_COMBINE = (0.0, 0.0, 0.0)
@@ -197,7 +239,7 @@ def compress(x: torch.Tensor, num_chunks: int, out: torch.Tensor, *, block: int 
     ``block``: elements per block (a power of two; tests use small ones). Returns ``out``.
     """
     current = _current(x)
-    key = ("compress", num_chunks, block, BLOCK, NUM_WARPS, PROGRAMS_PER_SM, current, *_key(x), *_key(out))
+    key = ("compress", num_chunks, block, TUNING, current, *_key(x), *_key(out))
     plan = _LAYOUTS.get(key)
     if plan is None:
         if x.dim() != 1 or not x.is_contiguous() or num_chunks <= 0 or x.numel() % num_chunks != 0:
@@ -223,10 +265,10 @@ class _Decompress(_Runner):
         if out.dim() != 1 or not out.is_contiguous() or out.numel() != rows * n:
             raise ValueError(f"out must be a contiguous 1-D tensor of {rows * n} elements, got {tuple(out.shape)}")
         self._locate(out.device, current)
-        p = _plan_for(out.device, n, rows, block)
+        p = _decompress_plan_for(out.device, n, rows, block)
         row_stride, pack = _packed_layout(packed, n)
-        self.kernel = Launch(_k()._decompress_kernel, (p.nblocks, rows), p.options, _words(0, pack))
-        self.args = (n, row_stride, p.block, pack)
+        self.kernel = Launch(_k()._decompress_kernel, (p.span_programs, rows), p.options, _words(0, pack))
+        self.args = (n, p.span // pack, p.iters, row_stride, p.block, pack)
 
     def run(self, packed: torch.Tensor, out: torch.Tensor) -> None:
         self.kernel(packed, out, *self.args)
@@ -238,7 +280,7 @@ def decompress(packed: torch.Tensor, out: torch.Tensor, *, block: int | None = N
     ``out``'s dtype (fp32, bf16 or fp16) is the dtype of the values; ``chunks * n`` elements.
     """
     current = _current(out)
-    key = ("decompress", block, BLOCK, NUM_WARPS, current, *_key(packed), *_key(out))
+    key = ("decompress", block, TUNING, current, *_key(packed), *_key(out))
     plan = _LAYOUTS.get(key)
     if plan is None:
         plan = _LAYOUTS.put(key, _Decompress(packed, out, block, current))
@@ -289,7 +331,7 @@ def reduce_compressed(
     ``received``; the sum is never stored.
     """
     current = _current(received)
-    key = ("reduce", block, BLOCK, NUM_WARPS, PROGRAMS_PER_SM, current, *_key(received), *_key(out))
+    key = ("reduce", block, TUNING, current, *_key(received), *_key(out))
     plan = _LAYOUTS.get(key)
     if plan is None:
         plan = _LAYOUTS.put(key, _ReduceCompressed(received, out, block, current))
@@ -319,7 +361,7 @@ def weight_difference_compress(
     """
     current = _current(diff)
     tensors = (diff, left, weight) if right is None else (diff, left, right, weight)
-    key = ("difference", block, BLOCK, NUM_WARPS, PROGRAMS_PER_SM, current, *_key(out),
+    key = ("difference", block, TUNING, current, *_key(out),
            *(part for t in tensors for part in _key(t)))
     plan = _LAYOUTS.get(key)
     if plan is None:
@@ -358,7 +400,7 @@ class _AddDecompressed(_Runner):
 def add_decompressed(target: torch.Tensor, packed: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
     """``target += decompress(packed)`` for a single-chunk ``(1, 8 + n)`` packed tensor; float32 ``target``."""
     current = _current(target)
-    key = ("apply", block, BLOCK, NUM_WARPS, current, *_key(target), *_key(packed))
+    key = ("apply", block, TUNING, current, *_key(target), *_key(packed))
     plan = _LAYOUTS.get(key)
     if plan is None:
         plan = _LAYOUTS.put(key, _AddDecompressed(target, packed, block, current))

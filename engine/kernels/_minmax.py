@@ -78,14 +78,24 @@ def _tile(b, BLOCK: tl.constexpr, PACK: tl.constexpr):
 
     A tile row is one packed word (``PACK=4``) or one byte (``PACK=1``).
     """
-    rows = b * (BLOCK // PACK) + tl.arange(0, BLOCK // PACK)
+    return _tile_at(b * (BLOCK // PACK), BLOCK, PACK)
+
+
+@triton.jit
+def _tile_at(unit0, BLOCK: tl.constexpr, PACK: tl.constexpr):
+    """The ``(BLOCK // PACK, PACK)`` tile of packed units ``unit0, unit0 + 1, ...``: (element indices, units)."""
+    rows = unit0 + tl.arange(0, BLOCK // PACK)
     cols = tl.arange(0, PACK)
     return rows[:, None] * PACK + cols[None, :], rows
 
 
 @triton.jit
 def _load_levels(packed_ptr, row_start, units, n, PACK: tl.constexpr):
-    """Levels (int32, a ``(len(units), PACK)`` tile) of the packed units ``units`` of one packed row."""
+    """Levels (int32, a ``(len(units), PACK)`` tile) of the packed units ``units`` of one packed row.
+
+    ``n``: the first element not to read (the row's length, or the end of a program's span; a
+    multiple of 4 with ``PACK=4``).
+    """
     if PACK == 4:
         words = tl.load(packed_ptr + row_start + 2 + units, mask=units * 4 < n, other=0)
         return (words[:, None] >> (tl.arange(0, 4)[None, :] * 8)) & 0xFF
@@ -94,13 +104,24 @@ def _load_levels(packed_ptr, row_start, units, n, PACK: tl.constexpr):
 
 
 @triton.jit
-def _store_levels(packed_ptr, row_start, units, q, n, PACK: tl.constexpr):
-    """Store the int32 levels ``q`` (a ``(len(units), PACK)`` tile) into one packed row."""
+def _store_levels(packed_ptr, row_start, units, q, n, PACK: tl.constexpr, STREAM: tl.constexpr):
+    """Store the int32 levels ``q`` (a ``(len(units), PACK)`` tile) into one packed row, up to element ``n``.
+
+    ``STREAM``: the stores are marked first to be evicted from L2 (they are not read again by this
+    launch), so that they do not push out values that are about to be re-read.
+    """
     if PACK == 4:
         words = tl.sum(q << (tl.arange(0, 4)[None, :] * 8), axis=1)  # disjoint bytes: the sum is an OR
-        tl.store(packed_ptr + row_start + 2 + units, words, mask=units * 4 < n)
+        if STREAM:
+            tl.store(packed_ptr + row_start + 2 + units, words, mask=units * 4 < n, eviction_policy="evict_first")
+        else:
+            tl.store(packed_ptr + row_start + 2 + units, words, mask=units * 4 < n)
     else:
-        tl.store(packed_ptr + row_start + 8 + units[:, None], q.to(tl.uint8), mask=units[:, None] < n)
+        if STREAM:
+            tl.store(packed_ptr + row_start + 8 + units[:, None], q.to(tl.uint8), mask=units[:, None] < n,
+                     eviction_policy="evict_first")
+        else:
+            tl.store(packed_ptr + row_start + 8 + units[:, None], q.to(tl.uint8), mask=units[:, None] < n)
 
 
 @triton.jit
@@ -161,11 +182,15 @@ def _partials_reduce(part_ptr, c, P, PB: tl.constexpr):
 
 @triton.jit
 def _extrema_kernel(
-    src_ptr, left_ptr, right_ptr, weight_ptr, part_ptr, n, nblocks, P,
+    src_ptr, left_ptr, right_ptr, weight_ptr, part_ptr, n, span, iters, P,
     c_left, c_right, c_weight,
     BLOCK: tl.constexpr, COMBINE: tl.constexpr, HAS_RIGHT: tl.constexpr,
 ):
-    """Pass 1 of a compression: partial extrema of chunk ``program_id(1)`` over blocks p, p + P, ...
+    """Pass 1 of a compression: partial extrema of program ``p``'s span of chunk ``program_id(1)``.
+
+    Program ``p`` reads elements ``[p * span, min((p + 1) * span, n))`` of its chunk, ``iters``
+    blocks of ``BLOCK`` from the front (``span``: a multiple of 4; the programs of a chunk move
+    the same bytes, so none of them is left with one block more than the others).
 
     ``COMBINE``: the values are ``((src + c_left * left) + c_right * right) + c_weight * weight``,
     each product and sum rounded (low_precision_decentralized's weight difference; without
@@ -175,11 +200,13 @@ def _extrema_kernel(
     p = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     base = c * n
+    start = p * span
+    end = tl.minimum(start + span, n)
     lo_acc = tl.full([BLOCK], float("inf"), tl.float32)
     hi_acc = tl.full([BLOCK], float("-inf"), tl.float32)
-    for b in range(p, nblocks, P):
-        idx = b * BLOCK + tl.arange(0, BLOCK)
-        m = idx < n
+    for i in range(iters):
+        idx = start + i * BLOCK + tl.arange(0, BLOCK)
+        m = idx < end
         v = tl.load(src_ptr + base + idx, mask=m, other=0.0).to(tl.float32)
         if COMBINE:
             from_left = c_left * tl.load(left_ptr + base + idx, mask=m, other=0.0)
@@ -197,10 +224,15 @@ def _extrema_kernel(
 
 @triton.jit
 def _quantise_kernel(
-    src_ptr, part_ptr, out_ptr, n, nblocks, P, row_stride,
-    BLOCK: tl.constexpr, PACK: tl.constexpr, PB: tl.constexpr,
+    src_ptr, part_ptr, out_ptr, n, span_units, iters, P, row_stride,
+    BLOCK: tl.constexpr, PACK: tl.constexpr, PB: tl.constexpr, REVERSE: tl.constexpr, STREAM: tl.constexpr,
 ):
-    """Pass 2 of a compression: header and levels of chunk ``program_id(1)`` into its packed row."""
+    """Pass 2 of a compression: header and levels of program ``p``'s span of chunk ``program_id(1)``.
+
+    The spans are pass 1's (``span_units`` packed units of ``PACK`` elements each). ``REVERSE``:
+    each program walks its span from the back, so it first re-reads what pass 1 read last,
+    which is still in L2.
+    """
     p = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     lo, hi = _partials_reduce(part_ptr, c, P, PB)
@@ -208,23 +240,35 @@ def _quantise_kernel(
     if p == 0:
         _store_header(out_ptr, row, lo, hi, PACK)
     scale, lower = _level_parameters(lo, hi)
-    for b in range(p, nblocks, P):
-        idx, units = _tile(b, BLOCK, PACK)
-        v = tl.load(src_ptr + c * n + idx, mask=idx < n, other=0.0).to(tl.float32)
-        _store_levels(out_ptr, row, units, _quantise(v, scale, lower), n, PACK)
+    end = tl.minimum((p + 1) * span_units * PACK, n)
+    for i in range(iters):
+        if REVERSE:
+            unit0 = p * span_units + (iters - 1 - i) * (BLOCK // PACK)
+        else:
+            unit0 = p * span_units + i * (BLOCK // PACK)
+        idx, units = _tile_at(unit0, BLOCK, PACK)
+        v = tl.load(src_ptr + c * n + idx, mask=idx < end, other=0.0).to(tl.float32)
+        _store_levels(out_ptr, row, units, _quantise(v, scale, lower), end, PACK, STREAM)
 
 
 @triton.jit
-def _decompress_kernel(packed_ptr, out_ptr, n, row_stride, BLOCK: tl.constexpr, PACK: tl.constexpr):
-    """Values of block ``program_id(0)`` of chunk ``program_id(1)``, in ``out``'s dtype."""
-    b = tl.program_id(0)
+def _decompress_kernel(packed_ptr, out_ptr, n, span_units, iters, row_stride, BLOCK: tl.constexpr,
+                       PACK: tl.constexpr):
+    """Values of program ``p``'s span of chunk ``program_id(1)``, in ``out``'s dtype.
+
+    Program ``p`` writes elements ``[p * span_units * PACK, ...)`` up to the next program's, in
+    ``iters`` blocks of ``BLOCK``; the chunk's header and level parameters are read once.
+    """
+    p = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     row = c * row_stride
     lo, hi = _load_header(packed_ptr, row, PACK)
-    idx, units = _tile(b, BLOCK, PACK)
     scale, lower = _level_parameters(lo, hi)
-    v = _decoded(_load_levels(packed_ptr, row, units, n, PACK), scale, lower)
-    tl.store(out_ptr + c * n + idx, _to_dtype(v, out_ptr.dtype.element_ty), mask=idx < n)
+    end = tl.minimum((p + 1) * span_units * PACK, n)
+    for i in range(iters):
+        idx, units = _tile_at(p * span_units + i * (BLOCK // PACK), BLOCK, PACK)
+        v = _decoded(_load_levels(packed_ptr, row, units, end, PACK), scale, lower)
+        tl.store(out_ptr + c * n + idx, _to_dtype(v, out_ptr.dtype.element_ty), mask=idx < end)
 
 
 @triton.jit
@@ -295,4 +339,4 @@ def _reduce_quantise_kernel(
     for b in range(p, nblocks, P):
         _, units = _tile(b, BLOCK, PACK)
         v = _reduced(recv_ptr, table_ptr, world, row_stride, units, n, scale, BLOCK, PACK)
-        _store_levels(out_ptr, 0, units, _quantise(v, q_scale, lower), n, PACK)
+        _store_levels(out_ptr, 0, units, _quantise(v, q_scale, lower), n, PACK, False)
