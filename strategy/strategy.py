@@ -3,7 +3,9 @@
 A thin subclass of Lightning's ``DDPStrategy``: launching, process-group set-up,
 ``reduce``/``broadcast``/``barrier`` and checkpoint plumbing are DDP's; the model is
 wrapped in :class:`~bagua_lightning.engine.ddp.BaguaDistributedDataParallel`
-instead of ``DistributedDataParallel``, which drives the chosen algorithm.
+instead of ``DistributedDataParallel``, which drives the chosen algorithm. With one rank there is nothing to
+communicate: the model is left unwrapped (single-device speed; ``auto`` chooses at step 0, autotune has nothing
+to tune), except for an algorithm with an optimizer of its own (qadam), whose step needs the engine.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class BaguaStrategy(DDPStrategy):
         self._logged_step = -1
         self.autotune_summary: AutotuneSummary | None = None
         self._auto_algorithm: AutoAlgorithm | None = None  # the fit's ``auto`` (kept after it: its selection)
+        self._alone: Selection | None = None  # one rank: the model is not wrapped (``auto``'s choice, if auto)
         # An algorithm's checkpointed state read before the model is wrapped (Lightning restores the model before
         # the strategy's setup): loaded into the algorithm once configure_ddp has set it up.
         self._pending_algorithm_state: dict[str, Any] | None = None
@@ -179,6 +182,11 @@ class BaguaStrategy(DDPStrategy):
                 )
         super().setup(trainer)
         wrapper = self.bagua_module
+        if self._alone is not None and trainer.state.fn == TrainerFn.FITTING:
+            if self.settings.auto is not None:
+                rank_zero_info(self._alone.line())
+            if self.settings.autotune_settings is not None:
+                rank_zero_info("autotune: one rank: nothing to communicate, nothing to tune")
         if wrapper is not None:
             try:
                 wrapper.attach_optimizers([self._unwrap(o) for o in self.optimizers])
@@ -200,6 +208,14 @@ class BaguaStrategy(DDPStrategy):
         if self._comm is None:
             raise RuntimeError("BaguaStrategy: the process group is not set up; setup_environment must run first")
         algorithm: Algorithm = self.settings.algorithm_class.from_kwargs(**self.settings.bagua_kwargs)
+        self._alone = None
+        if self.world_size == 1 and algorithm.spec.optimizer_arg is None:
+            # One rank, nothing to communicate: the module trains as under Lightning's single-device strategy
+            # (no wrapper, no hooks, no per-step measurement); ``auto`` has chosen at step 0. An algorithm with
+            # an optimizer of its own (qadam) keeps its engine: that optimizer's step needs it.
+            candidates = self.settings.auto.candidates if self.settings.auto is not None else (algorithm.name,)
+            self._alone = Selection.alone(candidates)
+            return
         if self.settings.auto is not None:  # the one ``auto``: the registered engine algorithm
             algorithm = self._auto_algorithm = AutoAlgorithm.of(self.settings.auto, self.settings.bagua_kwargs)
             self._auto_reported = False
@@ -227,11 +243,15 @@ class BaguaStrategy(DDPStrategy):
         algorithm, chosen = self.algorithm, self.selection.chosen if self.selection is not None else None
         if algorithm is not None:
             return algorithm.current_name if isinstance(algorithm, AutoAlgorithm) else algorithm.name
+        if self._alone is not None:
+            return self._alone.chosen or self.settings.algorithm_names[0]
         return chosen or self.settings.algorithm_names[0]
 
     @property
     def selection(self) -> Selection | None:
         """What ``algorithm="auto"`` measured and chose (None for a fixed algorithm, or before the fit)."""
+        if self._alone is not None and self.settings.auto is not None:
+            return self._alone
         return self._auto_algorithm.selection if self._auto_algorithm is not None else None
 
     # ------------------------------------------------------------------ autotune hook points

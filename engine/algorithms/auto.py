@@ -160,6 +160,12 @@ class AutoAlgorithm(Algorithm):
 
     def setup(self, module: nn.Module, comm: CommContext, plan: BucketPlan) -> None:
         self._module, self._comm, self._plan = module, comm, plan
+        if comm.world_size == 1:  # nothing to communicate, nothing to measure: decided at step 0
+            self._selection = Selection.alone(self.settings.candidates)
+            self._start(self.settings.candidates[0])
+            if self._hand_over is not None:
+                self._hand_over(self.current)
+            return
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         reduce_device = device if comm.is_nccl else torch.device("cpu")
         self._selector = AlgorithmSelector(self.settings, self._switch, group=comm.group, device=device,

@@ -61,6 +61,8 @@ RUNOFF_NOISE_Z = 2.0
 #: At most this many runoffs by default (``AutoSettings.max_runoffs``); then the lowest median of the last
 #: one's candidates is kept.
 MAX_RUNOFFS = 3
+#: Why a job of one rank chooses without measuring (:meth:`Selection.alone`).
+ONE_RANK = "one rank: nothing to communicate"
 #: Standard error of a median of n normal samples from their median absolute deviation: 1.2533 * 1.4826 * MAD / sqrt(n).
 _SE_OF_MEDIAN = 1.2533 * 1.4826
 
@@ -180,6 +182,7 @@ class Selection:
         measured: what a step time is (:meth:`AutoSettings.measured`; "" when not known).
         runoff: the candidates of the last runoff (too close to tell apart before it); () when none was held.
         runoffs: how many runoffs were held.
+        note: why the choice needed no measurement ("" when it was measured), e.g. :data:`ONE_RANK`.
     """
 
     step_ms: dict[str, float] = field(default_factory=dict)
@@ -189,11 +192,20 @@ class Selection:
     measured: str = ""
     runoff: tuple[str, ...] = ()
     runoffs: int = 0
+    note: str = ""
+
+    @classmethod
+    def alone(cls, candidates: Sequence[str]) -> Selection:
+        """The choice of a job of one rank, made at step 0 without measuring: the first candidate (with nothing
+        to communicate every candidate trains alike, and none is faster than another)."""
+        return cls(chosen=candidates[0], decided_at=0, note=ONE_RANK)
 
     def reason(self) -> str:
         """``bytegrad: 48.1 ms/step (kept); gradient_allreduce: 170.0 ms/step (3.53x slower)``."""
         if self.chosen is None:
             return "still measuring"
+        if self.note:
+            return self.note
         best = self.step_ms[self.chosen]
         parts = [f"{self.chosen}: {best:.1f} ms/step (kept)"]
         for name, ms in sorted(self.step_ms.items(), key=lambda kv: kv[1]):
@@ -216,7 +228,7 @@ class Selection:
     def metrics(self) -> dict[str, float]:
         """For Lightning's loggers: each candidate's step time and the chosen index."""
         out = {f"bagua/auto/{name}_step_ms": ms for name, ms in self.step_ms.items()}
-        if self.chosen is not None:
+        if self.chosen is not None and self.chosen in self.step_ms:
             out["bagua/auto/chosen_index"] = float(list(self.step_ms).index(self.chosen))
         return out
 
