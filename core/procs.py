@@ -121,6 +121,31 @@ def is_running(rec: ProcessRecord) -> bool:
     return _process(rec) is not None
 
 
+_DELETED = " (deleted)"  # what the kernel appends to a process's working folder once that folder is removed
+
+
+def orphans(folder: Path) -> list[ProcessRecord]:
+    """The processes of this user that a deployment started in ``folder`` (or below it) before the folder was
+    deleted: their records, rebuilt from what survives in the processes themselves. Each carries a deployment
+    id in its environment and its working folder, inside ``folder``, is one the kernel reports deleted: a
+    folder of ours that no longer exists, so no live deployment's. A query; :func:`stop_many` stops them."""
+    root = os.path.abspath(folder)
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.uids().real != os.getuid():
+                continue
+            cwd = os.readlink(f"/proc/{proc.pid}/cwd")
+            if not cwd.endswith(_DELETED) or not (cwd[:-len(_DELETED)] + "/").startswith(root + "/"):
+                continue
+            deployment = proc.environ().get(ENV_DEPLOYMENT)
+            if deployment:
+                found.append(ProcessRecord(pid=proc.pid, create_time=proc.create_time(), deployment=deployment))
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
 def stop(rec: ProcessRecord, timeout_s: float = 10.0) -> bool:
     """SIGTERM the process of ``rec`` when it is still ours, SIGKILL it after ``timeout_s``.
 

@@ -361,6 +361,7 @@ def stop_all(timeout_s: float = 10.0, local: bool = True) -> DownReport:
     out = DownReport()
     with exclusive():
         _down(timeout_s, out)
+        _stop_orphans(timeout_s, out)
     if local:
         from ..core.local_redis import local_dir, read_server, stop_server
 
@@ -374,6 +375,21 @@ def stop_all(timeout_s: float = 10.0, local: bool = True) -> DownReport:
                 else f" (stopped pid {', '.join(map(str, stopped))})" if stopped else ""))
     out.stopped = sorted(set(out.stopped))
     return out
+
+
+def _stop_orphans(timeout_s: float, out: DownReport) -> None:
+    """Stop what a deployment of this state folder started before the folder was deleted (with the services
+    file in it, no record is left): found by the deployment id they carry and their deleted working folder."""
+    folder = state_dir()
+    found = procs.orphans(folder)
+    if not found:
+        return
+    stopped = procs.stop_many(found, timeout_s)
+    out.stopped += stopped
+    ids = sorted({r.deployment[:12] for r in found})
+    out.removed.append(f"stopped pid {', '.join(map(str, stopped))} of deployment {', '.join(ids)}, whose state "
+                       f"folder {folder} was deleted (found by the deployment id they carry and their deleted "
+                       "working folder)")
 
 
 def _down(timeout_s: float = 10.0, out: DownReport | None = None) -> list[int]:

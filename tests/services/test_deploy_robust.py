@@ -317,3 +317,24 @@ def test_recovery_on_a_full_disk_leaves_nothing_running_unrecorded(env: dict[str
     errors = [ln for ln in result.stderr.splitlines() if "error" in ln]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "left running" not in result.stdout, result.stdout + result.stderr
+
+
+def test_down_stops_a_deployment_whose_state_folder_was_deleted(env: dict[str, str]) -> None:
+    first = cli(env, "up", "--single", "--maxmemory", "32mb")
+    assert first.returncode == 0, first.stderr
+    services = Path(env["BAGUA_LIGHTNING_SERVICES_FILE"])
+    info = read_services_file(services)
+    assert info is not None
+    pids = [info.pids["autotune"], *info.pids["redis"]]
+    try:
+        shutil.rmtree(Path(env["XDG_STATE_HOME"]) / "bagua-lightning")  # the state folder, records and all
+        services.unlink()
+        result = cli(env, "down")
+        assert result.returncode == 0, result.stderr
+        assert "was deleted" in result.stdout and info.deployment[:12] in result.stdout, result.stdout
+        assert all(str(pid) in result.stdout for pid in pids), result.stdout
+        wait_until(lambda: not any(procs.pid_alive(p) for p in pids), 30, "the deployment's processes to stop")
+        assert "nothing to stop" in cli(env, "down").stdout
+    finally:
+        for rec in procs.orphans(Path(env["XDG_STATE_HOME"]) / "bagua-lightning"):  # only if down failed
+            procs.stop(rec, timeout_s=5)
