@@ -51,12 +51,17 @@ def rate(sample: Sample) -> tuple[str, float] | None:
 
 def outlier(sample: Sample, history: Sequence[Sample]) -> bool:
     """Whether ``sample`` lies more than :data:`OUTLIER_FACTOR` times above or below the median (the
-    lower middle one: a measured value) of the job's other samples of the same unit; never for a
-    job's first measured plan (nothing to compare with)."""
+    lower middle one: a measured value) of the job's samples of its *other* plans of the same unit;
+    never for a job's first measured plan (nothing to compare with). Samples of the same plan (its
+    layout and bucket size: a plan measured again, or the job's final verdict on it) are not others,
+    so an outlier cannot vouch for itself."""
     mine = rate(sample)
     if mine is None:
         return False
-    others = [r[1] for s in history if s is not sample and (r := rate(s)) is not None and r[0] == mine[0]]
+    plan = sample.plan
+    others = [r[1] for s in history
+              if s is not sample and not (s.plan.same_layout(plan) and s.plan.bucket_size == plan.bucket_size)
+              and (r := rate(s)) is not None and r[0] == mine[0]]
     if not others:
         return False
     median = statistics.median_low(others)

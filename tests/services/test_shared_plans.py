@@ -7,6 +7,7 @@ same rules is in test_shared_plans_server.py.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -32,9 +33,13 @@ def _ref(plan: BucketPlan) -> PlanRef:
                    matches=lambda issued: issued.same_layout(plan) and issued.bucket_size == plan.bucket_size)
 
 
-def _sample(speed: float, backward_ms: float = 0.0) -> Sample:
-    return Sample(plan=BucketPlan(((abcde()[0],),)), speed=speed, backward_ms=backward_ms, bucket_timings=(),
-                  reports=1, train_iter=0)
+_SIZES = itertools.count(1 << 20)
+
+
+def _sample(speed: float, backward_ms: float = 0.0, plan: BucketPlan | None = None) -> Sample:
+    """A sample of ``plan``; by default of a plan of its own (a bucket size no other sample has)."""
+    plan = plan if plan is not None else BucketPlan(((abcde()[0],),), bucket_size=next(_SIZES))
+    return Sample(plan=plan, speed=speed, backward_ms=backward_ms, bucket_timings=(), reports=1, train_iter=0)
 
 
 def _stored(plan: BucketPlan, *, completed: bool, job_id: str = "a", score: float = 5.0) -> StoredPlan:
@@ -112,6 +117,26 @@ def test_an_evil_jobs_forged_report_completes_no_other_job(tmp_path: Path) -> No
     assert not victim.session.completed and not victim.completed
     plan, completed = victim.step(50.0)
     assert not completed and plan.version == 1 and len(victim.session.samples) == 1
+
+
+def test_a_completed_jobs_outlier_never_reaches_the_shared_plan(tmp_path: Path) -> None:
+    # 1 sample/s for the default, 1e12 for the next plan, then 2 for it when measured again: the plan's mean
+    # (5e11) is the job's final verdict, and the job's other samples of that very plan do not vouch for it.
+    service = AutotuneService(ServiceConfig(world_size=2, max_samples=3, **FAST), store=DirectoryPlanStore(tmp_path))
+    evil = _Job(service, "evil", model="evil-net")
+    first = evil.plan
+    for speed in (1.0, 1e12, 2.0):
+        evil.step(speed)
+    assert evil.completed
+    ((key, shared),) = service.shared_plans()
+    assert shared.score == 1.0 and shared.plan.same_layout(first) and not shared.completed
+    assert service.io.flush()
+    assert json.loads((tmp_path / f"{key}.json").read_text())["score"] == 1.0
+    plan = BucketPlan(((abcde()[0],),), bucket_size=4096)
+    verdict = dataclasses.replace(_sample(5e11, plan=plan), reports=2)
+    measured = [_sample(1.0), _sample(1e12, plan=plan), _sample(5e11, plan=plan)]
+    assert outlier(verdict, measured)  # only the other plan's 1.0 compares
+    assert not outlier(verdict, measured[1:])  # a job that measured no other plan: nothing to compare with
 
 
 def test_a_forged_verdict_is_confirmed_against_the_jobs_default_and_loses(tmp_path: Path) -> None:
