@@ -10,6 +10,7 @@ from bagua_lightning.core.addresses import (
     check_host,
     check_port,
     format_address,
+    is_ascii_number,
     parse_address,
     parse_host_list,
 )
@@ -51,3 +52,14 @@ def test_the_client_uses_the_same_rule() -> None:
     for kwargs in ({"target": "no-port-here"}, {"host": "bad host", "port": 1}, {"host": "127.0.0.1", "port": 0}):
         with pytest.raises(ConfigurationError):
             AutotuneClient(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_library_parses_ports_as_strictly() -> None:
+    for text in (" 80", "80 ", "+80", "8 0", ""):
+        assert not is_ascii_number(text)
+        with pytest.raises(ConfigurationError, match=repr(text).replace("+", r"\+")):
+            check_port(text)
+    assert check_port("80") == 80 and is_ascii_number("0080")
+    with pytest.raises(ConfigurationError, match="port ' 7000' is not a TCP port"):
+        parse_address("127.0.0.1: 7000")
+    assert parse_address(" 127.0.0.1:7000 ") == ("127.0.0.1", 7000)  # around the whole address: a pasted value

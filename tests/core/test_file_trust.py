@@ -31,8 +31,8 @@ from bagua_lightning.core.services_file import (
     write_services_file,
 )
 from bagua_lightning.core.tls_trust import ClientTLS
+from tests.core.test_services_file_secrets import GrpcRecorder, RespRecorder
 from tests.services.conftest import cli, one_line_error
-from tests.services.test_secrets_follow_addresses import GrpcRecorder, RespRecorder
 
 try:
     NOBODY = pwd.getpwnam("nobody")

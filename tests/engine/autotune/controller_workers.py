@@ -1,4 +1,4 @@
-"""Worker for tests/strategy/test_autotune.py: autotuned training in plain torch loops, one JSON per rank.
+"""Worker for tests/engine/autotune/test_controller.py: autotuned training in plain torch loops, one JSON per rank.
 
 Started with torchrun's environment variables (tests/ranks.py:run_ranks). In one
 process, against the real autotune service at ``--address``:

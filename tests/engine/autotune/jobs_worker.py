@@ -1,4 +1,4 @@
-"""Worker for tests/strategy/test_autotune_jobs.py: one autotuned job in a plain torch loop.
+"""Worker for tests/engine/autotune/test_jobs.py: one autotuned job in a plain torch loop.
 
 Started with torchrun's environment variables (tests/strategy/launch.py:run_ranks); the job id
 comes from the environment the test gives (``TORCHELASTIC_RUN_ID``) or is made by rank 0.
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bagua_lightning.engine.comm import CommContext
-from tests.strategy.autotune_workers import run, wait_for
+from tests.engine.autotune.controller_workers import run, wait_for
 
 
 def meet(out: Path, name: str, other: str) -> None:

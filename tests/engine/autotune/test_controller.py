@@ -1,9 +1,7 @@
-"""Autotuning while training (issue 5): real autotune service processes, real Gloo multi-process jobs.
+"""The engine's autotune controller (``engine/autotune/``) while training: real autotune service processes,
+real Gloo multi-process jobs in plain torch loops (the Lightning front door: ``tests/strategy/test_autotune_lightning.py``).
 
-* 2 ranks, Lightning (``BaguaStrategy(autotune=True)``): plans change during the fit and every
-  rank communicates with the same plan at every step; loss and weights equal a run without
-  autotune; ``autotune/*`` metrics reach the trainer's logger; a second job of the same model
-  starts on the tuned plan.
+* settings, interval measurements, summaries and reports, in process;
 * 4 ranks (2 nodes x 2 declared, so hierarchical plans are possible), plain loop: the same
   checks, the service killed (SIGKILL) mid-run and restarted from its state directory, and a
   job with no service at all (one warning); a rank that cannot apply a plan (PlanMismatchError everywhere).
@@ -17,15 +15,12 @@ import signal
 import threading
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from bagua_lightning.client.autotune import AutotuneClient
 from bagua_lightning.core.errors import ConfigurationError
-from bagua_lightning.core.procs import new_deployment_id
-from bagua_lightning.core.services_file import ServicesInfo, write_services_file
 from bagua_lightning.engine.autotune import (
     AutotuneSettings,
     AutotuneSummary,
@@ -35,13 +30,13 @@ from bagua_lightning.engine.autotune import (
     model_name_for,
 )
 from bagua_lightning.proto.plan import BucketPlan, BucketTimingRecord, StepTimings, TensorDeclaration
+from tests.engine.autotune.plan_records import check_same_plan_every_step, load_results
 from tests.procs import free_port, wait_until
 from tests.ranks import run_ranks
 from tests.services.conftest import FAST, autotune_service
 
 HERE = Path(__file__).parent
-PLAIN_WORKER = str(HERE / "autotune_workers.py")
-LIGHTNING_WORKER = str(HERE / "autotune_lightning_worker.py")
+PLAIN_WORKER = str(HERE / "controller_workers.py")
 # Few samples, no warm-up: tuning completes within ~20 steps at autotune_interval=3.
 SERVICE_ARGS = (*FAST, "--max-samples", "4")
 
@@ -67,39 +62,6 @@ def test_settings_reject_bad_values_with_the_fix() -> None:
     assert AutotuneSettings(address="h:1", interval=20, apply_delay=0).delay == 0
     with pytest.raises(ConfigurationError, match="rpc_timeout_s"):
         AutotuneSettings(address="127.0.0.1:1", rpc_timeout_s=0)
-
-
-def test_strategy_autotune_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import lightning.pytorch  # noqa: F401  # loads first, so its import hook registers the strategy
-
-    from bagua_lightning.strategy import BaguaStrategy
-
-    # Weight-averaging algorithms have no gradient bucket plan: a clear error, not a silent no-op.
-    for algorithm in ("decentralized", "low_precision_decentralized", "async"):
-        with pytest.raises(ConfigurationError, match=rf"autotune=True needs .*{algorithm!r} averages weights"):
-            BaguaStrategy(algorithm, autotune=True)
-    with pytest.raises(ConfigurationError, match="autotune_interval"):
-        BaguaStrategy(autotune=True, autotune_interval=-1)
-    # Address: argument, else env, else the services file, else the default.
-    monkeypatch.setenv("BAGUA_LIGHTNING_SERVICES_FILE", str(tmp_path / "none.json"))
-    monkeypatch.delenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", raising=False)
-    assert BaguaStrategy(autotune=True).settings.autotune_settings.address == "127.0.0.1:29600"  # type: ignore[union-attr]
-    write_services_file(ServicesInfo(autotune="10.0.0.2:7", deployment=new_deployment_id()), tmp_path / "services.json")
-    monkeypatch.setenv("BAGUA_LIGHTNING_SERVICES_FILE", str(tmp_path / "services.json"))
-    assert BaguaStrategy(autotune=True).settings.autotune_settings.address == "10.0.0.2:7"  # type: ignore[union-attr]
-    monkeypatch.setenv("BAGUA_LIGHTNING_AUTOTUNE_SERVICE", "10.0.0.1:5")
-    assert BaguaStrategy(autotune=True).settings.autotune_settings.address == "10.0.0.1:5"  # type: ignore[union-attr]
-    s = BaguaStrategy("qadam", autotune=True, autotune_service="h:1", autotune_interval=7)
-    tuning = s.settings.autotune_settings
-    assert tuning is not None and (tuning.address, tuning.interval) == ("h:1", 7)
-    assert BaguaStrategy().settings.autotune_settings is None
-    with pytest.raises(ConfigurationError, match=r"'127\.0\.0\.1:99999'"):
-        BaguaStrategy(autotune=True, autotune_service="127.0.0.1:99999")
-    with pytest.raises(ConfigurationError, match="autotune_tls"):
-        BaguaStrategy(autotune=True, autotune_tls=1)  # type: ignore[arg-type]
-    tuned = BaguaStrategy(autotune=True, autotune_service="h:1", autotune_token="t0k", autotune_tls=True)
-    assert tuned.settings.autotune_settings is not None
-    assert (tuned.settings.autotune_settings.token, tuned.settings.autotune_settings.tls) == ("t0k", True)
 
 
 def _timings(backward_ms: float, comm: list[float]) -> StepTimings:
@@ -159,62 +121,6 @@ def test_reports_summary_and_helpers() -> None:
 # ------------------------------------------------------------------ multi-process jobs
 
 
-def _load(out: Path, prefix: str, n: int) -> list[dict[str, Any]]:
-    res = [json.loads((out / f"{prefix}{r}.json").read_text()) for r in range(n)]
-    for r in res:
-        assert "error" not in r, r["error"]
-    return res
-
-
-def _check_same_plan_every_step(records_per_rank: list[list[list[Any]]], interval: int = 3,
-                                delay: int = 0) -> list[list[Any]]:
-    """Every rank communicated with the same plan at every step; it changed during the run, at apply points."""
-    first = records_per_rank[0]
-    for other in records_per_rank[1:]:
-        assert other == first
-    changes = [first[i][0] for i in range(1, len(first)) if first[i][1:] != first[i - 1][1:]]
-    assert len(changes) >= 2, f"the plan changed only at steps {changes}"
-    assert all(step % interval == delay for step in changes), changes
-    return first
-
-
-@pytest.mark.slow
-def test_lightning_two_ranks_tune_match_log_and_second_job(tmp_path: Path) -> None:
-    with autotune_service(*SERVICE_ARGS, "--world-size", "2", log_path=tmp_path / "service.log") as (target, _):
-        run_ranks(LIGHTNING_WORKER, [str(tmp_path), "--address", target], world_size=2, log_dir=tmp_path,
-                  timeout_s=420, env={"GROUP_RANK": "0"})
-        with AutotuneClient(target=target) as client:
-            # Two fits, two jobs: each its own session; the first (tuned) measured plans, the second started
-            # from its final plan without inheriting its completion: it measured that plan itself.
-            models = sorted(client.list_models(), key=lambda m: m.samples)
-            assert len(models) == 2 and models[0].samples >= 1 and models[1].completed
-            assert len({m.job_id for m in models}) == 2 and len({m.model_name for m in models}) == 1
-            samples = client.describe_model(models[1].model_name, models[1].job_id).samples
-    # Reports are aggregated: one per interval for the job (rank 0, after an all_gather), not one per rank.
-    # The first plan was measured over one interval: one report (two ranks reporting their own would be two).
-    assert samples and samples[0].reports == 1, samples
-    res = _load(tmp_path, "lightning_rank", 2)
-    records = _check_same_plan_every_step([r["tuned_records"] for r in res])
-    for r in res:
-        # Re-bucketing changes nothing but float summation order.
-        assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5
-        assert r["summary_completed"], r["summary"]
-        assert "completed" in r["summary"] and "samples/s per rank" in r["summary"]
-        # A second job of the same model starts on the plan the first one settled on (in its own session:
-        # same layout, its own version numbers).
-        final = records[-1]
-        assert r["second_records"][0][2:] == final[2:]
-    metrics = res[0]["metrics"]
-    assert {int(m["step"]) for m in metrics} >= {0, 3, 6, 9}
-    assert metrics[-1]["autotune/completed"] == "1.0"
-    assert {"autotune/samples_per_s", "autotune/bucket_size", "autotune/num_buckets",
-            "autotune/hierarchical"} <= set(metrics[-1])
-    assert float(metrics[-1]["autotune/samples_per_s"]) > 0
-    log = (tmp_path / "rank0.log").read_text()
-    assert log.count("autotune [TunedNet-") == 2  # one summary line per fit, from rank 0 only
-    assert "autotune [" not in (tmp_path / "rank1.log").read_text()
-
-
 @pytest.mark.slow
 def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> None:
     fault_dir, port, dead_port = tmp_path / "faults", free_port(), free_port()
@@ -248,8 +154,8 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
         with AutotuneClient(target=f"127.0.0.1:{port}") as client:
             per_rank = client.describe_model("per-rank-net").summary
     assert not errors, errors
-    res = _load(tmp_path, "rank", 4)
-    records = _check_same_plan_every_step([r["tuned"]["records"] for r in res])
+    res = load_results(tmp_path, "rank", 4)
+    records = check_same_plan_every_step([r["tuned"]["records"] for r in res])
     for r in res:
         assert r["tuned"]["applied"] == res[0]["tuned"]["applied"]
         assert max(abs(a - b) for a, b in zip(r["reference"]["losses"], r["tuned"]["losses"], strict=True)) < 1e-5
@@ -270,7 +176,7 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
     assert records[-1][1] >= 0
     # bytegrad (buckets padded to a multiple of the world size) follows service plans just the same; this run
     # applies them one step after each boundary (apply_delay=1).
-    bytegrad = _check_same_plan_every_step([r["bytegrad"]["records"] for r in res], delay=1)
+    bytegrad = check_same_plan_every_step([r["bytegrad"]["records"] for r in res], delay=1)
     assert bytegrad[-1][1] >= 1
     for r in res:  # same init and batches as the reference: only the uint8 compression error separates them
         assert max(abs(a - b) for a, b in zip(r["bytegrad"]["losses"], r["reference"]["losses"], strict=False)) < 1e-2
@@ -293,7 +199,7 @@ def test_four_ranks_service_killed_and_restarted_then_absent(tmp_path: Path) -> 
 
 
 def test_measurements_reduce_to_the_jobs_view_on_every_rank(tmp_path: Path) -> None:
-    run_ranks(str(HERE / "autotune_reduce_worker.py"), [str(tmp_path)], world_size=3, log_dir=tmp_path,
+    run_ranks(str(HERE / "reduce_worker.py"), [str(tmp_path)], world_size=3, log_dir=tmp_path,
               timeout_s=180)
     views = [json.loads((tmp_path / f"reduce{r}.json").read_text()) for r in range(3)]
     assert views[0] == views[1] == views[2]  # every rank holds the same job's view

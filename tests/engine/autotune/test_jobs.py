@@ -15,19 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.utils.data import ConcatDataset, DataLoader, Subset
 
 from bagua_lightning.client.autotune import AutotuneClient
-from bagua_lightning.client.cache.dataset import CachedDataset
-from bagua_lightning.core.errors import ConfigurationError
-from bagua_lightning.engine.autotune import AutotuneSettings, AutotuneState, launcher_job_id
+from bagua_lightning.engine.autotune import AutotuneState, launcher_job_id
 from bagua_lightning.proto.plan import BucketPlan, TensorDeclaration
-from bagua_lightning.strategy.logged_metrics import cached_datasets, training_metrics
 from tests.ranks import run_ranks
 from tests.services.conftest import FAST, autotune_service
 
 HERE = Path(__file__).parent
-WORKER = str(HERE / "autotune_jobs_worker.py")
+WORKER = str(HERE / "jobs_worker.py")
 SERVICE_ARGS = (*FAST, "--max-samples", "4")
 STEPS = 24
 INTERVAL = 3
@@ -45,23 +41,6 @@ def test_the_job_id_comes_from_the_launcher() -> None:
     assert launcher_job_id({"BAGUA_LIGHTNING_JOB_ID": "bad\x07", "SLURM_JOB_ID": "7"}) == "slurm-7"
 
 
-def test_model_name_and_job_id_are_validated() -> None:
-    import lightning.pytorch  # noqa: F401  # loads first, so its import hook registers the strategy
-
-    from bagua_lightning.strategy import BaguaStrategy
-
-    named = BaguaStrategy(autotune=True, autotune_service="h:1", autotune_model_name="resnet50 / imagenet")
-    tuning = named.settings.autotune_settings
-    assert tuning is not None and tuning.model_name == "resnet50 / imagenet"
-    for bad, match in (("a\nb", "control character"), ("x" * 201, "201 characters long"), ("  ", "non-empty")):
-        with pytest.raises(ConfigurationError, match=f"autotune_model_name.*{match}"):
-            BaguaStrategy(autotune=True, autotune_service="h:1", autotune_model_name=bad)
-        with pytest.raises(ConfigurationError, match="autotune_model_name"):
-            BaguaStrategy(autotune_model_name=bad)  # checked even before autotune is switched on
-    with pytest.raises(ConfigurationError, match="job_id"):
-        AutotuneSettings(address="h:1", job_id="x\ty")
-
-
 def test_the_checkpointed_state_round_trips_and_checks_the_model() -> None:
     tensors = [TensorDeclaration("a", 4), TensorDeclaration("b", 8), TensorDeclaration("c", 2)]
     plan = BucketPlan(buckets=((tensors[2], tensors[0]), (tensors[1],)), bucket_size=64, version=5)
@@ -76,16 +55,6 @@ def test_the_checkpointed_state_round_trips_and_checks_the_model() -> None:
     default = AutotuneState.of(job_id="j", model_name="m", model_fingerprint="f", plan=plan, version=-1,
                                completed=False, plans_applied=0)
     assert default.plan is None and default.bucket_plan(tensors) is None  # the default plan is not resumed
-
-
-def test_cache_hit_rate_found_through_dataset_wrappers() -> None:
-    cached = CachedDataset(list(range(10)), dataset_name="wrapped", hosts=["127.0.0.1:1"])
-    loaders = [DataLoader(Subset(ConcatDataset([list(range(3)), cached]), [1, 2])), {"b": DataLoader(cached)}]
-    assert cached_datasets(loaders) == [cached]
-    assert cached_datasets(DataLoader(list(range(5)))) == []
-    plan = BucketPlan(buckets=((TensorDeclaration("a", 4),),), version=2)
-    assert training_metrics(plan, None, []) == {"bagua/plan_version": 2.0, "bagua/num_buckets": 1.0}
-    assert training_metrics(None, None, [cached]) == {"cache/hits": 0.0, "cache/misses": 0.0, "cache/hit_rate": 0.0}
 
 
 # ------------------------------------------------------------------ real jobs against a real service
