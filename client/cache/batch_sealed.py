@@ -19,11 +19,7 @@ and its place in the block is not read.
 
 from __future__ import annotations
 
-import os
 import struct
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from itertools import pairwise
 from typing import Any
 
 from .batches import UNIFORM_MIN, Groups, build_groups, decode_opened_rows, join_group
@@ -47,39 +43,12 @@ from .values import ALIGN, CorruptEntryError
 _U64 = struct.Struct("<Q")
 _BLOCKS = BufferPool()  # the blocks batches are opened into, reused once no sample views them
 # A sealed entry's header: prefix (magic, version, kind, zeros), nonce, zeros, (flags,) the three lengths
+_LENGTHS = [_U64.pack(n) for n in range(512)]  # the associated data's first 8 bytes, by key length
 _SEALED = struct.Struct(f"<8s{NONCE_SIZE}s{DIGEST_SIZE - NONCE_SIZE}s4xIIQ")
 
 
-def _decrypt_threads() -> int:
-    """Threads that decrypt a large batch beside the reader: one per four cores beyond the first four, at most
-    three (none on a small machine, where the redis-servers and the DataLoader need the cores)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(0, min(3, (cores - 4) // 4))
-
-
-DECRYPT_THREADS = _decrypt_threads()
-PARALLEL_MIN_BYTES = 256 * 1024  # a batch's ciphertext below which the reader decrypts it alone
-_POOL: list[Any] = [None, -1]  # the executor of this process, and its pid (a forked child makes its own)
-
-
-def in_spans(work: Callable[[int, int], int], n: int, nbytes: int) -> list[tuple[int, int, int]]:
-    """``work(lo, hi)`` (returns how many of its entries ``lo..hi-1`` it did, in order, stopping at the first
-    that fails) over the ``n`` entries of a batch of ``nbytes``: where the host has the cores and the batch is
-    large, split among the reader and :data:`DECRYPT_THREADS` threads (AES-GCM releases the GIL, so they
-    decrypt at once); else the reader does all. Each span as (lo, hi, done)."""
-    parts = min(DECRYPT_THREADS + 1, n) if nbytes >= PARALLEL_MIN_BYTES else 1
-    if parts <= 1:
-        return [(0, n, work(0, n))]
-    if _POOL[1] != os.getpid():
-        _POOL[:] = [ThreadPoolExecutor(DECRYPT_THREADS, thread_name_prefix="bagua-cache-open"), os.getpid()]
-    cuts = [n * i // parts for i in range(parts + 1)]
-    spans = list(pairwise(cuts))
-    futures = [_POOL[0].submit(work, lo, hi) for lo, hi in spans[1:]]
-    first = work(0, cuts[1])
-    return [(0, cuts[1], first)] + [(lo, hi, f.result()) for (lo, hi), f in zip(spans[1:], futures, strict=True)]
+def _aad_head(n: int) -> bytes:
+    return _LENGTHS[n] if n < 512 else _U64.pack(n)
 
 
 def sealed_indices(values: list[Any]) -> list[int]:
@@ -167,98 +136,113 @@ def open_uniform(values: list[Any], keys: list[bytes], secret: bytes) -> list[An
     if len(lengths) != 1:
         return None
     size = lengths.pop()
-    views = [v if type(v) is memoryview and v.itemsize == 1 and v.ndim == 1 else memoryview(v).cast("B")
-             for v in values]
-    head = views[0]
     if size < HEADER_SIZE + SEAL_TAG_SIZE or size > MAX_ENTRY_BYTES:
         return None
-    prefix, _, zeros, skel_len, tail_len, data_len = _SEALED.unpack_from(head, 0)
-    data_start = (HEADER_SIZE + skel_len + tail_len + ALIGN - 1) & -ALIGN
-    if prefix != SEAL_PREFIX or zeros != key_field(secret) or data_start + data_len + SEAL_TAG_SIZE != size:
-        return None
-    rest = bytes(head[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE])  # the zeros, flags and lengths: shared by all
-    clear = rest[DIGEST_SIZE - NONCE_SIZE:]
-    if clear[0]:  # flags (a pickle): decode_sealed, which knows whether to unpickle
-        return None
-    into = raw_opener(secret)
-    if into is None:
-        return None
-    length = size - SEAL_TAG_SIZE
-    n = len(views)
+    n = len(values)
     run = getattr(values, "run", None)
-    if run is not None and len(run[3]) == n and not any(v.readonly for v in views):
-        return _open_in_place(views, keys, secret, run, length, rest, clear)
+    if run is not None and len(run[3]) == n and type(run[0]) is bytearray:
+        return _open_in_place(keys, secret, run, size)
+    views = [v if type(v) is memoryview and v.itemsize == 1 and v.ndim == 1 else memoryview(v).cast("B")
+             for v in values]
+    found = _batch_header(views[0], size, secret)
+    if found is None:
+        return None
+    rest, clear, into = found
+    length = size - SEAL_TAG_SIZE
     stride = (length + ALIGN - 1) & -ALIGN
     block = _BLOCKS.take(n * stride)  # no view of it left: samples that still hold theirs keep theirs
     bmv = memoryview(block)
     pack = _U64.pack
-
-    def into_block(lo: int, hi: int) -> int:
-        for i in range(lo, hi):
-            mv, key, at = views[i], keys[i], i * stride
+    try:
+        for at, mv, key in zip(range(0, n * stride, stride), views, keys, strict=True):
             if mv[:DIGEST_OFFSET] != SEAL_PREFIX or mv[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE] != rest:
-                return i - lo
+                return None
             bmv[at:at + HEADER_SIZE] = mv[:HEADER_SIZE]
-            try:
-                into(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE], mv[HEADER_SIZE:], pack(len(key)) + key + clear,
-                     bmv[at + HEADER_SIZE:at + length])
-            except Exception:  # a tag that does not match, say: entry by entry, which says which and why
-                return i - lo
-        return hi - lo
-
-    if any(done != hi - lo for lo, hi, done in in_spans(into_block, n, n * size)):
+            into(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE], mv[HEADER_SIZE:], pack(len(key)) + key + clear,
+                 bmv[at + HEADER_SIZE:at + length])
+    except Exception:  # a tag that does not match, say: entry by entry, which says which and why
         return None
     block[4:n * stride:stride] = bytes((OPENED,)) * n
     built = decode_opened_rows(block, stride, length, n)
-    bmv.release()  # (the span workers' closure still holds the view: released, the pool sees the block free)
+    del bmv
     _BLOCKS.give([block])
     return built
 
 
-def _open_in_place(views: list[memoryview], keys: list[bytes], secret: bytes, run: Any, length: int, rest: bytes,
-                   clear: bytes) -> list[Any] | None:
+def _batch_header(head: Any, size: int, secret: bytes) -> tuple[bytes, bytes, Any] | None:
+    """For a batch whose first entry is ``head`` (``size`` bytes): the header bytes after the nonce that every
+    entry must share, those after the digest field (flags, lengths: the associated data's end), and the
+    decrypting call; None where the batch is not one :func:`open_uniform` takes."""
+    prefix, _, zeros, skel_len, tail_len, data_len = _SEALED.unpack_from(head, 0)
+    data_start = (HEADER_SIZE + skel_len + tail_len + ALIGN - 1) & -ALIGN
+    if prefix != SEAL_PREFIX or zeros != key_field(secret) or data_start + data_len + SEAL_TAG_SIZE != size:
+        return None
+    rest = bytes(head[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE])  # the key id, zeros, flags and lengths
+    clear = rest[DIGEST_SIZE - NONCE_SIZE:]
+    if clear[0]:  # flags (a pickle): decode_sealed, which knows whether to unpickle
+        return None
+    into = raw_opener(secret)
+    return None if into is None else (rest, clear, into)
+
+
+def _open_in_place(keys: list[bytes], secret: bytes, run: Any, size: int) -> list[Any] | None:
     """:func:`open_uniform` for entries that lie evenly in one writable receive buffer (``run``, see
     :class:`~.resp.Replies`): each decrypted where it lies, so the batch is read without a copy, then decoded
-    there. Where one does not open, those already opened are sealed again as they were (GCM is deterministic
-    under a nonce) and None is returned, for :func:`decode_sealed` to say which and why."""
-    into, cipher = raw_opener(secret), seal_cipher(secret)
-    pack = _U64.pack
+    there. The bytes every entry must share are compared for the whole batch at once (numpy rows), and the
+    loop is one AES-GCM call per entry. Where one does not open, it and those already opened are put back as
+    they were received, and None is returned, for :func:`decode_sealed` to say which and why."""
+    import numpy as np
 
-    def in_place(lo: int, hi: int) -> int:
-        for i in range(lo, hi):
-            mv, key = views[i], keys[i]
-            if mv[:DIGEST_OFFSET] != SEAL_PREFIX or mv[DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE] != rest:
-                return i - lo
-            nonce, aad = mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE], pack(len(key)) + key + clear
-            try:
-                into(nonce, mv[HEADER_SIZE:], aad, mv[HEADER_SIZE:length])
-            except Exception:
-                # OpenSSL wrote the unauthenticated plaintext before it checked the tag: the keystream put back
-                # over it gives the ciphertext as received (the new tag goes to scratch, never into the entry).
-                scratch = bytearray(length - HEADER_SIZE + SEAL_TAG_SIZE)
-                cipher.encrypt_into(bytes(nonce), mv[HEADER_SIZE:length], aad, scratch)
-                mv[HEADER_SIZE:length] = memoryview(scratch)[:length - HEADER_SIZE]
-                return i - lo
-        return hi - lo
-
-    spans = in_spans(in_place, len(views), len(views) * length)
-    if any(done != hi - lo for lo, hi, done in spans):
-        for lo, _, done in spans:
-            for mv, key in zip(views[lo:lo + done], keys[lo:lo + done], strict=True):
-                cipher.encrypt_into(bytes(mv[DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE]), mv[HEADER_SIZE:length],
-                                    pack(len(key)) + key + clear, mv[HEADER_SIZE:])
-        return None
-    for mv in views:
-        mv[4] = OPENED
     buf, first, stride, order = run
-    built = decode_opened_rows(buf, stride, length, len(views), first)
-    out: list[Any] = [None] * len(views)
+    n = len(order)
+    if first + (n - 1) * stride + size > len(buf):
+        return None
+    flat = memoryview(buf)
+    found = _batch_header(flat[first:first + size], size, secret)
+    if found is None:
+        return None
+    rest, clear, into = found
+    rows = np.ndarray((n, size), np.uint8, buf, first, (stride, 1))
+    if (rows[:, :DIGEST_OFFSET].tobytes() != SEAL_PREFIX * n  # magic, version, kind, zeros
+            or rows[:, DIGEST_OFFSET + NONCE_SIZE:HEADER_SIZE].tobytes() != rest * n):  # key id, flags, lengths
+        return None
+    nonces = rows[:, DIGEST_OFFSET:DIGEST_OFFSET + NONCE_SIZE].tobytes()
+    aads = [_aad_head(len(k)) + k + clear for k in map(keys.__getitem__, order)]  # row r: key order[r]
+    start, ct, pt = first + HEADER_SIZE, size - HEADER_SIZE, size - HEADER_SIZE - SEAL_TAG_SIZE
+    done = 0
+    try:
+        for at, nb, aad in zip(range(start, start + n * stride, stride), range(0, n * NONCE_SIZE, NONCE_SIZE), aads,
+                               strict=True):
+            into(nonces[nb:nb + NONCE_SIZE], flat[at:at + ct], aad, flat[at:at + pt])
+            done += 1
+    except Exception:
+        _put_back(seal_cipher(secret), flat, start, stride, nonces, aads, done, pt)
+        return None
+    rows[:, 4] = OPENED
+    built = decode_opened_rows(buf, stride, size - SEAL_TAG_SIZE, n, first)
+    out: list[Any] = [None] * n
     if built is None:  # not a batch numpy takes: grouped by decoder and built by column, where they lie
-        _columns(memoryview(buf), [(j, first + r * stride, length) for r, j in enumerate(order)], False, out)
+        _columns(flat, [(j, first + r * stride, size - SEAL_TAG_SIZE) for r, j in enumerate(order)], False, out)
         return out
     for j, sample in zip(order, built, strict=True):
         out[j] = sample
     return out
+
+
+def _put_back(cipher: Any, flat: memoryview, start: int, stride: int, nonces: bytes, aads: list[bytes], done: int,
+              pt: int) -> None:
+    """Seal again, as received, the ``done`` rows opened in place and row ``done``, which did not open: OpenSSL
+    wrote its unauthenticated plaintext before it checked the tag, and the keystream put back over it gives the
+    ciphertext as received. GCM is deterministic under a nonce, so the opened rows get their tags back; the
+    failed row's new tag goes to scratch, never into the entry (its own stays as received)."""
+    scratch = bytearray(pt + SEAL_TAG_SIZE)
+    for r in range(min(done + 1, len(aads))):
+        at, nonce = start + r * stride, nonces[r * NONCE_SIZE:(r + 1) * NONCE_SIZE]
+        if r < done:
+            cipher.encrypt_into(nonce, flat[at:at + pt], aads[r], flat[at:at + pt + SEAL_TAG_SIZE])
+        else:
+            cipher.encrypt_into(nonce, flat[at:at + pt], aads[r], scratch)
+            flat[at:at + pt] = memoryview(scratch)[:pt]
 
 
 def _columns(bmv: memoryview, opened: list[tuple[int, int, int]], allow_pickle: bool, out: list[Any]) -> None:
