@@ -1,4 +1,4 @@
-"""Worker for tests/strategy/test_autotune.py: ``BaguaStrategy(autotune=True)`` in real Lightning fits.
+"""Worker for tests/strategy/test_autotune_lightning.py: ``BaguaStrategy(autotune=True)`` in real Lightning fits.
 
 Started with torchrun's environment variables, 2 ranks. Three fits in one process:
 ``reference`` (no autotune), ``tuned`` (autotune against ``--address``, with validation
