@@ -265,8 +265,8 @@ def jit_decompress(packed: torch.Tensor, out: torch.Tensor) -> Callable[[], Any]
             words, out, n, stride, BLOCK=block, PACK=4, num_warps=warps, enable_fp_fusion=False)
     block = t.decompress_block
     return lambda: kernels._k()._decompress_kernel[(-(-n // block), rows)](
-        words, out, n, block // 4, 1, stride, BLOCK=block, PACK=4, FMA_DECODE=t.fma_decode,
-        num_warps=t.decompress_warps, enable_fp_fusion=False)
+        words, out, n, block // 4, 1, stride, BLOCK=block, PACK=4, num_warps=t.decompress_warps,
+        enable_fp_fusion=False)
 
 
 COMPRESS_FIELDS = ("block", "warps", "per_sm", "reverse", "stream")

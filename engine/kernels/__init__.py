@@ -60,8 +60,6 @@ class Tuning(NamedTuple):
     decompress_block: int = 2048
     decompress_warps: int = 4
     decompress_per_sm: int = 0
-    #: decompression divides by a correctly rounded reciprocal and two fused multiply-adds (where exact)
-    fma_decode: bool = False
 
 
 #: The tuning every launcher uses (part of every layout key: assigning another one takes effect at once).
@@ -270,7 +268,7 @@ class _Decompress(_Runner):
         p = _decompress_plan_for(out.device, n, rows, block)
         row_stride, pack = _packed_layout(packed, n)
         self.kernel = Launch(_k()._decompress_kernel, (p.span_programs, rows), p.options, _words(0, pack))
-        self.args = (n, p.span // pack, p.iters, row_stride, p.block, pack, TUNING.fma_decode)
+        self.args = (n, p.span // pack, p.iters, row_stride, p.block, pack)
 
     def run(self, packed: torch.Tensor, out: torch.Tensor) -> None:
         self.kernel(packed, out, *self.args)

@@ -136,29 +136,6 @@ def _decoded(q, scale, lower):
 
 
 @triton.jit
-def _fma_decode_safe(scale, lower):
-    """True when :func:`_decoded_fma` equals :func:`_decoded` for every level: no over- or underflow.
-
-    ``scale`` normal and well inside float32's range, and every decoded value below 2**100.
-    """
-    top = tl.maximum(tl.abs(lower), tl.abs(lower + 255.0))
-    return (scale >= 7.888609052210118e-31) & (scale <= 1.2676506002282294e30) & (top <= 1e30 * scale)
-
-
-@triton.jit
-def _decoded_fma(q, scale, inv, lower):
-    """``(q + lower) / scale`` correctly rounded, from ``inv = div_rn(1, scale)`` and two fused multiply-adds.
-
-    Markstein's theorem: with ``inv`` within half an ulp of ``1 / scale`` and ``y`` within one ulp of
-    the quotient, the residual ``x - y * scale`` is exact in one fma, and ``y + residual * inv``
-    rounded once is the correctly rounded quotient (no over- or underflow: :func:`_fma_decode_safe`).
-    """
-    x = q.to(tl.float32) + lower
-    y = x * inv
-    return tl.fma(tl.fma(-y, scale, x), inv, y)
-
-
-@triton.jit
 def _to_dtype(v, dtype: tl.constexpr):
     """float32 ``v`` rounded to nearest even in ``dtype``, as torch's ``copy_`` rounds.
 
@@ -276,31 +253,21 @@ def _quantise_kernel(
 
 @triton.jit
 def _decompress_kernel(packed_ptr, out_ptr, n, span_units, iters, row_stride, BLOCK: tl.constexpr,
-                       PACK: tl.constexpr, FMA_DECODE: tl.constexpr):
+                       PACK: tl.constexpr):
     """Values of program ``p``'s span of chunk ``program_id(1)``, in ``out``'s dtype.
 
     Program ``p`` writes elements ``[p * span_units * PACK, ...)`` up to the next program's, in
     ``iters`` blocks of ``BLOCK``; the chunk's header and level parameters are read once.
-    ``FMA_DECODE``: the division by two fused multiply-adds where that is exact (:func:`_decoded_fma`).
     """
     p = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     row = c * row_stride
     lo, hi = _load_header(packed_ptr, row, PACK)
     scale, lower = _level_parameters(lo, hi)
-    inv = tl.math.div_rn(1.0, scale)
-    fast = _fma_decode_safe(scale, lower)
     end = tl.minimum((p + 1) * span_units * PACK, n)
     for i in range(iters):
         idx, units = _tile_at(p * span_units + i * (BLOCK // PACK), BLOCK, PACK)
-        q = _load_levels(packed_ptr, row, units, end, PACK)
-        if FMA_DECODE:
-            if fast:  # noqa: SIM108  (a run-time branch: Triton compiles an if statement, not every ternary)
-                v = _decoded_fma(q, scale, inv, lower)
-            else:
-                v = _decoded(q, scale, lower)
-        else:
-            v = _decoded(q, scale, lower)
+        v = _decoded(_load_levels(packed_ptr, row, units, end, PACK), scale, lower)
         tl.store(out_ptr + c * n + idx, _to_dtype(v, out_ptr.dtype.element_ty), mask=idx < end)
 
 
