@@ -22,7 +22,9 @@ Timing: ``benchmarks/interleaved.py`` (one step of every variant per round, shuf
 speed = median(baseline) / median(variant) with a 95 % bootstrap interval, against DDP and against the
 hook of the same kind. The link limit of a variant is the bytes each rank sends per step (ring allreduce:
 2(n-1)/n of the buffer; bytegrad's reduce-scatter + all-gather of uint8 chunks alike) at the link rate;
-``limit / step`` is how close the variant runs to it (1.0: the wire alone sets its pace).
+``limit / step`` is how close the variant runs to it (1.0: the wire alone sets its pace). ``local`` is the same
+step with no communication (one rank's own model): a variant's floor is ``max(limit, local)``, the wire and the
+compute perfectly overlapped, and ``floor / step`` is how close it comes to that.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ from bagua_lightning.engine.comm import CommContext
 from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
 
 VARIANTS = ("ddp", "ddp+powersgd_hook", "ddp+bf16_hook", "gradient_allreduce", "bytegrad", "half_allreduce",
-            "powersgd", "auto")
+            "powersgd", "auto", "local")
+LOCAL = "local"  # the same step with no communication: the compute floor
 AUTO_CANDIDATES = ["gradient_allreduce", "bytegrad", "half_allreduce", "powersgd"]
 START_ITER = 10
 RATES = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}  # tc's suffixes, bits per second
@@ -111,21 +114,24 @@ class Runner:
                  batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.variant, self.batches, self.i = variant, batches, 0
         model = make_model(args)
+        self.model: nn.Module
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         self.auto: AutoAlgorithm | None = None
-        if variant.startswith("ddp"):
+        if variant == LOCAL:
+            self.model = model
+        elif variant.startswith("ddp"):
             # torch's powerSGD_hook issues a bucket's second and third allreduces from the callbacks of its first
             # (Gloo's threads) while autograd issues the next bucket's: with two buckets the ranks met them in
             # different orders here (Gloo: "Received data size doesn't match"), so the hook gets one bucket.
             cap = 1024.0 if variant == "ddp+powersgd_hook" else args.bucket_mb
-            self.model: nn.Module = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+            self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
             if "+" in variant:
                 self.model.register_comm_hook(*torch_hook(variant.partition("+")[2], args.rank))
         else:
             algo: Any
             if variant == "auto":
                 algo = self.auto = AutoAlgorithm(candidates=AUTO_CANDIDATES, warmup_steps=args.auto_warmup,
-                                                 trial_steps=args.auto_trials)
+                                                 trial_steps=args.auto_trials, max_runoffs=args.auto_max_runoffs)
             elif variant == "powersgd":
                 algo = get_algorithm_class(variant).from_kwargs(matrix_approximation_rank=args.rank,
                                                                 start_powerSGD_iter=START_ITER)
@@ -170,7 +176,7 @@ def worker(args: argparse.Namespace) -> None:
     if comm.rank == 0:
         rate = bits_per_second(args.rate)
         limits = {v: wire_bytes(v, model, comm.world_size, args.rank) * 8 / rate * 1000 for v in times
-                  if v != "auto"}
+                  if v not in ("auto", LOCAL)}
         if chosen is not None and chosen.chosen is not None and "auto" in times:
             limits["auto"] = limits.get(chosen.chosen, wire_bytes(chosen.chosen, model, comm.world_size, args.rank)
                                         * 8 / rate * 1000)
@@ -182,10 +188,14 @@ def worker(args: argparse.Namespace) -> None:
         if "ddp+bf16_hook" in times:
             baselines["bf16_hook"] = "ddp+bf16_hook"
         against = {key: {s.variant: s for s in speeds(times, base)} for key, base in baselines.items()}
+        compute = statistics.median(times[LOCAL]) if LOCAL in times else 0.0
         for v in times:
-            entry: dict[str, Any] = {"median_ms": statistics.median(times[v]), "step_ms": times[v],
-                                     "limit_ms": limits.get(v), "limit_ratio": (limits[v] / statistics.median(times[v])
-                                                                                if v in limits else None)}
+            median = statistics.median(times[v])
+            entry: dict[str, Any] = {"median_ms": median, "step_ms": times[v], "limit_ms": limits.get(v),
+                                     "limit_ratio": limits[v] / median if v in limits else None,
+                                     # the wire and the compute perfectly overlapped: the best a step can be
+                                     "floor_ms": max(limits[v], compute) if v in limits else None,
+                                     "floor_ratio": max(limits[v], compute) / median if v in limits else None}
             for key, table in against.items():
                 s = table[v]
                 entry[f"vs_{key}"] = {"ratio": s.ratio, "ci95": [s.low, s.high]}
@@ -200,11 +210,13 @@ def report(result: dict[str, Any]) -> None:
     print(f"link {result['rate']}, MLP of {result['params'] / 1e6:.1f}M parameters, {result['rounds']} interleaved "
           "steps per variant, slowest rank's step; ratio = median(baseline) / median(variant) [95 % interval]")
     keys = [k for k in ("ddp", "powersgd_hook", "bf16_hook") if f"vs_{k}" in next(iter(result["variants"].values()))]
-    print(f"{'variant':<20}{'step ms':>9}" + "".join(f"{'vs ' + k:>26}" for k in keys) + f"{'limit ms':>10}{'limit/step':>11}")
+    print(f"{'variant':<20}{'step ms':>9}" + "".join(f"{'vs ' + k:>26}" for k in keys)
+          + f"{'limit ms':>10}{'limit/step':>11}{'floor/step':>11}")
     for v, e in result["variants"].items():
         cols = "".join(f"{e[f'vs_{k}']['ratio']:>8.2f}x [{e[f'vs_{k}']['ci95'][0]:.2f}, {e[f'vs_{k}']['ci95'][1]:.2f}]"
                        .rjust(26) for k in keys)
-        limit = f"{e['limit_ms']:>10.1f}{e['limit_ratio']:>11.2f}" if e["limit_ms"] is not None else ""
+        limit = (f"{e['limit_ms']:>10.1f}{e['limit_ratio']:>11.2f}{e['floor_ratio']:>11.2f}"
+                 if e["limit_ms"] is not None else "")
         print(f"{v:<20}{e['median_ms']:>9.1f}{cols}{limit}")
     if result.get("auto"):
         print(result["auto"])
@@ -222,6 +234,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=30, help="timed steps per variant (one per round)")
     p.add_argument("--auto-warmup", type=int, default=1, help="auto: untimed steps after each switch")
     p.add_argument("--auto-trials", type=int, default=4, help="auto: timed steps per candidate")
+    p.add_argument("--auto-max-runoffs", type=int, default=1, help="auto: at most this many runoffs")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-round shuffle (same on every rank)")
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
     p.add_argument("--json", help="also write the result here")
