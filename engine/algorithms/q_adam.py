@@ -264,7 +264,8 @@ class QAdamAlgorithm(Algorithm):
         )
         self._optimizer = opt
         opt.momentum_is_external = True
-        self._repoint_all()
+        if self.flatten:  # flatten=False (do_flatten=False): exp_avg stays where the optimizer keeps it
+            self._repoint_all()
 
     def _repoint_all(self) -> None:
         assert self._momentum_engine is not None and self._optimizer is not None
@@ -296,6 +297,11 @@ class QAdamAlgorithm(Algorithm):
         buffers = self._exchange_buffers.setdefault(bucket.index, ExchangeBuffers())  # reused every step
         compressed_all_reduce_(bucket.flat, comm, average=True, hierarchical=engine.plan.is_hierarchical_reduce,
                                buffers=buffers)
+        if not self.flatten and self._optimizer is not None:  # the exchanged momentum back where it lives
+            state = self._optimizer.state
+            with torch.no_grad():
+                for p, view in zip(bucket.params, bucket.views, strict=True):
+                    state[p]["exp_avg"].copy_(view)
         yield from ()
 
     # ------------------------------------------------------------------ hooks
@@ -329,15 +335,21 @@ class QAdamAlgorithm(Algorithm):
         engine, opt = self._momentum_engine, self._optimizer
         assert engine is not None and opt is not None
         view = engine.view(param)
-        self._repoint(param, view)
+        if self.flatten:
+            self._repoint(param, view)
+            momentum = view
+        else:  # the user's layout stays (a fused optimizer steps it): the bucket exchanges a copy
+            momentum = opt.state[param]["exp_avg"]
         group = opt.group_of(param) if len(opt.param_groups) > 1 else opt.param_groups[0]
         beta1 = group["betas"][0]
         grad = param.grad
-        if grad is not None:
-            with torch.no_grad():
+        with torch.no_grad():
+            if grad is not None:
                 if group["weight_decay"] != 0:
                     grad = grad.add(param, alpha=group["weight_decay"])
-                view.mul_(beta1).add_(grad, alpha=1 - beta1)
+                momentum.mul_(beta1).add_(grad, alpha=1 - beta1)
+            if momentum is not view:
+                view.copy_(momentum)
         engine.mark_ready(param)
 
     def on_backward_end(self, step: int) -> None:

@@ -267,3 +267,40 @@ def test_fused_qadam_steps_exactly_as_the_unfused_one() -> None:
         for a, b in zip(plain[rank], fused[rank], strict=True):
             assert torch.equal(a, b), (rank, a, b)
     assert all(torch.equal(a, b) for a, b in zip(fused[0], fused[1], strict=True))  # replicas agree
+
+
+def _bagua_qadam_run(fused: bool) -> tuple[list[torch.Tensor], int]:
+    """Bagua's test_qadam on one rank: SGD's two param groups (weights with decay, biases without) handed to a
+    QAdamOptimizer (warm-up 1), wrapped flat (plain) or with ``do_flatten=False`` then fused with
+    ``do_flatten=True`` and stepped fused on even epochs; 101 epochs."""
+    from bagua_lightning.engine.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+    from bagua_lightning.engine.comm import CommContext
+    from bagua_lightning.engine.ddp import BaguaDistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1), torch.nn.Sigmoid())
+    groups = [{"params": [p for n, p in model.named_parameters() if "bias" not in n], "weight_decay": 0.1},
+              {"params": [p for n, p in model.named_parameters() if "bias" in n], "weight_decay": 0.0}]
+    opt: Any = QAdamOptimizer(optim.SGD(groups, lr=0.01).param_groups, warmup_steps=1)
+    comm = CommContext(rank=0, world_size=1, local_rank=0, local_size=1)
+    wrapped = BaguaDistributedDataParallel(model, QAdamAlgorithm(hierarchical=False), comm, flatten=not fused,
+                                           optimizers=[opt])
+    if fused:
+        opt = fuse_optimizer(opt, do_flatten=True)
+    x = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]).reshape(3, 2)
+    for epoch in range(101):
+        opt.zero_grad()
+        wrapped(x).sum().backward()
+        opt.fuse_step() if fused and epoch % 2 == 0 else opt.step()
+    wrapped.driver.teardown()
+    return [p.detach().clone() for p in model.parameters()], getattr(opt, "_bagua_fused_count", 0)
+
+
+def test_fused_qadam_with_a_layout_of_its_own_equals_the_unfused_one() -> None:
+    """Bagua's test_qadam: with ``do_flatten=False`` qadam leaves the first moment where the optimizer keeps it,
+    so ``fuse_optimizer(do_flatten=True)`` lays weights and both moments out alike and every fused step fuses
+    both groups (51 fused steps x 2 groups)."""
+    plain, _ = _bagua_qadam_run(fused=False)
+    fused, count = _bagua_qadam_run(fused=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused, strict=True))
+    assert count == 102
