@@ -124,6 +124,23 @@ def test_internal_links_and_anchors_resolve(site: Path) -> None:
     assert not broken, "broken internal links:\n" + "\n".join(broken)
 
 
+def test_the_readmes_links_resolve(site: Path) -> None:
+    """README.md links into docs/ as GitHub shows it; each target exists, and each anchor is on the built page."""
+    broken = []
+    for href in re.findall(r"\]\(([^)\s]+)\)", (ROOT / "README.md").read_text(encoding="utf-8")):
+        parts = urlsplit(href)
+        if parts.scheme or parts.netloc:
+            continue
+        target = ROOT / unquote(parts.path) if parts.path else ROOT / "README.md"
+        if not target.exists():
+            broken.append(f"{href} (no such file)")
+        elif parts.fragment:
+            built = site / target.relative_to(DOCS).with_suffix(".html") if target.is_relative_to(DOCS) else None
+            if built is None or unquote(parts.fragment) not in _pages_ids(built):
+                broken.append(f"{href} (no anchor {parts.fragment!r})")
+    assert not broken, "broken links in README.md:\n" + "\n".join(broken)
+
+
 def _pages_ids(path: Path) -> set[str]:
     page = _Page()
     page.feed(path.read_text(encoding="utf-8"))
