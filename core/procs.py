@@ -83,9 +83,15 @@ def record(pid: int, deployment: str) -> ProcessRecord:
     return ProcessRecord(pid=pid, create_time=psutil.Process(pid).create_time(), deployment=deployment)
 
 
+# The secrets' variables (core.services_file's ENV_REDIS_PASSWORD & co., and their *_FILE forms): never
+# handed down to a process a deployment starts, which gets what it needs as a file's path or on stdin.
+SECRET_ENV = ("BAGUA_LIGHTNING_REDIS_PASSWORD", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN", "BAGUA_LIGHTNING_CACHE_KEY")
+
+
 def child_env(deployment: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment plus the deployment id (and ``extra``), for a process we start."""
-    env = dict(os.environ)
+    """This process's environment without the secrets' variables, plus the deployment id (and ``extra``), for a
+    process we start."""
+    env = {k: v for k, v in os.environ.items() if k.removesuffix("_FILE") not in SECRET_ENV}
     env.update(extra or {})
     env[ENV_DEPLOYMENT] = deployment
     return env

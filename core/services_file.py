@@ -76,6 +76,7 @@ ENV_REDIS_PASSWORD = "BAGUA_LIGHTNING_REDIS_PASSWORD"
 ENV_AUTOTUNE_TOKEN = "BAGUA_LIGHTNING_AUTOTUNE_TOKEN"
 ENV_CACHE_KEY = "BAGUA_LIGHTNING_CACHE_KEY"
 SECRET_NAMES = ("redis_password", "autotune_token", "cache_key")
+FILE_SUFFIX = "_FILE"  # $BAGUA_LIGHTNING_REDIS_PASSWORD_FILE & co.: the secret's file instead of its value
 PREVIOUS_SUFFIX = ".previous"  # beside a secret's file while its rotation's grace period runs (the old value)
 
 
@@ -300,6 +301,21 @@ def _addresses(hosts: Iterable[Any]) -> set[tuple[str, int]]:
     return {_address_key(*parse_server(item, "Redis host")) for item in hosts}
 
 
+def env_secret(name: str) -> str | None:
+    """The secret the user gives through the environment: ``$NAME``, else the content of the file
+    ``$NAME_FILE`` names (the convention of Docker and Kubernetes secrets: a file, 0600 or a tmpfs mount,
+    not the environment that ``/proc/PID/environ`` shows); None when neither is set.
+
+    Raises:
+        ConfigurationError: the file cannot be read, is empty, or others could read or write it.
+    """
+    value = os.environ.get(name)
+    if value:
+        return value
+    path = os.environ.get(name + FILE_SUFFIX)
+    return read_secret(path) if path else None
+
+
 def _recorded_secret(name: str, info: ServicesInfo | None) -> str | None:
     path = info.secrets.get(name) if info is not None else None
     return read_secret(path) if path else None
@@ -337,8 +353,9 @@ def resolve_redis_password(hosts: Iterable[Any]) -> str | None:
         hosts: the nodes the password would be sent to: ``{"host", "port"}`` dicts, ``(host, port)`` pairs or
             ``"host:port"`` strings.
     """
-    if os.environ.get(ENV_REDIS_PASSWORD):
-        return os.environ[ENV_REDIS_PASSWORD]
+    explicit = env_secret(ENV_REDIS_PASSWORD)
+    if explicit:
+        return explicit
     info = read_services_file()
     return _recorded_secret("redis_password", info) if is_recorded_redis(hosts, info) else None
 
@@ -349,8 +366,9 @@ def resolve_autotune_token(address: str) -> str | None:
     ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN`` when set, else the token file the services file names when
     ``address`` is the autotune service the same file records, else None.
     """
-    if os.environ.get(ENV_AUTOTUNE_TOKEN):
-        return os.environ[ENV_AUTOTUNE_TOKEN]
+    explicit = env_secret(ENV_AUTOTUNE_TOKEN)
+    if explicit:
+        return explicit
     info = read_services_file()
     return _recorded_secret("autotune_token", info) if is_recorded_autotune(address, info) else None
 
@@ -362,7 +380,7 @@ def resolve_cache_key(hosts: Iterable[Any] | None = None) -> bytes | None:
     The key never leaves the process (entries carry a MAC, not the key). The recorded key belongs to the
     recorded Redis: with ``hosts`` (or ``$BAGUA_LIGHTNING_REDIS_HOSTS``) naming other servers it is not used.
     """
-    key = os.environ.get(ENV_CACHE_KEY)
+    key = env_secret(ENV_CACHE_KEY)
     if not key:
         info = read_services_file()
         if hosts is None and os.environ.get(ENV_REDIS_HOSTS):
@@ -380,7 +398,7 @@ def resolve_cache_keys(hosts: Iterable[Any] | None = None) -> list[bytes]:
     if current is None:
         return []
     keys = [current]
-    if not os.environ.get(ENV_CACHE_KEY):
+    if not env_secret(ENV_CACHE_KEY):
         info = read_services_file()
         path = info.secrets.get("cache_key") if info is not None else None
         previous = Path(path + PREVIOUS_SUFFIX) if path else None

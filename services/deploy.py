@@ -244,7 +244,7 @@ def _start(cfg: UpConfig, folder: Path, report: Report) -> ServicesInfo:
         cluster = redis_cluster.start_cluster(spec)
         tls = client_tls(tls_dir) if cfg.bus_tls else None
         proc = start_autotune(cfg, redis_state_url(cfg.client_host, cfg.first_redis_port), folder, deployment,
-                              secrets, tls_dir if tls is not None else None)
+                              secret_files, tls_dir if tls is not None else None)
         autotune = procs.record(proc.pid, deployment)
         wait_healthy(lambda: check_autotune(cfg.autotune_address, token=secrets.get("autotune_token"),
                                             tls_ca=Path(tls.ca) if tls else None),

@@ -37,7 +37,8 @@ SECRETS = {"redis_password": ("redis-password", ENV_REDIS_PASSWORD),
 
 
 def autotune_service_args(*, host: str, port: int, state: str, log_dir: str, mirror: str | None = None,
-                          tls_cert: str | None = None, tls_key: str | None = None) -> list[str]:
+                          tls_cert: str | None = None, tls_key: str | None = None,
+                          token_file: str | None = None) -> list[str]:
     """The autotune service's arguments after the program name (``bagua-lightning``).
 
     The single source of truth for how the service is run: ``up`` prefixes it with
@@ -52,11 +53,14 @@ def autotune_service_args(*, host: str, port: int, state: str, log_dir: str, mir
         mirror: a second ``--state`` (a directory) that every plan is also written to; None: ``state`` only.
         tls_cert: PEM certificate of the service (with ``tls_key``): it listens with TLS only; None: plaintext.
         tls_key: PEM private key of ``tls_cert``.
+        token_file: the file holding the bearer token every call must carry (a path: the token itself is
+            never on a command line or in an environment); None: none (or ``$BAGUA_LIGHTNING_AUTOTUNE_TOKEN``).
     """
     host = check_host(host)
     tls = ["--tls-cert", tls_cert, "--tls-key", tls_key] if tls_cert and tls_key else []
     states = ["--state", state, *(["--state", mirror] if mirror else [])]
-    return ["autotune", "serve", "--host", host, "--port", str(port), *states, "--log-dir", log_dir, *tls]
+    token = ["--token-file", token_file] if token_file else []
+    return ["autotune", "serve", "--host", host, "--port", str(port), *states, "--log-dir", log_dir, *token, *tls]
 
 
 def redis_state_url(host: str, port: int) -> str:

@@ -263,7 +263,7 @@ def _recover_autotune(info: ServicesInfo, cfg: UpConfig, secrets: dict[str, str]
     require_free(cfg.host, [("--autotune-port", port)])
     with claim_ports([port]):
         proc = start_autotune(cfg, redis_state_url(cfg.client_host, cfg.first_redis_port), root, info.deployment,
-                              secrets, tls_dir)
+                              info.secrets, tls_dir)
         try:
             wait_healthy(lambda: check_autotune(address, token=token, tls_ca=ca), deadline, f"the autotune service on {address}",
                          proc, root / AUTOTUNE_LOG)

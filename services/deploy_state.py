@@ -13,13 +13,19 @@ from pathlib import Path
 from ..core import procs
 from ..core.errors import ConfigurationError
 from ..core.file_trust import check_trusted
-from ..core.services_file import PREVIOUS_SUFFIX, ServicesInfo, read_services_file, services_file_path
+from ..core.services_file import (
+    ENV_REDIS_PASSWORD,
+    FILE_SUFFIX,
+    PREVIOUS_SUFFIX,
+    ServicesInfo,
+    read_services_file,
+    services_file_path,
+)
 from ..core.tls_trust import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, TLS_ENV
 from .deploy_config import (
     AUTOTUNE_LOG,
     AUTOTUNE_PLANS,
     AUTOTUNE_SAMPLES,
-    SECRETS,
     UpConfig,
     autotune_service_args,
 )
@@ -28,10 +34,12 @@ from .redis_tls import client_tls, service_certificate
 
 
 def start_autotune(cfg: UpConfig, state: str, folder: Path, deployment: str,
-                   secrets: dict[str, str], tls_dir: Path | None = None) -> subprocess.Popen[bytes]:
+                   secret_files: dict[str, str], tls_dir: Path | None = None) -> subprocess.Popen[bytes]:
     """Start the autotune service detached (own session, stdin closed), logging to ``folder/autotune.log``.
 
-    Its token and the Redis password reach it through its environment (readable only by the same user).
+    Its token and the Redis password reach it as the paths of their 0600 files (``--token-file``,
+    ``$BAGUA_LIGHTNING_REDIS_PASSWORD_FILE``), never as values in its environment or on its command line,
+    where ``/proc/PID/environ`` and ``ps`` would show them.
     With the certificates of ``tls_dir`` it listens with TLS only and reaches Redis over TLS (their paths in
     ``$BAGUA_LIGHTNING_TLS_*``). Plans are kept in ``state`` and mirrored in ``folder/autotune-plans``, so
     they survive the restart of any one Redis node or of the service.
@@ -42,17 +50,16 @@ def start_autotune(cfg: UpConfig, state: str, folder: Path, deployment: str,
             *autotune_service_args(host=cfg.host, port=int(cfg.autotune_port or 0), state=state,
                                    log_dir=str(folder / AUTOTUNE_SAMPLES), mirror=str(folder / AUTOTUNE_PLANS),
                                    tls_cert=str(served[0]) if served else None,
-                                   tls_key=str(served[1]) if served else None)]
+                                   tls_key=str(served[1]) if served else None,
+                                   token_file=secret_files.get("autotune_token"))]
     env = procs.child_env(deployment)
     for name in TLS_ENV:
         env.pop(name, None)
     tls = client_tls(tls_dir) if tls_dir is not None else None
     if tls is not None:
         env.update({ENV_TLS_CA: tls.ca, ENV_TLS_CERT: tls.cert or "", ENV_TLS_KEY: tls.key or ""})
-    for name in ("redis_password", "autotune_token"):
-        env.pop(SECRETS[name][1], None)
-        if name in secrets:
-            env[SECRETS[name][1]] = secrets[name]
+    if "redis_password" in secret_files:
+        env[ENV_REDIS_PASSWORD + FILE_SUFFIX] = secret_files["redis_password"]
     with open(folder / AUTOTUNE_LOG, "ab") as log_file:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                 env=env, cwd=folder, start_new_session=True, close_fds=True)

@@ -186,7 +186,7 @@ def _restart_autotune(info: ServicesInfo, report: Report) -> None:
     cfg = UpConfig(host=host, autotune_port=port, announce_ip=None if host not in ("0.0.0.0", "::")
                    else parse_address(str(info.autotune), "'autotune'")[0])
     tls_dir = Path(info.tls.ca).parent if info.tls else None
-    proc = start_autotune(cfg, state, root, info.deployment, secrets, tls_dir)
+    proc = start_autotune(cfg, state, root, info.deployment, info.secrets, tls_dir)
     try:
         wait_healthy(lambda: check_autotune(str(info.autotune), token=secrets.get("autotune_token"),
                                             tls_ca=Path(info.tls.ca) if info.tls else None),

@@ -20,7 +20,7 @@ from typing import Any
 
 from ...core.args import bind_port_arg
 from ...core.errors import ConfigurationError
-from ...core.services_file import ENV_AUTOTUNE_TOKEN
+from ...core.services_file import ENV_AUTOTUNE_TOKEN, env_secret
 from ...proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, TensorDeclaration
 from .config import TUNERS, ServiceConfig
 from .server import DEFAULT_PORT, SERVER_KINDS, TlsFiles, read_token_file, serve
@@ -167,7 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
     else:
-        token = os.environ.get(ENV_AUTOTUNE_TOKEN, "").strip() or None
+        token = (env_secret(ENV_AUTOTUNE_TOKEN) or "").strip() or None  # $..._TOKEN, else $..._TOKEN_FILE's
     return serve(_config(args), host=args.host, port=args.port, state=args.state, log_dir=args.log_dir, tls=tls,
                  max_workers=args.max_workers, token=token, metrics_port=args.metrics_port,
                  metrics_host=args.metrics_host, kind=args.server)

@@ -192,8 +192,11 @@ class RedisPlanStore:
     def __init__(self, url: str, *, timeout_s: float = 1.0) -> None:
         self.url = url
         self._options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-        # A password is never put in a URL that lands in logs or process lists: take it from the env.
-        password = os.environ.get("BAGUA_LIGHTNING_REDIS_PASSWORD")
+        # A password is never put in a URL that lands in logs or process lists: take it from the
+        # environment, or from the file $BAGUA_LIGHTNING_REDIS_PASSWORD_FILE names (what `up` gives).
+        from ...core.services_file import ENV_REDIS_PASSWORD, env_secret
+
+        password = env_secret(ENV_REDIS_PASSWORD)
         if password and "@" not in url:
             self._options["password"] = password
         # The deployment's CA and client certificate ($BAGUA_LIGHTNING_TLS_*): the server proves itself before

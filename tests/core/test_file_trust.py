@@ -191,3 +191,19 @@ def test_a_recorded_ca_others_can_write_is_refused(tmp_path: Path, monkeypatch: 
     os.chmod(ca, 0o644)
     assert read_services_file() is not None
     check_trusted(tmp_path / "absent", "file")  # a missing file is whoever opens it's to report
+
+
+def test_secrets_given_as_files_are_read_and_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # $NAME_FILE: the convention of Docker and Kubernetes secrets, so no value sits in /proc/PID/environ.
+    from bagua_lightning.core.services_file import resolve_autotune_token, resolve_cache_key
+
+    for name in ("BAGUA_LIGHTNING_REDIS_PASSWORD", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN", "BAGUA_LIGHTNING_CACHE_KEY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name + "_FILE", str(procs.write_private(tmp_path / name, f"{name}-value\n")))
+    monkeypatch.setenv(ENV_FILE, str(tmp_path / "none.json"))
+    assert resolve_redis_password(["10.0.0.1:7000"]) == "BAGUA_LIGHTNING_REDIS_PASSWORD-value"
+    assert resolve_autotune_token("10.0.0.1:29600") == "BAGUA_LIGHTNING_AUTOTUNE_TOKEN-value"
+    assert resolve_cache_key() == b"BAGUA_LIGHTNING_CACHE_KEY-value"
+    os.chmod(tmp_path / "BAGUA_LIGHTNING_REDIS_PASSWORD", 0o644)
+    with pytest.raises(UntrustedFileError, match="0644"):
+        resolve_redis_password(["10.0.0.1:7000"])

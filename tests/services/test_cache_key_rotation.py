@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from bagua_lightning.client.cache.catalog import entry_prefix
 from bagua_lightning.client.cache.keyring import key_id, named_key_id
-from bagua_lightning.client.cache.keys import entry_prefix
 from bagua_lightning.client.cache.store import RedisStore
 from bagua_lightning.core import procs
 from bagua_lightning.core.read_plane import SEALED_KEY_PREFIX

@@ -221,7 +221,7 @@ def _pids_with(fragment: bytes) -> list[int]:
 # ----------------------------------------------------------------------------------------------- secrets
 
 
-def test_up_makes_secrets_hands_them_over_by_file_and_environment_only(state: Path,
+def test_up_makes_secrets_hands_them_over_by_file_only(state: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     import psutil
     import redis
@@ -237,15 +237,17 @@ def test_up_makes_secrets_hands_them_over_by_file_and_environment_only(state: Pa
         assert oct(Path(path).stat().st_mode & 0o777) == "0o600"
         assert oct(Path(path).parent.stat().st_mode & 0o777) == "0o700"
     assert not any(v in Path(os.environ[ENV_FILE]).read_text() for v in secrets.values())
-    # Never on a command line, never in redis.conf; the autotune service has its token in its environment.
+    # Never on a command line, never in an environment, never in redis.conf: the autotune service gets the
+    # paths of its token's and the password's files.
     for records in info.processes.values():
         for rec in records:
-            cmdline = " ".join(psutil.Process(rec.pid).cmdline())
-            assert not any(v in cmdline for v in secrets.values()), cmdline
+            shown = " ".join([*psutil.Process(rec.pid).cmdline(), *psutil.Process(rec.pid).environ().values()])
+            assert not any(v in shown for v in secrets.values()), shown
     conf = next((state / "bagua-lightning" / "redis").rglob("redis.conf")).read_text()
     assert secrets["redis_password"] not in conf
     autotune_env = psutil.Process(info.pids["autotune"]).environ()
-    assert autotune_env[services_file.ENV_AUTOTUNE_TOKEN] == secrets["autotune_token"]
+    assert services_file.ENV_AUTOTUNE_TOKEN not in autotune_env
+    assert autotune_env[services_file.ENV_REDIS_PASSWORD + "_FILE"] == info.secrets["redis_password"]
     # Redis requires the password; trainers on this machine resolve every secret through the services file.
     # It speaks TLS only and wants the deployment's client certificate before the password.
     (node,) = info.redis_hosts

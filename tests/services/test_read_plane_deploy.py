@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import redis
 from redis.backoff import NoBackoff
@@ -206,6 +207,32 @@ def test_every_node_has_a_read_port_that_lets_the_reader_read_and_nothing_else(
     # The TLS port stays TLS only: a plaintext client gets nothing there.
     with _reader(base, socket_timeout=1) as plain, pytest.raises(redis.ConnectionError):
         plain.ping()
+
+
+def test_no_secret_is_in_any_process_environment_or_command_line(
+        deployment: tuple[list[str], dict[str, bytes]]) -> None:
+    """The secrets reach the deployment's processes as files (the autotune service: --token-file and
+    $BAGUA_LIGHTNING_REDIS_PASSWORD_FILE) or on stdin (redis-server), never where /proc/PID/environ or ps
+    shows them."""
+    info = _info()
+    secrets = _secrets(info)
+    records = [r for rs in info.processes.values() for r in rs]
+    assert len(records) == 7 and all(procs.is_running(r) for r in records)
+    for rec in records:
+        proc = psutil.Process(rec.pid)
+        shown = " ".join([*proc.cmdline(), *proc.environ().values()])
+        assert not any(value in shown for value in secrets.values()), proc.cmdline()
+    autotune = psutil.Process(info.pids["autotune"])
+    assert autotune.cmdline()[autotune.cmdline().index("--token-file") + 1] == info.secrets["autotune_token"]
+    assert autotune.environ()["BAGUA_LIGHTNING_REDIS_PASSWORD_FILE"] == info.secrets["redis_password"]
+
+
+def test_processes_a_deployment_starts_never_inherit_the_secrets_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in procs.SECRET_ENV:
+        monkeypatch.setenv(name, "value-given-at-up")
+        monkeypatch.setenv(name + "_FILE", "/some/file")
+    env = procs.child_env("d" * 32)
+    assert not any(name.startswith(procs.SECRET_ENV) for name in env) and env[procs.ENV_DEPLOYMENT] == "d" * 32
 
 
 def test_the_services_file_offset_follows_its_hosts_and_the_variable_overrides_it(
