@@ -62,7 +62,8 @@ class ElasticTraining:
         if refusal is not None:
             raise ConfigurationError(f"algorithm {algorithm.name!r} cannot train fault-tolerantly: {refusal}")
         if getattr(algorithm, "hierarchical", False):
-            algorithm.hierarchical = False  # inside the node is the algorithm's whole world; nodes come after
+            # inside the node is the algorithm's whole world; the nodes come after
+            algorithm.hierarchical = False  # type: ignore[attr-defined]
         self.optimizer, self.sampler, self.on_commit = optimizer, sampler, on_commit
         if dist.is_initialized():
             self.local_rank, self.local_size = dist.get_rank(), dist.get_world_size()

@@ -263,7 +263,7 @@ class ElasticSession:
             lighthouse_addr=config.lighthouse,
             replica_id=config.node_id,
             hostname=config.host,
-            checkpoint_transport=self._transport,  # type: ignore[arg-type]
+            checkpoint_transport=self._transport,
         )
         _record_quorums(self)
 

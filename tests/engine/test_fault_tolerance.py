@@ -284,3 +284,44 @@ def test_a_stopped_node_is_dropped_and_after_sigcont_heals_without_corrupting_th
     assert _trained_indices(tmp_path / "out") == list(range(1200))
     a, b = _final(tmp_path / "out", "node0-0"), _final(tmp_path / "out", "node1-0")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_single_killed_rank_takes_its_node_out_and_the_others_finish_the_epoch(tmp_path: Path) -> None:
+    args = ("--samples", "800", "--step-sleep", "0.05", "--timeout", "5")
+    with _lighthouse(tmp_path) as (lighthouse, _):
+        node0 = _Node(tmp_path, lighthouse, 0, 2, *args)
+        node1 = _Node(tmp_path, lighthouse, 1, 2, *args)
+        with _nodes(node0, node1):
+            wait_until(lambda: node1.committed() >= 5, 180, "node1's 5th committed step")
+            ranks = psutil.Process(node1.proc.pid).children(recursive=True)
+            rank1 = next(p for p in ranks if "elastic_train" in " ".join(p.cmdline())
+                         and p.environ().get("LOCAL_RANK") == "1")
+            rank1.kill()  # one rank of node1; torchrun (no restarts) then ends the node's other rank
+            assert node1.wait(60) != 0
+            assert node0.wait(240) == 0, node0.text()[-4000:]
+    assert _trained_indices(tmp_path / "out") == list(range(800))
+    assert any(r["nodes"] == ["node0"] for r in _records(tmp_path / "out"))
+
+
+@pytest.mark.slow
+def test_a_node_lost_while_another_joins_leaves_one_healed_group(tmp_path: Path) -> None:
+    """3 nodes; node2 is killed and started again, and node1 is killed while node2 is on its way back:
+    node0 trains on, node2 heals from it, and they end the epoch with equal weights."""
+    args = ("--samples", "1800", "--step-sleep", "0.1", "--timeout", "5")
+    with _lighthouse(tmp_path) as (lighthouse, _):
+        nodes = [_Node(tmp_path, lighthouse, i, 1, *args) for i in range(3)]
+        with _nodes(*nodes):
+            wait_until(lambda: nodes[2].committed() >= 5, 180, "node2's 5th committed step")
+            nodes[2].signal(signal.SIGKILL)
+            nodes[2].wait(30)
+            back = _Node(tmp_path, lighthouse, 2, 1, *args)
+            with _nodes(back):
+                nodes[1].signal(signal.SIGKILL)  # while node2 starts up and heals
+                nodes[1].wait(30)
+                assert nodes[0].wait(300) == 0, nodes[0].text()[-4000:]
+                assert back.wait(60) == 0, back.text()[-4000:]
+                assert "healed from a live peer" in back.text()
+    assert _trained_indices(tmp_path / "out") == list(range(1800))
+    a, b = _final(tmp_path / "out", "node0-0"), _final(tmp_path / "out", "node2-0")
+    assert all(torch.equal(a[k], b[k]) for k in a)
