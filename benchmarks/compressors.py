@@ -182,7 +182,9 @@ def worker(args: argparse.Namespace) -> None:
                                         * 8 / rate * 1000)
         result: dict[str, Any] = {"rate": args.rate, "params": sum(p.numel() for p in model.parameters()),
                                   "rounds": args.rounds, "variants": {}, "auto": chosen.line() if chosen else None}
-        baselines = {"ddp": "ddp"}
+        baselines = {}
+        if "ddp" in times:
+            baselines["ddp"] = "ddp"
         if "ddp+powersgd_hook" in times:
             baselines["powersgd_hook"] = "ddp+powersgd_hook"
         if "ddp+bf16_hook" in times:
