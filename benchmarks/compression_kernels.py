@@ -32,7 +32,7 @@ overhead per step is the difference to the same step without the exchange.
 
 ``--sweep``: launch parameters (``kernels.Tuning``) timed against each other and a copy, interleaved,
 before the rest; ``;`` between variants, ``,`` between fields, e.g. ``--sweep
-"per_sm=8,reverse=0;per_sm=8;decompress_per_sm=8"`` (an empty variant is the defaults). Each variant's
+"per_sm=8,reverse=0;per_sm=4;decompress_block=4096,decompress_warps=8"`` (an empty variant is the defaults). Each variant's
 bytes and values are checked against the defaults'. The sweep rotates among ``--sweep-rotate``
 input sets (a 100 MiB bucket reused call after call is partly still in L2 at the next call), and also
 times the passes on their own, a Triton copy, and a decompression with a multiply in place of the
@@ -259,14 +259,10 @@ def jit_decompress(packed: torch.Tensor, out: torch.Tensor) -> Callable[[], Any]
     rows, n = packed.shape[0], packed.shape[1] - HEADER_BYTES
     words, stride = packed.view(torch.int32), (HEADER_BYTES + n) // 4
     t = tuning()
-    if t is None:  # the kernels before Tuning: one block per program
-        block, warps = kernels.BLOCK, kernels.NUM_WARPS  # type: ignore[attr-defined]
-        return lambda: kernels._k()._decompress_kernel[(1, rows)](
-            words, out, n, stride, BLOCK=block, PACK=4, num_warps=warps, enable_fp_fusion=False)
-    block = t.decompress_block
+    block, warps = (t.decompress_block, t.decompress_warps) if t is not None else (
+        kernels.BLOCK, kernels.NUM_WARPS)  # type: ignore[attr-defined]  # the kernels before Tuning
     return lambda: kernels._k()._decompress_kernel[(-(-n // block), rows)](
-        words, out, n, block // 4, 1, stride, BLOCK=block, PACK=4, num_warps=t.decompress_warps,
-        enable_fp_fusion=False)
+        words, out, n, stride, BLOCK=block, PACK=4, num_warps=warps, enable_fp_fusion=False)
 
 
 COMPRESS_FIELDS = ("block", "warps", "per_sm", "reverse", "stream")
@@ -496,7 +492,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sweep", default=None,
                         help="kernels.Tuning variants to time first, ';' between variants, ',' between fields "
-                             "(e.g. 'per_sm=8,reverse=0;decompress_per_sm=8'); the best is used for the rest")
+                             "(e.g. 'reverse=0;decompress_block=4096,decompress_warps=8'); the best is used for the rest")
     parser.add_argument("--sweep-sizes", default="25,100,420", help="bucket sizes (MiB) the sweep times")
     parser.add_argument("--sweep-chunks", type=int, default=4, help="chunks of the sweep's buckets")
     parser.add_argument("--sweep-rotate", default="1,3",

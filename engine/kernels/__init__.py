@@ -54,12 +54,11 @@ class Tuning(NamedTuple):
     #: compression's second pass walks each span from the back: it re-reads first what the first pass
     #: read last, which is still in L2
     reverse: bool = True
-    #: compression's level stores marked first to be evicted from L2
-    stream: bool = False
-    #: decompression: elements per block, warps per program, programs per SM (0: one block per program)
+    #: compression's level stores marked first to be evicted from L2 (they are not read again)
+    stream: bool = True
+    #: decompression (one block per program): elements per block, warps per program
     decompress_block: int = 2048
     decompress_warps: int = 4
-    decompress_per_sm: int = 0
 
 
 #: The tuning every launcher uses (part of every layout key: assigning another one takes effect at once).
@@ -144,7 +143,7 @@ def _plan_for(device: torch.device, n: int, rows: int, block: int | None) -> _Pl
 
 def _decompress_plan_for(device: torch.device, n: int, rows: int, block: int | None) -> _Plan:
     t = TUNING
-    return _plan(device, n, rows, block, t.decompress_warps, t.decompress_per_sm, t.decompress_block)
+    return _plan(device, n, rows, block, t.decompress_warps, 0, t.decompress_block)
 
 
 def _packed_layout(packed: torch.Tensor, n: int) -> tuple[int, int]:
@@ -267,8 +266,8 @@ class _Decompress(_Runner):
         self._locate(out.device, current)
         p = _decompress_plan_for(out.device, n, rows, block)
         row_stride, pack = _packed_layout(packed, n)
-        self.kernel = Launch(_k()._decompress_kernel, (p.span_programs, rows), p.options, _words(0, pack))
-        self.args = (n, p.span // pack, p.iters, row_stride, p.block, pack)
+        self.kernel = Launch(_k()._decompress_kernel, (p.nblocks, rows), p.options, _words(0, pack))
+        self.args = (n, row_stride, p.block, pack)
 
     def run(self, packed: torch.Tensor, out: torch.Tensor) -> None:
         self.kernel(packed, out, *self.args)

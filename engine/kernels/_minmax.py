@@ -252,23 +252,20 @@ def _quantise_kernel(
 
 
 @triton.jit
-def _decompress_kernel(packed_ptr, out_ptr, n, span_units, iters, row_stride, BLOCK: tl.constexpr,
-                       PACK: tl.constexpr):
-    """Values of program ``p``'s span of chunk ``program_id(1)``, in ``out``'s dtype.
+def _decompress_kernel(packed_ptr, out_ptr, n, row_stride, BLOCK: tl.constexpr, PACK: tl.constexpr):
+    """Values of block ``program_id(0)`` of chunk ``program_id(1)``, in ``out``'s dtype.
 
-    Program ``p`` writes elements ``[p * span_units * PACK, ...)`` up to the next program's, in
-    ``iters`` blocks of ``BLOCK``; the chunk's header and level parameters are read once.
+    One block per program: on an H200 this beat a span of blocks per program (0.84 of copy bandwidth
+    against 0.64 at 100 MiB, ``compression_kernels.py --sweep``), and 4096-element blocks of 8 warps (0.81).
     """
-    p = tl.program_id(0)
+    b = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     row = c * row_stride
     lo, hi = _load_header(packed_ptr, row, PACK)
+    idx, units = _tile(b, BLOCK, PACK)
     scale, lower = _level_parameters(lo, hi)
-    end = tl.minimum((p + 1) * span_units * PACK, n)
-    for i in range(iters):
-        idx, units = _tile_at(p * span_units + i * (BLOCK // PACK), BLOCK, PACK)
-        v = _decoded(_load_levels(packed_ptr, row, units, end, PACK), scale, lower)
-        tl.store(out_ptr + c * n + idx, _to_dtype(v, out_ptr.dtype.element_ty), mask=idx < end)
+    v = _decoded(_load_levels(packed_ptr, row, units, n, PACK), scale, lower)
+    tl.store(out_ptr + c * n + idx, _to_dtype(v, out_ptr.dtype.element_ty), mask=idx < n)
 
 
 @triton.jit
