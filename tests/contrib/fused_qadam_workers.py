@@ -31,3 +31,8 @@ def qadam_params(fused: bool, steps: int = 41, warmup_steps: int = 1) -> list[to
         else:
             optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def qadam_plain_and_fused() -> list[list[torch.Tensor]]:
+    """:func:`qadam_params` plain and fused, one after the other in one job (one start of the ranks)."""
+    return [qadam_params(False), qadam_params(True)]

@@ -258,15 +258,14 @@ def test_fused_count_counts_groups_stepped_with_a_fused_run() -> None:
 def test_fused_qadam_steps_exactly_as_the_unfused_one() -> None:
     """QAdam's algorithm reads the optimizer's step count between steps (warm-up or not): a fuse_step must
     leave it where a plain step would (Bagua's test_fused_optimizer::test_qadam, on 2 Gloo ranks)."""
-    from tests.contrib.fused_qadam_workers import qadam_params
+    from tests.contrib.fused_qadam_workers import qadam_plain_and_fused
     from tests.ranks import run_function
 
-    plain = run_function(qadam_params, False, world_size=2)
-    fused = run_function(qadam_params, True, world_size=2)
-    for rank in range(2):
-        for a, b in zip(plain[rank], fused[rank], strict=True):
+    runs = run_function(qadam_plain_and_fused, world_size=2)
+    for rank, (plain, fused) in enumerate(runs):
+        for a, b in zip(plain, fused, strict=True):
             assert torch.equal(a, b), (rank, a, b)
-    assert all(torch.equal(a, b) for a, b in zip(fused[0], fused[1], strict=True))  # replicas agree
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))  # replicas agree
 
 
 def _bagua_qadam_run(fused: bool) -> tuple[list[torch.Tensor], int]:

@@ -11,10 +11,14 @@ from tests.ranks import run_ranks
 WORKER = str(Path(__file__).with_name("bagua_workers.py"))
 
 
-@pytest.mark.parametrize(("case", "world", "marker"), [("fused", 2, "fused"), ("fused_qadam_async", 2, "qadam"),
-                                                       ("moe", 2, "moe k="), ("moe", 4, "moe k=")])
-def test_contrib_under_with_bagua(tmp_path: Path, case: str, world: int, marker: str) -> None:
-    out = run_ranks(WORKER, [case], world_size=world, log_dir=tmp_path, timeout_s=240,
+# The cases of one world size run in one job, one after the other (one start of the ranks for all).
+@pytest.mark.parametrize(("cases", "world"), [("fused,fused_qadam_async,moe", 2), ("moe", 4)])
+def test_contrib_under_with_bagua(tmp_path: Path, cases: str, world: int) -> None:
+    out = run_ranks(WORKER, [cases], world_size=world, log_dir=tmp_path, timeout_s=240,
                     env={"CUDA_VISIBLE_DEVICES": ""})
-    expected = {"fused": 6, "qadam": 2, "moe k=": 2}[marker] * world
-    assert out.count(" ok ") == expected, out
+    # " ok " lines per rank of each case, and a marker found only in that case's lines.
+    oks = {"fused": (6, "fused "), "fused_qadam_async": (2, "fused qadam ok"), "moe": (2, "moe k=")}
+    names = cases.split(",")
+    assert out.count(" ok ") == world * sum(oks[c][0] for c in names), out
+    for case in names:
+        assert oks[case][1] in out, (case, out)
