@@ -188,3 +188,19 @@ def test_low_precision_ring_on_the_kernels_keeps_replicas_identical(world_size: 
         assert r["worst_excess"] <= 1e-6, (rank, r["worst_excess"])  # within the quantisation bound
         assert r["model_equals_replica"]
         assert r["end_loss"] < r["start_loss"]
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 37, 64, 203, 4096, 100_003])
+@pytest.mark.parametrize("block", [4, 16, 64])
+def test_compression_spans_cover_each_row_once_in_whole_blocks(n: int, block: int) -> None:
+    # The span passes: program p of a row covers elements [p * span, min((p + 1) * span, n)) in `iters` blocks;
+    # spans are whole words (the word layout stores 4 levels at a time) and every program has elements.
+    from bagua_lightning.engine import kernels
+
+    plan = kernels._plan(torch.device("cpu"), n, 2, block, 4, 8, 2048)
+    assert plan.span % 4 == 0
+    assert (plan.span_programs - 1) * plan.span < n <= plan.span_programs * plan.span
+    assert plan.iters * plan.block >= plan.span > (plan.iters - 1) * plan.block
+    assert plan.span_pb >= plan.span_programs and plan.span_pb & (plan.span_pb - 1) == 0
+    one_block = kernels._plan(torch.device("cpu"), n, 2, block, 4, 0, 2048)  # decompress: one block a program
+    assert (one_block.span, one_block.iters) == (block, 1)
