@@ -8,7 +8,6 @@ generated from the docstrings, the argparse parser and the proto's comments at b
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -35,13 +34,17 @@ extensions = [
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
 exclude_patterns = ["_build", "_ext", "README.md"]
-# Pages named in a toctree that are left out while they do not exist yet (bagua_docs drops their entry).
-bagua_optional_docs = ["fault_tolerance"]
+# Pages named in a toctree that are left out while they do not exist (bagua_docs drops their entry): pages
+# being written beside this site.
+bagua_optional_docs = ["fault_tolerance", "compressors", "peer_watch"]
 # A short type name in a signature
 # (`BaguaProcessGroup`, defined once, re-exported by several modules) finds several targets: the first is
 # right, so Sphinx's "more than one target" notes are not errors; nor is a code block that its lexer cannot
 # parse (a JSON example with `...`): it is shown without colours.
 suppress_warnings = ["ref.python", "misc.highlighting_failure"]
+
+# Command lines are the subject: `--fresh` stays two hyphens, quotes stay straight.
+smartquotes = False
 
 myst_enable_extensions = ["colon_fence", "deflist", "attrs_inline", "attrs_block"]
 # GitHub's anchors (`deployment.md#many-machines`), so links that work on GitHub work here.
@@ -70,6 +73,3 @@ html_theme_options = {
 html_show_sourcelink = False
 # A link to a file of the repository (`../client/cache/keys.py`) goes to that file on GitHub.
 bagua_repository_url = "https://github.com/bagua-lightning/bagua-lightning/blob/main/"
-
-# One worker per core; the test builds with -j auto too.
-os.environ.setdefault("BAGUA_LIGHTNING_LOG_LEVEL", "WARNING")

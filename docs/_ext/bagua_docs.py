@@ -113,7 +113,10 @@ def _descriptor(proto: Path) -> tuple[Any, dict[tuple[int, ...], Any]]:
 
 
 def _escape(text: str) -> str:
-    return re.sub(r"([\\`*_|<>\[\]])", r"\\\1", text)
+    """Prose of a proto comment as reStructuredText: `quoted` words become inline literals, markup is escaped."""
+    parts = re.split(r"`([^`]+)`", text)
+    return "".join(f"``{part}``" if i % 2 else re.sub(r"([\\`*_|<>\[\]])", r"\\\1", part)
+                   for i, part in enumerate(parts))
 
 
 def _comment_rst(comment: str, indent: str = "") -> list[str]:
@@ -132,7 +135,7 @@ def _comment_rst(comment: str, indent: str = "") -> list[str]:
                 if prose:
                     lines += [indent + _escape(" ".join(prose)), ""]
                     prose = []
-                lines += [indent + "::", ""] + [indent + "   " + r for r in raw[i:j]] + [""]
+                lines += [indent + ".. code-block:: text", ""] + [indent + "   " + r for r in raw[i:j]] + [""]
                 i = j
             else:
                 prose.append(raw[i].strip())
@@ -272,6 +275,34 @@ def _canonical_aliases_are_no_duplicates() -> None:
     PythonDomain.note_object = note  # type: ignore[method-assign]
 
 
+# -- benchmark plots -----------------------------------------------------------------------------------------
+
+
+class BenchmarkPlotsDirective(SphinxDirective):
+    """``benchmark-plots``: every plot of ``docs/benchmarks/results/manifest.json`` (drawn by
+    ``python -m benchmarks.plots`` into ``docs/_static/benchmarks/``), each under its title, command, machine
+    and date. A plot that was not drawn is a missing image: a build error."""
+
+    def run(self) -> list[nodes.Node]:
+        manifest = Path(self.env.srcdir) / "benchmarks" / "results" / "manifest.json"
+        self.env.note_dependency(str(manifest))
+        out: list[nodes.Node] = []
+        for entry in json.loads(manifest.read_text()):
+            stem = Path(entry["file"]).stem
+            self.env.note_dependency(str(Path(self.env.srcdir) / "_static" / "benchmarks" / f"{stem}.png"))
+            figure = nodes.figure(ids=[nodes.make_id(f"plot-{stem}")])
+            figure += nodes.image(uri=f"/_static/benchmarks/{stem}.png", alt=entry["title"])
+            caption = nodes.caption()
+            caption += nodes.strong(text=entry["title"])
+            caption += nodes.Text(". ")
+            caption += nodes.literal(text=entry["command"])
+            caption += nodes.Text(f"; {entry['machine']}, {entry['date']}; results: ")
+            caption += nodes.literal(text=f"docs/benchmarks/results/{entry['file']}")
+            figure += caption
+            out.append(figure)
+        return out
+
+
 def _drop_missing_optional_docs(app: Sphinx, docname: str, source: list[str]) -> None:
     """A toctree line naming an optional page that does not exist (``bagua_optional_docs``) is removed."""
     missing = [name for name in app.config.bagua_optional_docs if name not in app.env.found_docs]
@@ -285,6 +316,7 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("source-read", _drop_missing_optional_docs)
     app.add_directive("runnable", RunnableDirective)
     app.add_directive("proto-reference", ProtoReferenceDirective)
+    app.add_directive("benchmark-plots", BenchmarkPlotsDirective)
     app.connect("env-purge-doc", _purge_runnable)
     app.connect("env-merge-info", _merge_runnable)
     app.connect("build-finished", _write_runnable)

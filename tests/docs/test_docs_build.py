@@ -296,3 +296,35 @@ def test_screenshots_of_the_front_page_and_an_api_page(site: Path, tmp_path: Pat
         assert pixels.shape[0] >= 900 and pixels.shape[1] >= 1200, (shot, pixels.shape)
         # A rendered page: text and images on a light background, not one flat colour (a blank or error page).
         assert pixels.std() > 0.05, f"{shot} is nearly one colour"
+
+
+# -- benchmark plots ----------------------------------------------------------------------------------------
+
+
+def test_ratios_are_found_with_their_intervals_in_a_benchmarks_json() -> None:
+    from benchmarks.plots import Ratio, ratios
+
+    document = {"baseline": "ddp", "args": {"rounds": 8},
+                "results": {"ddp": {"ratio": 1.0, "ci95": [1.0, 1.0], "median_ms": 9.0},
+                            "bytegrad": {"ratio": 2.5, "ci95": [2.4, 2.6], "median_ms": 3.6}},
+                "auto": {"auto": {"chosen": "bytegrad", "vs_chosen": {"variant": "bytegrad", "ratio": 0.99,
+                                                                     "ci95": [0.97, 1.01]}}},
+                "autotuned_vs_ddp": 1.08, "autotuned_vs_ddp_ci95": [1.05, 1.1], "steps": 3}
+    assert list(ratios(document)) == [
+        Ratio("ddp", 1.0, 1.0, 1.0), Ratio("bytegrad", 2.5, 2.4, 2.6),
+        Ratio("auto auto vs_chosen (vs bytegrad)", 0.99, 0.97, 1.01), Ratio("autotuned_vs_ddp", 1.08, 1.05, 1.1)]
+
+
+def test_every_benchmark_result_is_plotted_and_the_plots_redraw(site: Path, tmp_path: Path) -> None:
+    from benchmarks.plots import DEFAULT_OUT, load_manifest
+
+    results = load_manifest()
+    assert results, "docs/benchmarks/results/manifest.json lists no result"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.plots", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    drawn = {Path(line).name for line in proc.stdout.split()}
+    assert drawn == {f"{r.stem}.png" for r in results}
+    assert all((DEFAULT_OUT / name).is_file() for name in drawn), "commit the plots: python -m benchmarks.plots"
+    page = _pages(site)[site / "benchmark_summary.html"]
+    assert {Path(src).name for src in page.images} >= drawn
