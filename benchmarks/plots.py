@@ -114,7 +114,7 @@ def draw(result: Result, out_dir: Path, results_dir: Path = RESULTS) -> Path:
     right = max(1.0, *(r.high for r in found))
     ax.set_xlim(left - 0.05 * (right - left) - 0.02, right + 0.35 * (right - left) + 0.05)
     ax.set_xlabel(f"ratio to {result.baseline} (> 1: faster), median with 95 % bootstrap interval")
-    ax.set_title("\n".join(textwrap.wrap(result.title, 90)), fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(result.title, 70)), fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{result.stem}.png"
