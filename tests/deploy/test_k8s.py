@@ -218,7 +218,8 @@ def _admitted(labels: dict[str, str], port: int) -> list[dict[str, Any]]:
     for _, doc in DOCS:
         if doc["kind"] != "NetworkPolicy" or not _selects(doc["spec"]["podSelector"], labels):
             continue
-        assert "Ingress" in doc["spec"]["policyTypes"]
+        if "Ingress" not in doc["spec"]["policyTypes"]:
+            continue  # an egress policy
         for rule in doc["spec"].get("ingress", []):
             ports = rule.get("ports")
             if ports is None or any(p["port"] == port and p.get("protocol", "TCP") == "TCP" for p in ports):
@@ -263,6 +264,41 @@ def test_network_policies_deny_by_default_and_admit_only_the_expected_pods_to_ev
     assert seen == set(expected)
     # A trainer reaches the services; the example trainer carries the label the policies name.
     assert TRAINER.items() <= yaml.safe_load(TRAINER_EXAMPLE.read_text())["spec"]["template"]["metadata"]["labels"].items()
+
+
+def _reached(labels: dict[str, str], port: int, protocol: str = "TCP") -> list[dict[str, Any]] | None:
+    """The `to` peers a pod with ``labels`` may reach on ``port``; None when no egress policy selects it
+    (then its egress is not restricted)."""
+    peers: list[dict[str, Any]] = []
+    selected = False
+    for _, doc in DOCS:
+        if doc["kind"] != "NetworkPolicy" or not _selects(doc["spec"]["podSelector"], labels) \
+                or "Egress" not in doc["spec"]["policyTypes"]:
+            continue
+        selected = True
+        for rule in doc["spec"].get("egress", []):
+            ports = rule.get("ports")
+            if ports is None or any(p["port"] == port and p.get("protocol", "TCP") == protocol for p in ports):
+                peers += rule.get("to", [{}])
+    return peers if selected else None
+
+
+def test_egress_policies_let_each_service_reach_only_what_it_uses() -> None:
+    redis_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "bagua-redis"}}}
+    dns = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+    expected = {("StatefulSet", "bagua-redis"): {6379: [redis_pods], 16379: [redis_pods]},
+                ("Deployment", "bagua-autotune"): {6379: [redis_pods]},
+                ("Job", "bagua-redis-init"): {6379: [redis_pods]}}
+    for (kind, name), ports in expected.items():
+        labels = _pod_labels(kind, name)
+        for port, peers in ports.items():
+            assert _reached(labels, port) == peers, (kind, name, port)
+        assert _reached(labels, 53, "UDP") == [dns] and _reached(labels, 53, "TCP") == [dns], (kind, name)
+        for other in (443, 7379, 29600, 80):  # the internet, the read port, anything else: nothing
+            if other not in ports:
+                assert _reached(labels, other) == [], (kind, name, other)
+    # Trainers' egress is the operator's (their data may be anywhere): no policy restricts it.
+    assert _reached(TRAINER, 443) is None
 
 
 def test_tls_is_on_for_redis_clients_replication_bus_and_the_trainers() -> None:
