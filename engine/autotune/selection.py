@@ -50,7 +50,11 @@ from ...core.errors import ConfigurationError
 log = logging.getLogger(__name__)
 
 #: Candidates measured when the user names none: the result equals (gradient_allreduce) or approximates
-#: (bytegrad, MinMax uint8 gradients) an allreduce of the gradients.
+#: (bytegrad, MinMax uint8 gradients) an allreduce of the gradients. Opt-in (``auto_candidates=[...]``):
+#: powersgd, because it changes what is trained (a rank-r approximation with error feedback, whose rank and
+#: start step want tuning per model, as torch's docs say) and auto judges speed only; half_allreduce, because
+#: it approximates an allreduce but sends twice bytegrad's bytes, so where the link matters bytegrad is the
+#: faster of the two (docs/benchmarks.md, compressors.py) and one more candidate would lengthen every trial.
 DEFAULT_CANDIDATES = ("gradient_allreduce", "bytegrad")
 #: How many rounds a candidate's trial steps are spread over (mirrored order: A B | B A).
 ROUNDS = 2
