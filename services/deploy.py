@@ -15,7 +15,7 @@ default ports when they are free, else a free block (:mod:`.deploy_ports`).
 
 Authentication is on by default: ``up`` creates a Redis password, an autotune token and a cache key
 (``$BAGUA_LIGHTNING_REDIS_PASSWORD`` & co. when set, else random) in ``<state_dir>/secrets/`` (0600 files,
-0700 folder). They reach the services through a pipe (Redis) and the environment (autotune), trainers
+0700 folder). They reach the services through a pipe (Redis) and as file paths (autotune), trainers
 through the services file's paths; never through a command line. ``--no-auth`` is refused beyond loopback.
 ``up`` never changes the secrets of a live deployment; ``bagua-lightning rotate-secrets`` does (:mod:`.rotate`).
 
