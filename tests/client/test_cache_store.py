@@ -85,8 +85,8 @@ def test_unreachable_store_reports_instead_of_raising_from_fetch() -> None:
 
 @pytest.mark.parametrize(("hosts", "match"), [
     ([], "empty"),
-    ([{"host": "h"}], "not a Redis address"),
-    (["h:notaport"], "not a Redis address"),
+    ([{"host": "h"}], r"hosts item \{'host': 'h'\}: port None is not a TCP port"),  # core/addresses' words
+    (["h:notaport"], "hosts item 'h:notaport': port 'notaport' is not a TCP port"),
     (["h:1", "h:1"], "twice"),
 ])
 def test_bad_hosts_are_named(hosts: list[object], match: str) -> None:
