@@ -425,7 +425,7 @@ class BaguaStrategy(DDPStrategy):
         algorithm = self.algorithm
         if saved and algorithm is None:
             self._pending_algorithm_state = dict(saved)  # the model is not wrapped yet: configure_ddp loads it
-        elif saved and saved.get("algorithm") == self.algorithm_name:
+        elif saved and algorithm is not None and saved.get("algorithm") == self.algorithm_name:
             algorithm.load_state_dict(saved["state"])
 
     @override
