@@ -75,7 +75,7 @@ def half_hook(dtype: str) -> Callable[..., Any]:
     well, so it is called through a function of another name (the hook itself is torch's, unchanged)."""
     hook = default_hooks.bf16_compress_hook if dtype == "bf16" else default_hooks.fp16_compress_hook
 
-    def torch_half_hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP reads the annotations as types)
+    def torch_half_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations as types
         return hook(state, bucket)
 
     return torch_half_hook
