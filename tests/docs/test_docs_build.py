@@ -28,7 +28,8 @@ SEED_004 = sorted((ROOT.parent / "shared" / "seeds").glob("004_*.txt"))
 BUILD_TIMEOUT_S = 600
 EXAMPLE_TIMEOUT_S = 240
 
-pytestmark = pytest.mark.slow
+# The first test builds the site (about 30 s of CPU; minutes of wall time on a busy 2-core machine).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
