@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
     opt_ft = torch.optim.SGD(model.parameters(), lr=1e-3)
     opt_plain = torch.optim.SGD(twin.parameters(), lr=1e-3)
     sampler = ElasticSampler(10**9, args.batch_size, shuffle=False)
-    training = ElasticTraining(model, opt_ft, GradientAllReduceAlgorithm(), sampler, FaultTolerance(timeout_s=30))
+    training = ElasticTraining(model, opt_ft, GradientAllReduceAlgorithm(), sampler, FaultTolerance(min_nodes=2, timeout_s=30))  # both nodes in every step
     plain_algo = GradientAllReduceAlgorithm()
     plain_algo.cross_node = _PlainCross(training.session)  # type: ignore[assignment]
     plain = BaguaDistributedDataParallel(twin, plain_algo, CommContext(rank=0, world_size=1, local_rank=0,
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ft-step-cost-") as tmp:
         work = Path(tmp)
         port = _free_port()
-        procs = [_Proc([sys.executable, "-m", "bagua_lightning.cli", "lighthouse", "--port", str(port)], _env({}),
+        procs = [_Proc([sys.executable, "-m", "bagua_lightning.cli", "lighthouse", "--port", str(port), "--min-nodes", "2"], _env({}),
                        work / "lighthouse.log")]
         try:
             _wait_for(lambda: b"listening" in (work / "lighthouse.log").read_bytes(), 60, "the lighthouse")

@@ -1,4 +1,4 @@
-"""The fault-tolerant training loop (:class:`ElasticTraining`) and the coordinator (``bagua-lightning lighthouse``).
+"""The fault-tolerant training loop (:class:`ElasticTraining`); the coordinator is ``bagua-lightning lighthouse``.
 
 A script launched once per node (``torchrun --nproc-per-node R`` on each node, every node with its own
 ``BAGUA_LIGHTNING_NODE_ID``, all pointing at one Lighthouse through ``TORCHFT_LIGHTHOUSE``)::
@@ -16,10 +16,7 @@ The design, its costs and its failure model are in docs/fault_tolerance.md.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import signal
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +34,7 @@ from .parameters import trainable_parameters
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticTraining", "register"]
+__all__ = ["ElasticTraining"]
 
 
 class ElasticTraining:
@@ -149,39 +146,3 @@ class ElasticTraining:
     def close(self) -> None:
         self.session.shutdown()
         self.model.driver.teardown()
-
-
-# ---------------------------------------------------------------------------- the coordinator
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``lighthouse`` to the ``bagua-lightning`` command line."""
-    from ..core.args import port_arg, positive_int_arg
-
-    p = subparsers.add_parser(
-        "lighthouse", help="run the fault-tolerance coordinator (torchft's Lighthouse) in the foreground",
-        description="The coordinator of fault-tolerant training: forms each step's quorum of live nodes. "
-                    "Trainers find it through TORCHFT_LIGHTHOUSE=http://HOST:PORT.")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=port_arg, default=29510, help="port to listen on (0: any free one)")
-    p.add_argument("--min-nodes", type=positive_int_arg, default=1, help="nodes a quorum needs at least")
-    p.add_argument("--join-timeout-ms", type=positive_int_arg, default=1000,
-                   help="how long a quorum waits for the nodes of the last one before it forms without them")
-    p.add_argument("--heartbeat-timeout-ms", type=positive_int_arg, default=2000,
-                   help="a node silent this long is left out of the next quorum")
-    p.set_defaults(func=_serve)
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from torchft._torchft import LighthouseServer
-
-    server = LighthouseServer(bind=f"{args.host}:{args.port}", min_replicas=args.min_nodes,
-                              join_timeout_ms=args.join_timeout_ms, quorum_tick_ms=50,
-                              heartbeat_timeout_ms=args.heartbeat_timeout_ms)
-    print(f"lighthouse listening on {server.address()}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    server.shutdown()
-    return 0

@@ -37,7 +37,7 @@ _COMMANDS: dict[str, str] = {
     "status": "bagua_lightning.services.deploy_cli",
     "rotate-secrets": "bagua_lightning.services.deploy_cli",
     "demo": "bagua_lightning.demo",  # demo
-    "lighthouse": "bagua_lightning.engine.elastic",  # the fault-tolerance coordinator
+    "lighthouse": "bagua_lightning.lighthouse",  # the fault-tolerance coordinator
 }
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
