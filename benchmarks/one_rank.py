@@ -108,7 +108,7 @@ def fit(name: str, state: dict[str, torch.Tensor], batches: list[Any], args: arg
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, strategy=_strategy(name),
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[Clock()])
-    loader = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+    loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)  # type: ignore[arg-type]
     trainer.fit(_module(state), loader)
     return [(b - a) * 1e3 for a, b in zip(ends[args.warmup:], ends[args.warmup + 1:], strict=False)]
 
