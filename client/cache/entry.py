@@ -30,10 +30,10 @@ from .digests import (
     NONCE_SIZE,
     SEAL_TAG_SIZE,
     SEALED_NO_KEY,
+    check_key,
     opener,
 )
 from .digests import digest as _digest
-from .keyring import check_key
 from .skeletons import DECODERS, decoder_for
 from .values import ALIGN, CorruptEntryError
 

@@ -21,44 +21,22 @@ A key given explicitly (``cache_key=...``, ``$BAGUA_LIGHTNING_CACHE_KEY``) is th
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
-from .digests import DIGEST_SEAL, DIGEST_SIZE, NONCE_SIZE, _hkdf_sha256
+from .digests import (  # the key id of an entry lives beside its digest field (entry.py checks it there)
+    _FIELD_AT,
+    _FIELD_END,
+    KEY_ID_INFO,
+    KEY_ID_SIZE,
+    check_key,
+    key_field,
+    key_id,
+    named_key_id,
+)
 from .values import CorruptEntryError
 
-KEY_ID_INFO = b"bagua-lightning cache key id v1"  # HKDF info: the key id, never a key
-KEY_ID_SIZE = 8  # bytes
-_FIELD_AT = 8 + NONCE_SIZE  # where the key field lies in an entry: after magic/version/kind/pad and the nonce
-_FIELD_END = 8 + DIGEST_SIZE
-
-
-@functools.lru_cache(maxsize=16)
-def key_field(secret: bytes) -> bytes:
-    """The 12 bytes after the nonce of an entry sealed with the cache key ``secret``: its key id, 4 zeros."""
-    return _hkdf_sha256(bytes(secret), KEY_ID_INFO, KEY_ID_SIZE) + bytes(DIGEST_SIZE - NONCE_SIZE - KEY_ID_SIZE)
-
-
-def key_id(secret: bytes) -> str:
-    """The id of the cache key ``secret`` as hex (what ``status`` and errors print)."""
-    return key_field(secret)[:KEY_ID_SIZE].hex()
-
-
-def named_key_id(entry: Any) -> str | None:
-    """The key id a sealed entry names (hex), or None for anything else."""
-    view = memoryview(entry)
-    if view.nbytes < _FIELD_END or view[4] != DIGEST_SEAL:
-        return None
-    return bytes(view[_FIELD_AT:_FIELD_AT + KEY_ID_SIZE]).hex()
-
-
-def check_key(entry: Any, secret: bytes) -> None:
-    """:class:`CorruptEntryError` unless the sealed ``entry`` names the key ``secret``."""
-    if bytes(memoryview(entry)[_FIELD_AT:_FIELD_END]) != key_field(secret):
-        raise CorruptEntryError(f"sealed entry names cache key {named_key_id(entry)}, this reader's key is "
-                                f"{key_id(secret)} (another deployment's, or one rotated out)")
-
+__all__ = ["KEY_ID_INFO", "KEY_ID_SIZE", "Keyring", "check_key", "key_field", "key_id", "named_key_id"]
 
 class Keyring:
     """The cache keys a loader opens entries with, by id; :attr:`current` seals new ones.
