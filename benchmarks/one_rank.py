@@ -151,6 +151,8 @@ def main() -> None:
     for r in range(args.rounds):
         for name in round_order(names, r):
             rounds[name].append(statistics.median(fit(name, state, batches, args)))
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {v[-1]:.1f} ms" for n, v in rounds.items()),
+              file=sys.stderr, flush=True)
     results = []
     for name, series in rounds.items():
         ratio, low, high = bootstrap_ratio(rounds["single"], series, paired=True)
