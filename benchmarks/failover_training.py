@@ -85,6 +85,15 @@ class _Proc:
             self._fh.flush()
 
 
+def _job_ended(node0: _Proc, node1: _Proc, start: float) -> float:
+    """Wait for node0 to finish the job (then node1); the job's wall time since ``start``."""
+    if node0.wait(900) != 0:
+        raise RuntimeError(f"node0 failed; see {node0.log}")
+    wall = time.monotonic() - start
+    node1.wait(120)
+    return wall
+
+
 def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
@@ -137,10 +146,7 @@ def run_fault_tolerant(work: Path, args: argparse.Namespace, fail: bool) -> dict
             time.sleep(args.down_s)
             node1 = node(1, "-back")
             procs.append(node1)
-        if node0.wait(900) != 0:
-            raise RuntimeError(f"node0 failed; see {node0.log}")
-        wall = time.monotonic() - start
-        node1.wait(120)
+        wall = _job_ended(node0, node1, start)
     finally:
         for p in reversed(procs):
             p.kill()
@@ -240,10 +246,7 @@ def run_anchor(work: Path, args: argparse.Namespace, fail: bool) -> dict[str, An
             time.sleep(0.5)
             node1 = node(1, "-back", port)
             procs += [node0, node1]
-        if node0.wait(900) != 0:
-            raise RuntimeError(f"anchor node0 failed; see {node0.log}")
-        wall = time.monotonic() - start
-        node1.wait(120)
+        wall = _job_ended(node0, node1, start)
     finally:
         for p in reversed(procs):
             p.kill()

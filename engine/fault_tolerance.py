@@ -351,12 +351,17 @@ class ElasticSampler:
         self.epoch = 0
         self.position = 0
         self._last_count = 0
+        self._order: tuple[int, torch.Tensor] | None = None
 
     def order(self) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_samples)
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_samples, generator=g)
+        """The epoch's permutation (made once per epoch: every step of it slices the same one)."""
+        if self._order is None or self._order[0] != self.epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + self.epoch)
+                self._order = (self.epoch, torch.randperm(self.num_samples, generator=g))
+            else:
+                self._order = (self.epoch, torch.arange(self.num_samples))
+        return self._order[1]
 
     @property
     def epoch_done(self) -> bool:
