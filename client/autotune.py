@@ -54,6 +54,7 @@ from .autotune_records import (
     SharedPlan,
     plan_of,
     selection_of,
+    shapes_of,
     shared_plan_of,
     span_to_proto,
     summary_of,
@@ -310,7 +311,7 @@ class AutotuneClient:
                         for s in reply.samples)
         return ModelDescription(summary=summary_of(reply.summary), current=plan_from_proto(reply.current),
                                 best=plan_from_proto(reply.best) if reply.HasField("best") else None,
-                                samples=samples, selection=selection_of(reply))
+                                samples=samples, selection=selection_of(reply), shapes=shapes_of(reply))
 
     def report_algorithm_selection(self, model_name: str, chosen: str, step_ms: Mapping[str, float], reason: str,
                                    step: int, job_id: str = "") -> None:

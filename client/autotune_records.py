@@ -70,6 +70,29 @@ class ModelSummary:
     job_id: str = ""
     fingerprint: str = ""
     algorithm: str = ""
+    reshapes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class JobShape:
+    """One shape a job ran in (``JobShape`` in the proto): its registration, or a re-registration with another
+    world size or ranks per node.
+
+    Attributes:
+        world_size: ranks of the job.
+        nproc_per_node: ranks per node.
+        registered_at: Unix time of the registration, seconds.
+        plan_version: the version of the plan the shape started on.
+        started_from: ``"shared"`` (the shape's shared best plan), ``"resumed"`` or ``"default"``.
+        shared_key: the shared plan's store key when it started from one, else "".
+    """
+
+    world_size: int
+    nproc_per_node: int
+    registered_at: float
+    plan_version: int
+    started_from: str
+    shared_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +142,7 @@ class ModelDescription:
     best: BucketPlan | None
     samples: tuple[SampleSummary, ...]
     selection: AlgorithmSelection | None = None
+    shapes: tuple[JobShape, ...] = ()
 
 
 def summary_of(m: Any) -> ModelSummary:
@@ -128,7 +152,12 @@ def summary_of(m: Any) -> ModelSummary:
                         completed=m.completed, samples=m.samples, reports_accepted=m.reports_accepted,
                         reports_ignored=m.reports_ignored, best_score=m.best_score if m.has_best else None,
                         idle_s=m.idle_s, tuner=m.tuner, layouts_tracked=m.layouts_tracked, job_id=m.job_id,
-                        fingerprint=m.fingerprint, algorithm=m.algorithm)
+                        fingerprint=m.fingerprint, algorithm=m.algorithm, reshapes=m.reshapes)
+
+
+def shapes_of(reply: Any) -> tuple[JobShape, ...]:
+    """A ``DescribeModelResponse``'s shapes, oldest first."""
+    return tuple(JobShape(**{name: getattr(s, name) for name in JobShape.__dataclass_fields__}) for s in reply.shapes)
 
 
 def selection_of(reply: Any) -> AlgorithmSelection | None:

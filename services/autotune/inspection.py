@@ -141,6 +141,14 @@ def _show(args: argparse.Namespace) -> int:
             mib = [b / MIB for b in plan.bucket_bytes]
             print(f"{label} plan v{plan.version}: {len(plan.buckets)} buckets ({min(mib):.1f}..{max(mib):.1f} MiB), "
                   f"bucket_size {plan.bucket_size} B, {'hierarchical' if plan.is_hierarchical_reduce else 'flat'}")
+    if len(d.shapes) > 1 or m.reshapes:
+        print(f"shapes: {m.reshapes} reshape(s)")
+        for shape in d.shapes:
+            origin = f"shared plan {shape.shared_key}" if shape.started_from == "shared" else \
+                f"{shape.started_from} plan"
+            print(f"  {_utc(shape.registered_at)} UTC  world size {shape.world_size:4d} ({shape.nproc_per_node} per "
+                  f"node, {shape.world_size // max(1, shape.nproc_per_node)} node(s)): started on v"
+                  f"{shape.plan_version} ({origin})")
     if d.selection is not None:
         a = d.selection
         source = "" if a.job_id == m.job_id else f", measured by job {a.job_id or '-'}"

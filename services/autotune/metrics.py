@@ -85,6 +85,12 @@ class ServiceCollector(Collector):
             chosen.add_metric((model, job, choice.chosen), 1.0)
         yield step_ms
         yield chosen
+        reshapes = CounterMetricFamily("bagua_autotune_job_reshapes",
+                                       "Re-registrations of a job with another world size or ranks per node "
+                                       "(an elastic resize), per held session", labels=("model", "job"))
+        for model, job, count in service.reshapes():
+            reshapes.add_metric((model, job), count)
+        yield reshapes
 
 
 def make_registry(service: AutotuneService) -> tuple[CollectorRegistry, RpcMetrics]:

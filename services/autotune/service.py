@@ -14,7 +14,7 @@ import time
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...proto.plan import DTYPE_SIZES, BucketPlan, BucketTimingRecord, TensorDeclaration
 from .choice import AlgorithmChoice
@@ -29,6 +29,7 @@ from .registration import Registration, RegistrationFacts
 from .reports import PlanRef, Spread
 from .samplelog import SampleLog
 from .session import ModelSession
+from .shapes import JobShape, ShapeHistory
 from .sharing import SharedPlans
 from .storeio import StoreIO
 from .validation import check_name
@@ -72,6 +73,7 @@ class ModelInfo:
     tuner: str
     layouts_tracked: int
     selection: AlgorithmChoice | None = None
+    shapes: ShapeHistory = field(default_factory=ShapeHistory)
 
 
 class AutotuneService:
@@ -276,6 +278,11 @@ class AutotuneService:
         if resume is not None and not fresh.current_plan.same_layout(resume):
             raise InvalidArgumentError(f"resume_hyperparameters does not cover exactly the {len(tensors)} tensors of "
                                        f"tensor_list; send the plan the job runs, or none")
+        origin = "default" if not fresh.started_on_remembered else "resumed" if resume is not None else "shared"
+        fresh.shapes = (session.shapes if session is not None else ShapeHistory()).then(JobShape(
+            world_size=world, nproc_per_node=per_node, registered_at=time.time(),
+            plan_version=fresh.current_plan.version, started_from=origin,
+            shared_key=registration.store_key if origin == "shared" else ""))
         with self._lock:
             held = self._sessions.get(key)
             current: ModelSession = fresh if held is None or held is session else held
@@ -292,7 +299,8 @@ class AutotuneService:
                             "whether_to_bucket=%s%s", "model_registered" if old is None else "job_reregistered",
                             model_name, job_id, len(tensors), world, per_node, whether_to_bucket,
                             "" if old is None else f" was_world_size={old.world_size} "
-                            f"was_nproc_per_node={old.nproc_per_node} first_version={first_version}")
+                            f"was_nproc_per_node={old.nproc_per_node} first_version={first_version} "
+                            f"started_from={origin} reshapes={fresh.shapes.reshapes}")
         if current is not fresh:
             current.registration.check_same_registration(registration)
         current.last_used = self._clock()
@@ -404,6 +412,13 @@ class AutotuneService:
             sessions = list(self._sessions.items())
         return [(name, job, s.selection) for (job, name), s in sessions if s.selection is not None]
 
+    def reshapes(self) -> list[tuple[str, str, int]]:
+        """``(model_name, job_id, reshapes)`` of every session held of a job (its re-registrations with
+        another shape)."""
+        with self._lock:
+            sessions = list(self._sessions.items())
+        return [(name, job, s.shapes.reshapes) for (job, name), s in sessions if job]
+
     # -- inspection ----------------------------------------------------------------------------------
     def _info(self, session: ModelSession, with_samples: bool) -> ModelInfo:
         samples = session.samples
@@ -414,7 +429,8 @@ class AutotuneService:
                          samples=tuple(samples) if with_samples else (), sample_count=len(samples),
                          reports_accepted=session.reports_accepted, reports_ignored=session.reports_ignored,
                          idle_s=max(0.0, self._clock() - session.last_used), tuner=session.tuner_kind,
-                         layouts_tracked=session.layouts_tracked, selection=session.selection)
+                         layouts_tracked=session.layouts_tracked, selection=session.selection,
+                         shapes=session.shapes)
 
     def list_models(self) -> list[ModelInfo]:
         """Every session held now, sorted by model name, then job id."""

@@ -94,7 +94,8 @@ def _summary(info: ModelInfo) -> Any:
         reports_ignored=info.reports_ignored, best_score=info.best.score if info.best else 0.0,
         has_best=info.best is not None, idle_s=info.idle_s, tuner=info.tuner, layouts_tracked=info.layouts_tracked,
         job_id=reg.job_id, fingerprint=info.fingerprint,
-        algorithm=info.selection.chosen if info.selection and info.selection.job_id == reg.job_id else "")
+        algorithm=info.selection.chosen if info.selection and info.selection.job_id == reg.job_id else "",
+        reshapes=info.shapes.reshapes)
 
 
 def _selection(choice: AlgorithmChoice) -> Any:
@@ -207,6 +208,10 @@ class AutotuneServicer(pb_grpc.AutotuneServiceServicer):
                             speed=s.speed, score=s.score, exposed_ms=s.exposed_ms, reports=s.reports,
                             train_iter=s.train_iter)
             for i, s in enumerate(info.samples))
+        reply.shapes.extend(
+            pb.JobShape(world_size=s.world_size, nproc_per_node=s.nproc_per_node, registered_at=s.registered_at,
+                        plan_version=s.plan_version, started_from=s.started_from, shared_key=s.shared_key)
+            for s in info.shapes.shapes)
         job = info.registration.job_id
         best = self.plans.encoded(job, request.model_name, info.best.plan) if info.best is not None else None
         return wire.describe_response(reply, self.plans.encoded(job, request.model_name, info.current), best)

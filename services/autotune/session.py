@@ -50,6 +50,7 @@ from .proposal import Proposal, Tuner
 from .registration import Registration, canonical_plan, layout_key
 from .reports import MAX_TRAIN_ITER, LayoutStats, PlanRef, SeenIters, Spread, check_measurement
 from .samplelog import sample_record
+from .shapes import ShapeHistory
 from .sharing import outlier
 from .tuners import make_tuner
 
@@ -133,6 +134,10 @@ class ModelSession:
             logger.info("event=plan_restored model=%s job=%s key=%s from_job=%s completed=%s score=%.4g buckets=%d",
                         registration.model_name, registration.job_id, registration.store_key, remembered.job_id,
                         remembered.completed, remembered.score, len(initial.buckets))
+        #: Whether the initial plan is ``remembered`` (False: the default plan, none given or it did not fit).
+        self.started_on_remembered = remembered is not None
+        #: The job's shapes up to this session's (the service sets it at registration).
+        self.shapes = ShapeHistory()
         self._current = initial
         self._issued[first_version] = initial
         self._issued_at = self.started_at

@@ -169,7 +169,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelSummary(_message.Message):
-    __slots__ = ("model_name", "tensors", "total_bytes", "world_size", "nproc_per_node", "plan_version", "completed", "samples", "reports_accepted", "reports_ignored", "best_score", "has_best", "idle_s", "tuner", "layouts_tracked", "job_id", "fingerprint", "algorithm")
+    __slots__ = ("model_name", "tensors", "total_bytes", "world_size", "nproc_per_node", "plan_version", "completed", "samples", "reports_accepted", "reports_ignored", "best_score", "has_best", "idle_s", "tuner", "layouts_tracked", "job_id", "fingerprint", "algorithm", "reshapes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class ModelSummary(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    RESHAPES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     tensors: int
     total_bytes: int
@@ -206,7 +207,24 @@ class ModelSummary(_message.Message):
     job_id: str
     fingerprint: str
     algorithm: str
-    def __init__(self, model_name: _Optional[str] = ..., tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., plan_version: _Optional[int] = ..., completed: _Optional[bool] = ..., samples: _Optional[int] = ..., reports_accepted: _Optional[int] = ..., reports_ignored: _Optional[int] = ..., best_score: _Optional[float] = ..., has_best: _Optional[bool] = ..., idle_s: _Optional[float] = ..., tuner: _Optional[str] = ..., layouts_tracked: _Optional[int] = ..., job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., algorithm: _Optional[str] = ...) -> None: ...
+    reshapes: int
+    def __init__(self, model_name: _Optional[str] = ..., tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., plan_version: _Optional[int] = ..., completed: _Optional[bool] = ..., samples: _Optional[int] = ..., reports_accepted: _Optional[int] = ..., reports_ignored: _Optional[int] = ..., best_score: _Optional[float] = ..., has_best: _Optional[bool] = ..., idle_s: _Optional[float] = ..., tuner: _Optional[str] = ..., layouts_tracked: _Optional[int] = ..., job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., algorithm: _Optional[str] = ..., reshapes: _Optional[int] = ...) -> None: ...
+
+class JobShape(_message.Message):
+    __slots__ = ("world_size", "nproc_per_node", "registered_at", "plan_version", "started_from", "shared_key")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NPROC_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FROM_FIELD_NUMBER: _ClassVar[int]
+    SHARED_KEY_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    nproc_per_node: int
+    registered_at: float
+    plan_version: int
+    started_from: str
+    shared_key: str
+    def __init__(self, world_size: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., registered_at: _Optional[float] = ..., plan_version: _Optional[int] = ..., started_from: _Optional[str] = ..., shared_key: _Optional[str] = ...) -> None: ...
 
 class SharedPlanSummary(_message.Message):
     __slots__ = ("key", "model_name", "job_id", "world_size", "nproc_per_node", "score", "completed", "buckets", "saved_at", "reports", "samples")
@@ -289,18 +307,20 @@ class SampleRecord(_message.Message):
     def __init__(self, index: _Optional[int] = ..., plan_version: _Optional[int] = ..., bucket_size: _Optional[int] = ..., is_hierarchical_reduce: _Optional[bool] = ..., bucket_bytes: _Optional[_Iterable[int]] = ..., speed: _Optional[float] = ..., score: _Optional[float] = ..., exposed_ms: _Optional[float] = ..., reports: _Optional[int] = ..., train_iter: _Optional[int] = ...) -> None: ...
 
 class DescribeModelResponse(_message.Message):
-    __slots__ = ("summary", "current", "best", "samples", "algorithm_selection")
+    __slots__ = ("summary", "current", "best", "samples", "algorithm_selection", "shapes")
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     BEST_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_SELECTION_FIELD_NUMBER: _ClassVar[int]
+    SHAPES_FIELD_NUMBER: _ClassVar[int]
     summary: ModelSummary
     current: Hyperparameters
     best: Hyperparameters
     samples: _containers.RepeatedCompositeFieldContainer[SampleRecord]
     algorithm_selection: AlgorithmSelection
-    def __init__(self, summary: _Optional[_Union[ModelSummary, _Mapping]] = ..., current: _Optional[_Union[Hyperparameters, _Mapping]] = ..., best: _Optional[_Union[Hyperparameters, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[SampleRecord, _Mapping]]] = ..., algorithm_selection: _Optional[_Union[AlgorithmSelection, _Mapping]] = ...) -> None: ...
+    shapes: _containers.RepeatedCompositeFieldContainer[JobShape]
+    def __init__(self, summary: _Optional[_Union[ModelSummary, _Mapping]] = ..., current: _Optional[_Union[Hyperparameters, _Mapping]] = ..., best: _Optional[_Union[Hyperparameters, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[SampleRecord, _Mapping]]] = ..., algorithm_selection: _Optional[_Union[AlgorithmSelection, _Mapping]] = ..., shapes: _Optional[_Iterable[_Union[JobShape, _Mapping]]] = ...) -> None: ...
 
 class AlgorithmCandidate(_message.Message):
     __slots__ = ("algorithm", "step_ms")
