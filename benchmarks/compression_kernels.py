@@ -261,8 +261,9 @@ def jit_decompress(packed: torch.Tensor, out: torch.Tensor) -> Callable[[], Any]
     t = tuning()
     block, warps = (t.decompress_block, t.decompress_warps) if t is not None else (
         kernels.BLOCK, kernels.NUM_WARPS)  # type: ignore[attr-defined]  # the kernels before Tuning
+    stream = {"STREAM": t.decompress_stream} if hasattr(t, "decompress_stream") else {}
     return lambda: kernels._k()._decompress_kernel[(-(-n // block), rows)](
-        words, out, n, stride, BLOCK=block, PACK=4, num_warps=warps, enable_fp_fusion=False)
+        words, out, n, stride, BLOCK=block, PACK=4, **stream, num_warps=warps, enable_fp_fusion=False)
 
 
 COMPRESS_FIELDS = ("block", "warps", "per_sm", "reverse", "stream")
@@ -387,7 +388,10 @@ def _sweep_size(variants: dict[str, Any], mib: float, chunks: int, rotations: li
                                          (HEADER_BYTES + n) // 4, BLOCK=2048, PACK=4, num_warps=4,
                                          enable_fp_fusion=False), rot),
         }
-        nbytes = {"copy": 8 * numel, "triton copy": 8 * numel, "multiply-decode (wrong values)": 5 * numel}
+        # A fill writes decompression's 4 bytes per value and reads nothing: the write side's own ceiling.
+        passes["fill (writes only)"] = rotating(lambda i: outs[i].fill_(1.0), rot)
+        nbytes = {"copy": 8 * numel, "triton copy": 8 * numel, "multiply-decode (wrong values)": 5 * numel,
+                  "fill (writes only)": 4 * numel}
         for name, t in variants.items():
             kernels.TUNING = t
             plan = kernels._CompressRows(xs[0], chunks, packs[0], None, False, False, kernels._current(xs[0]))

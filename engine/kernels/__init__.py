@@ -59,6 +59,8 @@ class Tuning(NamedTuple):
     #: decompression (one block per program): elements per block, warps per program
     decompress_block: int = 2048
     decompress_warps: int = 4
+    #: decompression's value stores: 0 plain, 1 evict-first from L2, 2 streaming (``st.global.cs``)
+    decompress_stream: int = 0
 
 
 #: The tuning every launcher uses (part of every layout key: assigning another one takes effect at once).
@@ -267,7 +269,7 @@ class _Decompress(_Runner):
         p = _decompress_plan_for(out.device, n, rows, block)
         row_stride, pack = _packed_layout(packed, n)
         self.kernel = Launch(_k()._decompress_kernel, (p.nblocks, rows), p.options, _words(0, pack))
-        self.args = (n, row_stride, p.block, pack)
+        self.args = (n, row_stride, p.block, pack, TUNING.decompress_stream)
 
     def run(self, packed: torch.Tensor, out: torch.Tensor) -> None:
         self.kernel(packed, out, *self.args)

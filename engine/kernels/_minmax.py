@@ -252,11 +252,14 @@ def _quantise_kernel(
 
 
 @triton.jit
-def _decompress_kernel(packed_ptr, out_ptr, n, row_stride, BLOCK: tl.constexpr, PACK: tl.constexpr):
+def _decompress_kernel(packed_ptr, out_ptr, n, row_stride, BLOCK: tl.constexpr, PACK: tl.constexpr,
+                       STREAM: tl.constexpr):
     """Values of block ``program_id(0)`` of chunk ``program_id(1)``, in ``out``'s dtype.
 
     One block per program: on an H200 this beat a span of blocks per program (0.84 of copy bandwidth
     against 0.64 at 100 MiB, ``compression_kernels.py --sweep``), and 4096-element blocks of 8 warps (0.81).
+    ``STREAM``: how the values are stored: 0 plainly, 1 marked first to be evicted from L2, 2 as streaming
+    stores (``st.global.cs``: not expected to be read again soon).
     """
     b = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
@@ -264,8 +267,13 @@ def _decompress_kernel(packed_ptr, out_ptr, n, row_stride, BLOCK: tl.constexpr, 
     lo, hi = _load_header(packed_ptr, row, PACK)
     idx, units = _tile(b, BLOCK, PACK)
     scale, lower = _level_parameters(lo, hi)
-    v = _decoded(_load_levels(packed_ptr, row, units, n, PACK), scale, lower)
-    tl.store(out_ptr + c * n + idx, _to_dtype(v, out_ptr.dtype.element_ty), mask=idx < n)
+    v = _to_dtype(_decoded(_load_levels(packed_ptr, row, units, n, PACK), scale, lower), out_ptr.dtype.element_ty)
+    if STREAM == 1:
+        tl.store(out_ptr + c * n + idx, v, mask=idx < n, eviction_policy="evict_first")
+    elif STREAM == 2:
+        tl.store(out_ptr + c * n + idx, v, mask=idx < n, cache_modifier=".cs")
+    else:
+        tl.store(out_ptr + c * n + idx, v, mask=idx < n)
 
 
 @triton.jit
