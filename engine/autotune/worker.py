@@ -12,6 +12,7 @@ service keeps one tuning session per job and model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -105,6 +106,8 @@ class AutotuneWorker:
         self._resume = job.resume
         self.outage = Outage(job.address, loud=job.rank == 0)
         self.closed = False
+        #: False: this worker calls nothing (a node that is not the job's leader under ElasticTraining).
+        self.active = True
 
     @property
     def is_main(self) -> bool:
@@ -133,13 +136,32 @@ class AutotuneWorker:
 
         Skipped when the previous call is still running: a slow service costs intervals, never steps.
         """
-        if self._pool is None or (self._future is not None and not self._future.done()):
+        if not self.active or self._pool is None or (self._future is not None and not self._future.done()):
             return
         self._future = self._pool.submit(self._work, train_iter, plan, measurement)
 
+    def reshape(self, *, world_size: int, nproc_per_node: int, job_id: str, active: bool) -> None:
+        """The job's nodes changed: it now runs ``world_size`` ranks, ``nproc_per_node`` per node.
+
+        An ``active`` worker registers the new shape at once, on its thread (the service starts the shape
+        from the plan jobs share for it, else the default plan; the answer waits in :meth:`take`); an
+        inactive one calls nothing. An answer for the old shape still waiting is dropped.
+        """
+        with self._lock:
+            self.job = dataclasses.replace(self.job, world_size=world_size, nproc_per_node=nproc_per_node,
+                                           job_id=job_id)
+            self._pending = None
+            self.registered = False
+            self._order_sent = False
+            self._selection_sent = False
+            self.active = active
+        if active and self._pool is not None:
+            # Queued even behind a call in flight: the registration must not wait for the next boundary.
+            self._future = self._pool.submit(self._work, 0, None, None)
+
     def _work(self, train_iter: int, plan: BucketPlan | None, m: Measurement | None) -> None:
         client = self._current_client()
-        if client is None:
+        if client is None or not self.active:
             return
         job = self.job
         try:
@@ -161,7 +183,8 @@ class AutotuneWorker:
                     self._order_sent = True
                 answer = client.ask_hyperparameters(job.model_name, 0, train_iter, job_id=job.job_id)
                 with self._lock:
-                    self._pending = Pending(answer.plan, answer.completed)
+                    if self.job is job:  # not an answer for a shape the job has left
+                        self._pending = Pending(answer.plan, answer.completed)
             self.outage.ok()
         except ModelNotRegisteredError as exc:
             # The service restarted without the model, or evicted it: register again at the next boundary.
@@ -206,6 +229,8 @@ class AutotuneWorker:
             self.earlier_selection = Selection(step_ms=dict(earlier.step_ms), chosen=earlier.chosen,
                                                decided_at=earlier.step, job_id=earlier.job_id)
         with self._lock:
+            if self.job is not job:  # the job changed shape meanwhile: that shape registers next
+                return
             self._pending = Pending(plan, answer.completed)
             self.registered = True
         self.outage.ok()
