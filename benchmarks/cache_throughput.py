@@ -127,12 +127,43 @@ def rate(fn: Callable[[], int], repeats: int) -> float:
     return best
 
 
+def profile_reads(readers: list[tuple[str, Any]], batches: list[list[int]], passes: int) -> dict[str, str]:
+    """Where the reading thread's time goes: ``passes`` passes over every batch of each reader under cProfile,
+    the functions of most own time (tottime) per sample, for (c) and (k) (``--profile``)."""
+    import cProfile
+    import io
+    import pstats
+
+    out: dict[str, str] = {}
+    samples = passes * sum(map(len, batches))
+    for name, reader in readers:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(passes):
+            for batch in batches:
+                reader.__getitems__(batch)
+        prof.disable()
+        stats: Any = pstats.Stats(prof)
+        rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])  # (file, line, name) -> (cc, nc, tt, ct)
+        total = sum(v[2] for _, v in rows)
+        text = io.StringIO()
+        text.write(f"== ({name}) cProfile, {passes} passes, {samples} samples: {1e6 * total / samples:.2f} us of "
+                   "own time per sample in all; the largest (us per sample, calls per sample):\n")
+        for (file, line_no, func), (_, calls, tottime, *_) in rows[:14]:
+            where = func if file == "~" else f"{Path(file).name}:{line_no}({func})"
+            text.write(f"  {1e6 * tottime / samples:6.2f}  {calls / samples:5.2f}  {where}\n")
+        out[name] = text.getvalue().rstrip()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--transform-ms", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--profile", type=int, default=0, metavar="PASSES",
+                    help="then cProfile (c) and (k) over PASSES passes each: where the reading thread's time goes")
     ap.add_argument("--decrypt-threads", choices=("auto", "on"), default="on",
                     help="(t): with a decrypting thread per node (on, the default), or as the store reads by "
                          "default (auto: one thread decrypts, as (t1))")
@@ -331,11 +362,16 @@ def main() -> None:
                         batch_cpu[name].append(time.thread_time() - cpu)
                         if name in batch_all_cpu:
                             batch_all_cpu[name].append(time.process_time() - all_cpu)
+        profiles = profile_reads([(name, reader) for name, reader in readers if name in ("c", "k")], batches,
+                                 args.profile) if args.profile else []
         r_b, r_c, r_k, r_d, r_dp, r_h = best["b"], best["c"], best["k"], best["d"], best["dp"], best["h"]
         stats = ds.stats
         paired = 1 + bool(run & {"k", "t", "t1"})
-        assert stats.misses == 0 and stats.hits == n * args.repeats * ("c" in run) * paired, stats
+        profiled = n * args.profile * ("c" in profiles)  # the profiled passes' reads
+        assert stats.misses == 0 and stats.hits == n * args.repeats * ("c" in run) * paired + profiled, stats
         assert keyed.stats.corrupt == 0, keyed.stats
+        for name in profiles:
+            print(profiles[name])
         tls_cipher = "-"
         if tls_ds is not None:
             held = tls_ds.cache_loader.store.nodes.held._local.held.conns.values()
