@@ -497,6 +497,9 @@ def main() -> None:
     parser.add_argument("--sweep", default=None,
                         help="kernels.Tuning variants to time first, ';' between variants, ',' between fields "
                              "(e.g. 'reverse=0;decompress_block=4096,decompress_warps=8'); the best is used for the rest")
+    parser.add_argument("--tuning", default=None,
+                        help="kernels.Tuning fields for the run, as one --sweep variant (e.g. 'decompress_stream=0'); "
+                             "the defaults for the fields not named; --sweep's best replaces it")
     parser.add_argument("--sweep-sizes", default="25,100,420", help="bucket sizes (MiB) the sweep times")
     parser.add_argument("--sweep-chunks", type=int, default=4, help="chunks of the sweep's buckets")
     parser.add_argument("--sweep-rotate", default="1,3",
@@ -508,6 +511,8 @@ def main() -> None:
         raise SystemExit("compression_kernels.py needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    if args.tuning is not None:
+        kernels.TUNING = parse_tuning(args.tuning)
     if args.sweep is not None:
         best, results["sweep"] = sweep(args.sweep.split(";"), [float(s) for s in args.sweep_sizes.split(",")],
                                        args.sweep_chunks, [int(r) for r in args.sweep_rotate.split(",")],

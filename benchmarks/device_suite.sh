@@ -2,6 +2,7 @@
 # The NCCL test suite and the GPU benchmarks, as run on the lent GPU machine (see docs/benchmarks.md).
 #
 #   benchmarks/device_suite.sh OUT_DIR [tests] [bench] [autotune] [twonode] [twobytwo] [autonv] [cache] [cpuauto]
+#                              [kernels] [onerank] [cachedecode]
 #
 # Environment: NGPU (ranks; default every GPU, e.g. NGPU=2 with CUDA_VISIBLE_DEVICES=0,1),
 # AUTOTUNE_ARGS (extra arguments for autotune_training.py), PYTEST_K (a -k filter for tests),
@@ -26,7 +27,12 @@
 #
 # cache and cpuauto use the host's CPUs only (a quiet 16-core machine): keyed vs unkeyed cache reads
 # (redis-server carried in .bin/), and algorithm="auto" on two CPU ranks in network namespaces at 1 Gbit/s
-# (ip and tc carried in .bin/; CPU_MODELS picks the models, default mlp).
+# (ip and tc carried in .bin/; CPU_MODELS picks the models, default mlp). CACHE_ARGS: more arguments of
+# cache_throughput.py there (e.g. --profile 3: where the reading thread's time goes).
+#
+# kernels: compression_kernels.py on one GPU, KERNELS_ARGS its arguments (default: buckets of 1/25/100/420 MiB);
+# onerank: one_rank.py --device cuda (BaguaStrategy against Lightning's single-device strategy), ONERANK_ARGS
+# more arguments; cachedecode: cache_decode.py --profile (decoding alone, sealed against unkeyed, host CPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: device_suite.sh OUT_DIR [tests] [bench] [autotune]}; shift
@@ -114,7 +120,7 @@ for what in "$@"; do
         --variants "ddp,gradient_allreduce,bytegrad,decentralized,low_precision_decentralized,auto:gradient_allreduce+bytegrad+decentralized+low_precision_decentralized" \
         --json "$out/autonv_${ngpu}gpu.json" 2>&1 | tee "$out/autonv_${ngpu}gpu.log" || rc=1 ;;
     cache)
-      PATH="$PWD/.bin:$PATH" python3 benchmarks/cache_throughput.py --variants c,k --repeats 15 2>&1 \
+      PATH="$PWD/.bin:$PATH" python3 benchmarks/cache_throughput.py --variants c,k --repeats 15 ${CACHE_ARGS:-} 2>&1 \
         | tee "$out/cache_keyed.log" || rc=1 ;;
     cpuauto)
       PATH="$PWD/.bin:$PATH" python3 benchmarks/switch_diagnose.py --netns --embed-std 1 2>&1 \
@@ -123,6 +129,14 @@ for what in "$@"; do
         PATH="$PWD/.bin:$PATH" python3 benchmarks/allreduce_vs_ddp.py --netns --rate 1gbit --model "$model" \
           --rounds 30 --variants gradient_allreduce,bytegrad,auto 2>&1 | tee "$out/cpuauto_${model}.log" || rc=1
       done ;;
+    kernels)
+      python3 benchmarks/compression_kernels.py ${KERNELS_ARGS:---sizes 1,25,100,420} \
+        --json "$out/compression_kernels.json" 2>&1 | tee "$out/compression_kernels.log" || rc=1 ;;
+    onerank)
+      python3 benchmarks/one_rank.py --device cuda ${ONERANK_ARGS:-} --json "$out/one_rank.json" 2>&1 \
+        | tee "$out/one_rank.log" || rc=1 ;;
+    cachedecode)
+      python3 benchmarks/cache_decode.py --profile ${CACHEDECODE_ARGS:-} 2>&1 | tee "$out/cache_decode.log" || rc=1 ;;
     *) echo "unknown part $what"; rc=2 ;;
   esac
 done
