@@ -15,6 +15,7 @@ The file is JSON (mode 0600)::
     {"version": 2,
      "deployment": "3f9c...",                      # id of the `up` that wrote it
      "autotune": "127.0.0.1:29600",
+     "lighthouse": "127.0.0.1:29510",             # the fault-tolerance coordinator (torchft's Lighthouse)
      "redis": {"hosts": [{"host": "127.0.0.1", "port": 7000}, ...], "cluster": true,
                "node_ids": ["e4c1...", ...],             # the cluster's own nodes, recorded at creation
                "read_port_offset": 20000},               # each node's plaintext read port: port + this
@@ -67,10 +68,12 @@ from .read_plane import READ_PORT_OFFSET_ENV
 from .tls_trust import ClientTLS, resolve_client_tls
 
 DEFAULT_AUTOTUNE_ADDRESS = "127.0.0.1:29600"
+DEFAULT_LIGHTHOUSE_ADDRESS = "127.0.0.1:29510"  # `bagua-lightning lighthouse` and `up` when the port is free
 FILE_VERSION = 2
 
 ENV_FILE = "BAGUA_LIGHTNING_SERVICES_FILE"
 ENV_AUTOTUNE = "BAGUA_LIGHTNING_AUTOTUNE_SERVICE"
+ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"  # torchft's variable: http://HOST:PORT of the Lighthouse
 ENV_REDIS_HOSTS = "BAGUA_LIGHTNING_REDIS_HOSTS"
 ENV_REDIS_PASSWORD = "BAGUA_LIGHTNING_REDIS_PASSWORD"
 ENV_AUTOTUNE_TOKEN = "BAGUA_LIGHTNING_AUTOTUNE_TOKEN"
@@ -127,6 +130,7 @@ class ServicesInfo:
 
     Attributes:
         autotune: ``host:port`` of the autotune gRPC service, or None.
+        lighthouse: ``host:port`` of the fault-tolerance coordinator (torchft's Lighthouse), or None.
         redis_hosts: Redis nodes as ``{"host", "port"}`` dicts; empty when none runs.
         redis_cluster: True when ``redis_hosts`` form a Redis Cluster.
         redis_node_ids: the cluster's node ids, recorded when it was created (``status`` names any other
@@ -141,6 +145,7 @@ class ServicesInfo:
     """
 
     autotune: str | None = None
+    lighthouse: str | None = None
     redis_hosts: list[dict[str, Any]] = field(default_factory=list)
     redis_cluster: bool = False
     redis_node_ids: list[str] = field(default_factory=list)
@@ -153,9 +158,10 @@ class ServicesInfo:
 
     @property
     def pids(self) -> dict[str, Any]:
-        """``{"autotune": pid, "redis": [pid, ...]}`` of the recorded processes."""
+        """``{"autotune": pid, "lighthouse": pid, "redis": [pid, ...]}`` of the recorded processes."""
         auto = self.processes.get("autotune") or []
-        return {"autotune": auto[0].pid if auto else None,
+        lighthouse = self.processes.get("lighthouse") or []
+        return {"autotune": auto[0].pid if auto else None, "lighthouse": lighthouse[0].pid if lighthouse else None,
                 "redis": [r.pid for r in self.processes.get("redis") or []]}
 
     def to_json(self) -> dict[str, Any]:
@@ -163,6 +169,7 @@ class ServicesInfo:
             "version": FILE_VERSION,
             "deployment": self.deployment,
             "autotune": self.autotune,
+            **({"lighthouse": self.lighthouse} if self.lighthouse is not None else {}),
             "redis": {"hosts": self.redis_hosts, "cluster": self.redis_cluster, "node_ids": self.redis_node_ids,
                       **({"read_port_offset": self.redis_read_port_offset}
                          if self.redis_read_port_offset is not None else {})},
@@ -185,6 +192,9 @@ class ServicesInfo:
         autotune = data.get("autotune")
         if autotune is not None:
             parse_address(autotune, "'autotune'")
+        lighthouse = data.get("lighthouse")
+        if lighthouse is not None:
+            parse_address(lighthouse, "'lighthouse'")
         state = data.get("state_dir")
         if state is not None and not isinstance(state, str):
             raise ValueError(f"'state_dir' {state!r} is not a path")
@@ -201,6 +211,7 @@ class ServicesInfo:
             raise ValueError("'processes' is not an object of lists")
         return cls(
             autotune=autotune,
+            lighthouse=lighthouse,
             redis_hosts=_host_entries(redis.get("hosts") or [], "'redis.hosts'"),
             redis_cluster=bool(redis.get("cluster", False)),
             redis_node_ids=list(node_ids),
@@ -272,6 +283,13 @@ def resolve_autotune_address(explicit: str | None = None) -> str:
     if info is not None and info.autotune:
         return info.autotune
     return DEFAULT_AUTOTUNE_ADDRESS
+
+
+def recorded_lighthouse_url() -> str | None:
+    """``http://host:port`` of the fault-tolerance coordinator the services file records (``up`` started it), for
+    ``TORCHFT_LIGHTHOUSE``; None without one. No secret goes to it (torchft 0.2.0's Lighthouse has none)."""
+    info = read_services_file()
+    return f"http://{info.lighthouse}" if info is not None and info.lighthouse else None
 
 
 def resolve_redis_hosts() -> tuple[list[dict[str, Any]], bool] | None:

@@ -1,11 +1,14 @@
-"""``bagua-lightning up | down | status``: the autotune service and a Redis deployment as local processes.
+"""``bagua-lightning up | down | status``: the autotune service, a Redis deployment and the fault-tolerance
+coordinator as local processes.
 
-The embedded counterpart of ``docker-compose.yml``: the same two services, started natively as detached
+The embedded counterpart of ``docker-compose.yml``: the same services, started natively as detached
 background processes (own session, logs under :func:`~bagua_lightning.core.services_file.state_dir`), the
-autotune service keeping its persisted plans in the Redis deployment. ``up`` waits until both are healthy
-(gRPC health ``SERVING``; every Redis node answering and, for a cluster, all 16384 slots served), then
-records their addresses, process records and the paths of their secret files in the services file, where
-``BaguaStrategy(autotune=True)`` and ``CachedDataset`` find them. ``up`` on healthy recorded services does
+autotune service keeping its persisted plans in the Redis deployment, and torchft's Lighthouse
+(``bagua-lightning lighthouse``, no credentials or TLS in torchft 0.2.0: loopback unless ``--host`` says
+otherwise, with a warning) for ``FaultTolerance()``. ``up`` waits until all are healthy (gRPC health
+``SERVING``; every Redis node answering and, for a cluster, all 16384 slots served; the Lighthouse's status
+page), then records their addresses, process records and the paths of their secret files in the services file, where
+``BaguaStrategy(autotune=True)``, ``CachedDataset`` and ``FaultTolerance()`` find them. ``up`` on healthy recorded services does
 nothing; on a partly healthy deployment it restarts only what is dead and keeps the secrets, the data and
 the processes of what is alive (:mod:`.deploy_recovery`); on one whose every process is gone (a reboot) it
 restarts everything from its state folder: the same secrets and CA, each Redis node from its ``nodes.conf``
@@ -70,19 +73,22 @@ from .deploy_config import (
     AUTOTUNE_LOG,
     DEFAULT_AUTOTUNE_PORT,
     DEFAULT_HOST,
+    DEFAULT_LIGHTHOUSE_PORT,
     DEFAULT_MAXMEMORY,
     DEFAULT_REDIS_PORT,
+    LIGHTHOUSE_LOG,
     REDIS_TLS_DIR,
     SECRETS,
     SECRETS_DIR,
     UpConfig,
     autotune_service_args,
     deployment_ports,
+    lighthouse_warning,
     redis_state_url,
 )
 from .deploy_ports import all_free, claim_ports, claimed, port_free
-from .deploy_state import exclusive, owned, running_services, start_autotune
-from .health import check_autotune, wait_healthy
+from .deploy_state import exclusive, owned, running_services, start_autotune, start_lighthouse
+from .health import check_autotune, check_lighthouse, wait_healthy
 from .redis_tls import client_tls, remove_tls_dir
 
 log = logging.getLogger(__name__)
@@ -90,7 +96,8 @@ log = logging.getLogger(__name__)
 # One line per component and what `up` did with it: "autotune service 127.0.0.1:29600: kept (pid 42)".
 Report = Callable[[str], None]
 
-__all__ = ["AUTOTUNE_LOG", "DEFAULT_AUTOTUNE_PORT", "DEFAULT_HOST", "DEFAULT_MAXMEMORY", "DEFAULT_REDIS_PORT",
+__all__ = ["AUTOTUNE_LOG", "DEFAULT_AUTOTUNE_PORT", "DEFAULT_HOST", "DEFAULT_LIGHTHOUSE_PORT", "DEFAULT_MAXMEMORY",
+           "DEFAULT_REDIS_PORT", "LIGHTHOUSE_LOG",
            "REDIS_TLS_DIR", "SECRETS_DIR", "DownReport", "UpConfig", "autotune_service_args", "down", "ensure_up",
            "is_loopback", "parse_bytes", "redis_state_url", "running_services", "stop_all", "up"]
 
@@ -119,9 +126,9 @@ def up(cfg: UpConfig, *, fresh: bool = False, report: Report | None = None) -> S
             this call started is stopped again.
     """
     check_own_folder(state_dir())  # never adopt (chmod, fill with secrets) a folder another user made
-    warning = read_port_warning(cfg)
-    if warning:
-        log.warning("%s", warning)
+    for warning in (read_port_warning(cfg), _lighthouse_warning(cfg)):
+        if warning:
+            log.warning("%s", warning)
     with exclusive():
         return _up(cfg, fresh, report or log.info)
 
@@ -136,6 +143,11 @@ def read_port_warning(cfg: UpConfig) -> str | None:
             "lengths), never a secret; `up --fresh --no-read-ports` starts none (trainers then read over TLS).")
 
 
+def _lighthouse_warning(cfg: UpConfig) -> str | None:
+    warning = lighthouse_warning(cfg.host, cfg.lighthouse_port or DEFAULT_LIGHTHOUSE_PORT) if cfg.lighthouse else None
+    return warning and warning.rstrip(".") + " (`up --no-lighthouse` starts none)."
+
+
 def _up(cfg: UpConfig, fresh: bool, report: Report) -> ServicesInfo:
     existing = read_services_file()
     if existing is not None and fresh:
@@ -146,7 +158,8 @@ def _up(cfg: UpConfig, fresh: bool, report: Report) -> ServicesInfo:
     health = running_services(existing)
     asked, cfg = cfg, _with_recorded_ports(existing, cfg)
     differences = _differences(existing, cfg)
-    if health and all(h.healthy for h in health.values()):
+    missing = cfg.lighthouse and not existing.lighthouse  # a deployment of an `up` that started none: add it
+    if health and all(h.healthy for h in health.values()) and not missing:
         if differences:
             raise ConfigurationError(
                 f"services are already running with other settings ({'; '.join(differences)}); stop them with "
@@ -199,7 +212,8 @@ def _with_recorded_ports(info: ServicesInfo, cfg: UpConfig) -> UpConfig:
         return cfg
     autotune = parse_address(info.autotune, "'autotune'")[1] if info.autotune else DEFAULT_AUTOTUNE_PORT
     redis_port = int(info.redis_hosts[0]["port"]) if info.redis_hosts else DEFAULT_REDIS_PORT
-    return cfg.with_ports(cfg.autotune_port or autotune, cfg.redis_port or redis_port)
+    lighthouse = parse_address(info.lighthouse, "'lighthouse'")[1] if info.lighthouse else None
+    return cfg.with_ports(cfg.autotune_port or autotune, cfg.redis_port or redis_port, cfg.lighthouse_port or lighthouse)
 
 
 def _start_fresh(cfg: UpConfig, report: Report) -> ServicesInfo:
@@ -225,6 +239,7 @@ def _start(cfg: UpConfig, folder: Path, report: Report) -> ServicesInfo:
     deployment = procs.new_deployment_id()
     cluster = None
     proc: subprocess.Popen[bytes] | None = None
+    coordinator: subprocess.Popen[bytes] | None = None
     secret_files: dict[str, str] = {}
     try:
         procs.private_dir(folder)
@@ -246,19 +261,28 @@ def _start(cfg: UpConfig, folder: Path, report: Report) -> ServicesInfo:
         proc = start_autotune(cfg, redis_state_url(cfg.client_host, cfg.first_redis_port), folder, deployment,
                               secret_files, tls_dir if tls is not None else None)
         autotune = procs.record(proc.pid, deployment)
+        processes = {"autotune": [autotune], "redis": cluster.processes}
+        if cfg.lighthouse:
+            coordinator = start_lighthouse(cfg, folder, deployment)
+            processes["lighthouse"] = [procs.record(coordinator.pid, deployment)]
         wait_healthy(lambda: check_autotune(cfg.autotune_address, token=secrets.get("autotune_token"),
                                             tls_ca=Path(tls.ca) if tls else None),
                      deadline, f"the autotune service on {cfg.autotune_address}", proc, folder / AUTOTUNE_LOG)
+        if coordinator is not None:
+            wait_healthy(lambda: check_lighthouse(cfg.lighthouse_address), deadline,
+                         f"the lighthouse on {cfg.lighthouse_address}", coordinator, folder / LIGHTHOUSE_LOG)
         info = ServicesInfo(
-            autotune=cfg.autotune_address, redis_hosts=cluster.hosts, redis_cluster=cluster.cluster,
+            autotune=cfg.autotune_address, lighthouse=cfg.lighthouse_address if cfg.lighthouse else None,
+            redis_hosts=cluster.hosts, redis_cluster=cluster.cluster,
             redis_node_ids=cluster.node_ids, state_dir=str(folder), deployment=deployment, secrets=secret_files,
-            processes={"autotune": [autotune], "redis": cluster.processes}, tls=tls,
+            processes=processes, tls=tls,
             redis_read_port_offset=cluster.read_port_offset,
         )
         write_services_file(info)
     except BaseException:
-        if proc is not None:
-            procs.stop_child(proc)
+        for child in (proc, coordinator):
+            if child is not None:
+                procs.stop_child(child)
         if cluster is not None:
             redis_cluster.stop_deployment(cluster, timeout_s=5.0)
         _remove_files(folder, secret_files, deployment)
@@ -268,6 +292,8 @@ def _start(cfg: UpConfig, folder: Path, report: Report) -> ServicesInfo:
         read = f", read port {node.port + offset}" if offset is not None else ""
         report(f"redis node {node.host}:{node.port}: started (pid {node.pid}, {node.role}{read})")
     report(f"autotune service {info.autotune}: started (pid {autotune.pid})")
+    if coordinator is not None:
+        report(f"lighthouse {info.lighthouse}: started (pid {coordinator.pid})")
     return info
 
 
@@ -328,6 +354,10 @@ def _differences(info: ServicesInfo, cfg: UpConfig) -> list[str]:
         found.append(f"Redis from {first.get('host')}:{first.get('port')}, asked {cfg.client_host}:{cfg.redis_port}")
     if info.redis_cluster == cfg.single:
         found.append("a cluster, asked --single" if info.redis_cluster else "--single, asked a cluster")
+    if info.lighthouse and not cfg.lighthouse:
+        found.append(f"a lighthouse on {info.lighthouse}, asked --no-lighthouse")
+    elif info.lighthouse and info.lighthouse != cfg.lighthouse_address:
+        found.append(f"the lighthouse on {info.lighthouse}, asked {cfg.lighthouse_address}")
     nodes = len(info.processes.get("redis") or [])
     if nodes and nodes != cfg.redis_node_count:
         found.append(f"{nodes} Redis nodes, asked {cfg.redis_node_count}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from ..core.errors import ConfigurationError
 from ..core.read_plane import READ_PORT_OFFSET_ENV, READER_USER
 from ..core.services_file import (
     ENV_AUTOTUNE,
+    ENV_LIGHTHOUSE,
     ENV_REDIS_HOSTS,
     ServicesInfo,
     read_services_file,
@@ -32,7 +34,7 @@ from ..core.services_file import (
     services_file_path,
 )
 from . import deploy
-from .health import Health, check_autotune, check_redis
+from .health import Health, check_autotune, check_lighthouse, check_redis
 
 
 def _read_ports(info: ServicesInfo | None) -> list[tuple[str, int]]:
@@ -67,6 +69,8 @@ def _read_ports_line(info: ServicesInfo, timeout_s: float | None = None) -> str 
 def _print_info(info: ServicesInfo) -> None:
     redis_hosts = ",".join(format_address(h["host"], h["port"]) for h in info.redis_hosts)
     print(f"autotune service: {info.autotune}")
+    if info.lighthouse:
+        print(f"lighthouse (fault tolerance): http://{info.lighthouse} (no credentials or TLS: torchft 0.2.0)")
     print(f"redis {'cluster' if info.redis_cluster else 'server'}: {redis_hosts}")
     read_line = _read_ports_line(info)
     if read_line:
@@ -76,14 +80,16 @@ def _print_info(info: ServicesInfo) -> None:
     if info.secrets:
         print(f"secrets (0600 files): {Path(next(iter(info.secrets.values()))).parent}")
     offset = "" if info.redis_read_port_offset is None else f" {READ_PORT_OFFSET_ENV}={info.redis_read_port_offset}"
+    lighthouse = f" {ENV_LIGHTHOUSE}=http://{info.lighthouse}" if info.lighthouse else ""
     print(f"trainers on this machine find them through the services file; elsewhere set "
-          f"{ENV_AUTOTUNE}={info.autotune} {ENV_REDIS_HOSTS}={redis_hosts}{offset} and the secrets "
+          f"{ENV_AUTOTUNE}={info.autotune} {ENV_REDIS_HOSTS}={redis_hosts}{offset}{lighthouse} and the secrets "
           "(docs/deployment.md)")
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     cfg = deploy.UpConfig(host=args.host, announce_ip=args.announce_ip, autotune_port=args.autotune_port,
-                          redis_port=args.redis_port,
+                          redis_port=args.redis_port, lighthouse_port=args.lighthouse_port,
+                          lighthouse=not args.no_lighthouse,
                           nodes=args.nodes, replicas=args.replicas, single=args.single, maxmemory=args.maxmemory,
                           timeout_s=args.timeout, auth=not args.no_auth, read_ports=not args.no_read_ports)
     _print_info(deploy.up(cfg, fresh=args.fresh, report=lambda line: print(line, flush=True)))
@@ -144,8 +150,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     report: dict[str, Health]
     tls_ca = args.tls_ca
     info = None
-    if args.autotune or args.redis:
+    if args.autotune or args.redis or args.lighthouse:
         report = {}
+        if args.lighthouse:
+            report["lighthouse"] = check_lighthouse(format_address(*parse_address(
+                args.lighthouse.split("://", 1)[-1].rstrip("/"), "--lighthouse")), args.timeout)
         if args.autotune:
             parse_address(args.autotune, "--autotune")
             report["autotune"] = check_autotune(args.autotune, args.timeout, token=resolve_autotune_token(args.autotune),
@@ -169,6 +178,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
                                                  tls_ca=_autotune_ca(autotune, tls_ca)),
                       "redis": check_redis(hosts, cluster, resolve_redis_password(hosts), args.timeout,
                                            tls=resolve_redis_tls(hosts, ca=tls_ca))}
+            if os.environ.get(ENV_LIGHTHOUSE):  # trainers have no default Lighthouse: only the variable's
+                report["lighthouse"] = check_lighthouse(os.environ[ENV_LIGHTHOUSE], args.timeout)
         local = _local_health()
         if local is not None:
             report["node-local redis"] = local
@@ -190,7 +201,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``up``, ``down``, ``status`` and ``rotate-secrets`` to the ``bagua-lightning`` command line."""
-    p = subparsers.add_parser("up", help="start the autotune service and a local Redis Cluster in the background",
+    p = subparsers.add_parser("up", help="start the autotune service, a local Redis Cluster and the fault-tolerance "
+                                         "coordinator in the background",
                               description=(deploy.__doc__ or "").split("\n\n")[0] or None)
     p.add_argument("--host", default=deploy.DEFAULT_HOST,
                    help="address to bind and to give clients; a name is resolved (default %(default)s)")
@@ -203,6 +215,12 @@ def register(subparsers: Any) -> None:
                    help="first Redis port; node i uses port + i (TLS only) and its bus port + 10000 "
                         f"(default: the recorded one, else {deploy.DEFAULT_REDIS_PORT} when all are free, else a "
                         "free block)")
+    p.add_argument("--lighthouse-port", type=port_arg, default=None,
+                   help="port of the fault-tolerance coordinator (torchft's Lighthouse; default: the recorded one, "
+                        f"else {deploy.DEFAULT_LIGHTHOUSE_PORT} when free, else a free one below "
+                        f"{deploy.DEFAULT_AUTOTUNE_PORT})")
+    p.add_argument("--no-lighthouse", action="store_true",
+                   help="start no Lighthouse (it has no credentials or TLS: `up` warns when --host is not loopback)")
     p.add_argument("--nodes", type=positive_int_arg, default=3, help="Redis Cluster masters (default %(default)s)")
     p.add_argument("--replicas", type=non_negative_int_arg, default=None,
                    help="replicas per master: 1 (default) fails a dead master over; 0: no failover")
@@ -231,6 +249,8 @@ def register(subparsers: Any) -> None:
                                              "a stale node-local record is not)")
     p.add_argument("--autotune", metavar="HOST:PORT", help="check this autotune service instead of the file's")
     p.add_argument("--redis", metavar="HOST:PORT[,...]", help="check these Redis nodes instead of the file's")
+    p.add_argument("--lighthouse", metavar="HOST:PORT",
+                   help="check this Lighthouse (fault-tolerance coordinator; http:// optional) instead of the file's")
     p.add_argument("--single", action="store_true", help="with --redis: standalone servers, not a cluster")
     p.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
                    help="speak TLS to the services, trusting only this CA certificate (default: "

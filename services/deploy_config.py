@@ -15,6 +15,7 @@ from ..core.errors import ConfigurationError
 from ..core.redis_server import BUS_PORT_OFFSET, read_port_offset
 from ..core.services_file import (
     DEFAULT_AUTOTUNE_ADDRESS,
+    DEFAULT_LIGHTHOUSE_ADDRESS,
     ENV_AUTOTUNE_TOKEN,
     ENV_CACHE_KEY,
     ENV_REDIS_PASSWORD,
@@ -23,9 +24,11 @@ from .addresses import WILDCARDS, machine_address, resolve_host
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_AUTOTUNE_PORT = parse_address(DEFAULT_AUTOTUNE_ADDRESS)[1]
+DEFAULT_LIGHTHOUSE_PORT = parse_address(DEFAULT_LIGHTHOUSE_ADDRESS)[1]
 DEFAULT_REDIS_PORT = 7000  # first node of the local cluster, when it is free; the trainer's documented default
 DEFAULT_MAXMEMORY = 1024**3  # bytes per Redis node; docker-compose.yml uses the same default ("1gb")
 AUTOTUNE_LOG = "autotune.log"
+LIGHTHOUSE_LOG = "lighthouse.log"
 AUTOTUNE_SAMPLES = "autotune-samples"  # folder of the service's per-model sample logs
 AUTOTUNE_PLANS = "autotune-plans"  # folder mirroring the plans kept in Redis (survives a node restarted empty)
 SECRETS_DIR = "secrets"
@@ -63,6 +66,22 @@ def autotune_service_args(*, host: str, port: int, state: str, log_dir: str, mir
     return ["autotune", "serve", "--host", host, "--port", str(port), *states, "--log-dir", log_dir, *token, *tls]
 
 
+def lighthouse_args(*, host: str, port: int) -> list[str]:
+    """The fault-tolerance coordinator's arguments after the program name (``bagua-lightning``): what ``up``
+    runs (prefixed with ``python -m bagua_lightning.cli``) and ``docker-compose.yml``'s ``lighthouse`` command
+    (with ``host="0.0.0.0"``; a test compares them)."""
+    return ["lighthouse", "--host", check_host(host), "--port", str(port)]
+
+
+def lighthouse_warning(host: str, port: int) -> str | None:
+    """One line saying what the Lighthouse exposes when it listens beyond loopback; None on loopback."""
+    if is_loopback(host):
+        return None
+    return (f"--host {host}: the fault-tolerance coordinator (torchft's Lighthouse, port {port}) has no credentials "
+            "and no TLS in torchft 0.2.0: whoever reaches it can join, stall or end a job's quorum, and its "
+            "dashboard's kill button ends a node's trainer; keep it on loopback or a private network.")
+
+
 def redis_state_url(host: str, port: int) -> str:
     """The ``--state`` value that keeps the autotune service's plans in the Redis node ``host:port``.
 
@@ -86,6 +105,10 @@ class UpConfig:
             other machines cannot reach).
         autotune_port: gRPC port of the autotune service; None: the recorded one, else 29600 when free, else
             a free one (:mod:`.deploy_ports`).
+        lighthouse_port: port of the fault-tolerance coordinator (``bagua-lightning lighthouse``, torchft's
+            Lighthouse); None: the recorded one, else 29510 when free, else a free one below 29600.
+        lighthouse: start the Lighthouse (on ``host``; it has no credentials or TLS, so ``up`` warns beyond
+            loopback); False: none (``up --no-lighthouse``).
         redis_port: first Redis port; cluster node i listens on ``redis_port + i`` (bus: ``+ 10000``; with
             TLS the node's port is its TLS port; without, TLS is off altogether). None: the recorded one,
             else 7000 when all of its ports are free, else the first free block.
@@ -109,6 +132,8 @@ class UpConfig:
     announce_ip: str | None = None
     autotune_port: int | None = None
     redis_port: int | None = None
+    lighthouse_port: int | None = None
+    lighthouse: bool = True
     nodes: int = 3
     replicas: int | None = None
     bus_tls: bool = True
@@ -139,6 +164,8 @@ class UpConfig:
                                      "given the bound address; give --announce-ip only with --host 0.0.0.0.")
         if self.autotune_port is not None:
             check_port(self.autotune_port, "autotune_port")
+        if self.lighthouse_port is not None:
+            check_port(self.lighthouse_port, "lighthouse_port")
         if self.redis_port is not None:
             check_port(self.redis_port, "redis_port")
             last = self.redis_port + self.redis_node_count - 1 + (0 if self.single else BUS_PORT_OFFSET)
@@ -159,6 +186,13 @@ class UpConfig:
                     f"autotune_port {self.autotune_port} collides with the Redis ports {redis_ports.start}.."
                     f"{redis_ports.stop - 1}; pick another --autotune-port or --redis-port."
                 )
+        if self.lighthouse_port is not None:
+            taken = {self.autotune_port: "--autotune-port"} if self.autotune_port is not None else {}
+            if self.redis_port is not None:
+                taken.update((p, flag) for flag, p in _redis_ports(self, self.redis_port))
+            if self.lighthouse_port in taken:
+                raise ConfigurationError(f"lighthouse_port {self.lighthouse_port} collides with a port of "
+                                         f"{taken[self.lighthouse_port]}; pick another --lighthouse-port.")
         if self.maxmemory < 0:
             raise ConfigurationError(f"maxmemory {self.maxmemory} is negative; give bytes, 0 for no limit.")
         if not self.timeout_s > 0:
@@ -179,13 +213,19 @@ class UpConfig:
 
     @property
     def ports_chosen(self) -> bool:
-        """True once both ports are set (named, recorded or picked)."""
-        return self.autotune_port is not None and self.redis_port is not None
+        """True once every port is set (named, recorded or picked)."""
+        return (self.autotune_port is not None and self.redis_port is not None
+                and (self.lighthouse_port is not None or not self.lighthouse))
 
     @property
     def autotune_address(self) -> str:
         """``host:port`` clients are given; before a port is chosen, the default port's."""
         return format_address(self.client_host, self.autotune_port or DEFAULT_AUTOTUNE_PORT)
+
+    @property
+    def lighthouse_address(self) -> str:
+        """``host:port`` trainers are given for the Lighthouse (``http://`` + this in ``TORCHFT_LIGHTHOUSE``)."""
+        return format_address(self.client_host, self.lighthouse_port or DEFAULT_LIGHTHOUSE_PORT)
 
     @property
     def read_port_offset(self) -> int | None:
@@ -204,16 +244,25 @@ class UpConfig:
         """The first Redis port; before one is chosen, the default."""
         return self.redis_port or DEFAULT_REDIS_PORT
 
-    def with_ports(self, autotune_port: int, redis_port: int) -> UpConfig:
-        """A copy with both ports set (validated again)."""
-        return dataclasses.replace(self, autotune_port=autotune_port, redis_port=redis_port)
+    def with_ports(self, autotune_port: int, redis_port: int, lighthouse_port: int | None = None) -> UpConfig:
+        """A copy with these ports set (validated again); ``lighthouse_port`` None keeps this one's."""
+        return dataclasses.replace(self, autotune_port=autotune_port, redis_port=redis_port,
+                                   lighthouse_port=self.lighthouse_port if lighthouse_port is None else lighthouse_port)
 
 
 def deployment_ports(cfg: UpConfig, autotune_port: int, redis_port: int) -> list[tuple[str, int]]:
     """Every port a deployment with these first ports listens on, each with the flag that moves it:
-    the autotune port, the Redis client ports (TLS ports too when TLS is on), for a cluster their bus
-    ports (+10000) and, with client TLS and a password, their plaintext read ports (+/-20000)."""
+    the autotune port, the Lighthouse's (``cfg``'s, else its default), the Redis client ports (TLS ports too
+    when TLS is on), for a cluster their bus ports (+10000) and, with client TLS and a password, their
+    plaintext read ports (+/-20000)."""
     wanted = [("--autotune-port", autotune_port)]
+    if cfg.lighthouse:
+        wanted.append(("--lighthouse-port", cfg.lighthouse_port or DEFAULT_LIGHTHOUSE_PORT))
+    return wanted + _redis_ports(cfg, redis_port)
+
+
+def _redis_ports(cfg: UpConfig, redis_port: int) -> list[tuple[str, int]]:
+    wanted: list[tuple[str, int]] = []
     offset = cfg.read_port_offset_from(redis_port)
     for i in range(cfg.redis_node_count):
         wanted.append(("--redis-port", redis_port + i))

@@ -11,18 +11,26 @@ defaults (7000.., 29600) are used when every port they imply is free, else the f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import socket
 from collections.abc import Iterator
 
 from ..core.errors import ConfigurationError
 from ..core.redis_server import BUS_PORT_OFFSET
-from .deploy_config import DEFAULT_AUTOTUNE_PORT, DEFAULT_REDIS_PORT, UpConfig, deployment_ports
+from .deploy_config import (
+    DEFAULT_AUTOTUNE_PORT,
+    DEFAULT_LIGHTHOUSE_PORT,
+    DEFAULT_REDIS_PORT,
+    UpConfig,
+    deployment_ports,
+)
 
 # Where a Redis block is looked for when the default is taken: from the default up, below the ephemeral
 # range (32768..) with the bus ports (+10000) too, then below the default.
 _REDIS_SCAN = (range(DEFAULT_REDIS_PORT, 12000), range(2000, DEFAULT_REDIS_PORT))
 _AUTOTUNE_SCAN = range(DEFAULT_AUTOTUNE_PORT, DEFAULT_AUTOTUNE_PORT + 400)
+_LIGHTHOUSE_SCAN = range(DEFAULT_LIGHTHOUSE_PORT, DEFAULT_AUTOTUNE_PORT)  # below the autotune scan: never the same
 
 
 class PortClaimedError(ConfigurationError):
@@ -84,6 +92,21 @@ def claim_ports(ports: list[int]) -> Iterator[None]:
             s.close()
 
 
+def with_lighthouse_port(cfg: UpConfig) -> UpConfig:
+    """``cfg`` with a Lighthouse port: the named (or recorded) one, else 29510 when free, else the next free one
+    below 29600 (none of the ports ``cfg`` names)."""
+    if not cfg.lighthouse or cfg.lighthouse_port is not None:
+        return cfg
+    named = {cfg.autotune_port}
+    if cfg.redis_port is not None:
+        named |= {p for _, p in deployment_ports(dataclasses.replace(cfg, lighthouse=False), 0, cfg.redis_port)}
+    for port in _LIGHTHOUSE_SCAN:
+        if port not in named and port_free(cfg.host, port) is None:
+            return dataclasses.replace(cfg, lighthouse_port=port)
+    raise ConfigurationError(f"no free port for the Lighthouse on {cfg.host} in {_LIGHTHOUSE_SCAN.start}.."
+                             f"{_LIGHTHOUSE_SCAN.stop - 1}; name one with --lighthouse-port, or --no-lighthouse.")
+
+
 def _candidates(cfg: UpConfig) -> Iterator[tuple[int, int]]:
     autotune = [cfg.autotune_port] if cfg.autotune_port is not None else list(_AUTOTUNE_SCAN)
     if cfg.redis_port is not None:
@@ -112,6 +135,7 @@ def claimed(cfg: UpConfig) -> Iterator[UpConfig]:
     Named ports are checked (one line naming a taken one and its flag); missing ones are picked: the
     defaults when all their ports are free, else the first free block (see the module doc).
     """
+    cfg = with_lighthouse_port(cfg)
     if cfg.ports_chosen:
         chosen = cfg.with_ports(int(cfg.autotune_port or 0), int(cfg.redis_port or 0))
         wanted = deployment_ports(chosen, int(chosen.autotune_port or 0), int(chosen.redis_port or 0))

@@ -11,7 +11,10 @@ the same ``nodes.conf`` (its node id and the cluster it belongs to) and the pass
 Redis does the rest: a master whose replica took over rejoins as that replica's replica and copies its data.
 Before a dead master is restarted, ``up`` waits (a bounded time) for its replica to take over, so that the
 empty restarted master does not come back as the owner of its slots and wipe the replica's copy.
-The autotune service is restarted on its port with its token; its plans are in Redis.
+The autotune service is restarted on its port with its token; its plans are in Redis. The Lighthouse
+(fault-tolerance coordinator) is restarted on its port; it keeps no state worth keeping (a job's nodes rejoin
+its quorum at their next step, or, while it was away, have ended naming it). A deployment recorded without
+one gets one.
 """
 
 from __future__ import annotations
@@ -38,10 +41,10 @@ from ..core.redis_server import (
 )
 from ..core.services_file import ServicesInfo, write_services_file
 from ..core.tls_trust import ClientTLS
-from .deploy_config import AUTOTUNE_LOG, UpConfig, redis_state_url
-from .deploy_ports import claim_ports, require_free
-from .deploy_state import previous_redis_password, start_autotune
-from .health import Health, check_autotune, check_redis, wait_healthy
+from .deploy_config import AUTOTUNE_LOG, LIGHTHOUSE_LOG, UpConfig, redis_state_url
+from .deploy_ports import claim_ports, require_free, with_lighthouse_port
+from .deploy_state import previous_redis_password, start_autotune, start_lighthouse
+from .health import Health, check_autotune, check_lighthouse, check_redis, wait_healthy
 from .redis_records import ClusterInfo, NodeInfo, read_deployments, write_deployment
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,9 @@ def report_kept(info: ServicesInfo, report: Callable[[str], None]) -> None:
     auto = info.processes.get("autotune") or []
     if info.autotune:
         report(f"autotune service {info.autotune}: kept" + (f" (pid {auto[0].pid})" if auto else ""))
+    lighthouse = info.processes.get("lighthouse") or []
+    if info.lighthouse:
+        report(f"lighthouse {info.lighthouse}: kept" + (f" (pid {lighthouse[0].pid})" if lighthouse else ""))
 
 
 def _answers(check: Callable[[], Health], patience_s: float) -> Health:
@@ -124,6 +130,8 @@ def recover(info: ServicesInfo, cfg: UpConfig, report: Callable[[str], None]) ->
     if info.autotune:
         info.processes["autotune"] = [_recover_autotune(info, cfg, secrets, deadline, report)]
         write_services_file(info)
+    if cfg.lighthouse:
+        _recover_lighthouse(info, cfg, deadline, report)
     return info
 
 
@@ -248,32 +256,54 @@ def _recover_autotune(info: ServicesInfo, cfg: UpConfig, secrets: dict[str, str]
     token = secrets.get("autotune_token")
     ca = Path(info.tls.ca) if info.tls else None
     tls_dir = Path(info.tls.ca).parent if info.tls else None
-    recs = info.processes.get("autotune") or []
+    root = Path(str(info.state_dir))
+    return _recover_process(
+        info, "autotune", f"autotune service {address}", lambda: check_autotune(address, token=token, tls_ca=ca),
+        lambda: start_autotune(cfg, redis_state_url(cfg.client_host, cfg.first_redis_port), root, info.deployment,
+                               info.secrets, tls_dir),
+        cfg.host, ("--autotune-port", int(cfg.autotune_port or 0)), root / AUTOTUNE_LOG, deadline, report)
+
+
+def _recover_lighthouse(info: ServicesInfo, cfg: UpConfig, deadline: float, report: Callable[[str], None]) -> None:
+    """Keep the recorded Lighthouse when it answers, else restart it on its port (a deployment recorded without
+    one gets one, on a free port); record it."""
+    if not info.lighthouse:
+        cfg = with_lighthouse_port(cfg)
+        info.lighthouse = cfg.lighthouse_address
+    address = info.lighthouse
+    root = Path(str(info.state_dir))
+    _recover_process(info, "lighthouse", f"lighthouse {address}", lambda: check_lighthouse(address),
+                     lambda: start_lighthouse(cfg, root, info.deployment), cfg.host,
+                     ("--lighthouse-port", int(cfg.lighthouse_port or 0)), root / LIGHTHOUSE_LOG, deadline, report)
+
+
+def _recover_process(info: ServicesInfo, key: str, what: str, check: Callable[[], Health],
+                     start: Callable[[], subprocess.Popen[bytes]], host: str, port: tuple[str, int], log_path: Path,
+                     deadline: float, report: Callable[[str], None]) -> ProcessRecord:
+    """The process ``info`` records under ``key`` when it is alive and answers ``check``; else a new one from
+    ``start`` on its ``port`` (flag, number), healthy and recorded (or stopped again: never running unrecorded)."""
+    recs = info.processes.get(key) or []
     if recs and procs.is_running(recs[0]):
-        health = _answers(lambda: check_autotune(address, token=token, tls_ca=ca), ALIVE_PATIENCE_S)
+        health = _answers(check, ALIVE_PATIENCE_S)
         if health.healthy:
-            report(f"autotune service {address}: kept (pid {recs[0].pid})")
+            report(f"{what}: kept (pid {recs[0].pid})")
             return recs[0]
         reason = f"process {recs[0].pid} runs but does not answer ({health.detail})"
         procs.stop(recs[0], timeout_s=5.0)
     else:
         reason = f"process {recs[0].pid} is gone" if recs else "no process recorded"
-    root = Path(str(info.state_dir))
-    port = int(cfg.autotune_port or 0)
-    require_free(cfg.host, [("--autotune-port", port)])
-    with claim_ports([port]):
-        proc = start_autotune(cfg, redis_state_url(cfg.client_host, cfg.first_redis_port), root, info.deployment,
-                              info.secrets, tls_dir)
+    require_free(host, [port])
+    with claim_ports([port[1]]):
+        proc = start()
         try:
-            wait_healthy(lambda: check_autotune(address, token=token, tls_ca=ca), deadline, f"the autotune service on {address}",
-                         proc, root / AUTOTUNE_LOG)
+            wait_healthy(check, deadline, f"the {what}", proc, log_path)
             record = procs.record(proc.pid, info.deployment)
-            info.processes["autotune"] = [record]
-            write_services_file(info)  # recorded, or stopped again: never running unrecorded
+            info.processes[key] = [record]
+            write_services_file(info)
         except BaseException:
             procs.stop_child(proc)
             raise
-    report(f"autotune service {address}: restarted (pid {proc.pid}; was: {reason})")
+    report(f"{what}: {'started' if not recs else 'restarted'} (pid {proc.pid}; was: {reason})")
     return record
 
 

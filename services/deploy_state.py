@@ -26,10 +26,12 @@ from .deploy_config import (
     AUTOTUNE_LOG,
     AUTOTUNE_PLANS,
     AUTOTUNE_SAMPLES,
+    LIGHTHOUSE_LOG,
     UpConfig,
     autotune_service_args,
+    lighthouse_args,
 )
-from .health import Health, check_autotune, check_redis
+from .health import Health, check_autotune, check_lighthouse, check_redis
 from .redis_tls import client_tls, service_certificate
 
 
@@ -65,10 +67,20 @@ def start_autotune(cfg: UpConfig, state: str, folder: Path, deployment: str,
                                 env=env, cwd=folder, start_new_session=True, close_fds=True)
 
 
+def start_lighthouse(cfg: UpConfig, folder: Path, deployment: str) -> subprocess.Popen[bytes]:
+    """Start the fault-tolerance coordinator (``bagua-lightning lighthouse``) detached on ``cfg.host`` and
+    ``cfg.lighthouse_port``, logging to ``folder/lighthouse.log``. It needs no secret (it has none to check)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "bagua_lightning.cli",
+            *lighthouse_args(host=cfg.host, port=int(cfg.lighthouse_port or 0))]
+    with open(folder / LIGHTHOUSE_LOG, "ab") as log_file:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                env=procs.child_env(deployment), cwd=folder, start_new_session=True, close_fds=True)
+
 
 def running_services(info: ServicesInfo | None, password: str | None = None,
                      token: str | None = None) -> dict[str, Health]:
-    """Health of each service recorded in ``info`` (``autotune``, ``redis``); empty when none.
+    """Health of each service recorded in ``info`` (``autotune``, ``lighthouse``, ``redis``); empty when none.
 
     A service whose recorded process is no longer ours (gone, or its pid reused) is unhealthy, even when
     something else answers on its port. ``password``/``token``: default the recorded secret files.
@@ -83,6 +95,9 @@ def running_services(info: ServicesInfo | None, password: str | None = None,
         out["autotune"] = (Health(False, f"process {gone[0]} is gone") if gone
                            else check_autotune(info.autotune, token=token,
                                                tls_ca=Path(info.tls.ca) if info.tls else None))
+    if info.lighthouse:
+        gone = [r.pid for r in info.processes.get("lighthouse") or [] if not procs.is_running(r)]
+        out["lighthouse"] = Health(False, f"process {gone[0]} is gone") if gone else check_lighthouse(info.lighthouse)
     if info.redis_hosts:
         gone = [r.pid for r in info.processes.get("redis") or [] if not procs.is_running(r)]
         out["redis"] = (Health(False, f"processes {gone} are gone") if gone

@@ -1,6 +1,6 @@
-"""Health checks of the deployed services, each with a deadline: the autotune service's gRPC health and
-the Redis nodes (every node answering; for a cluster, all 16384 slots served and no node in
-``CLUSTER NODES`` that is not the deployment's own).
+"""Health checks of the deployed services, each with a deadline: the autotune service's gRPC health, the
+fault-tolerance coordinator's status page (torchft's Lighthouse) and the Redis nodes (every node answering;
+for a cluster, all 16384 slots served and no node in ``CLUSTER NODES`` that is not the deployment's own).
 
 Used by ``bagua-lightning up``/``status`` and by the services image's healthcheck
 (``bagua-lightning status --autotune HOST:PORT``); no torch here.
@@ -8,8 +8,12 @@ Used by ``bagua-lightning up``/``status`` and by the services image's healthchec
 
 from __future__ import annotations
 
+import http.client
+import re
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +86,31 @@ def check_autotune(address: str, timeout_s: float = 2.0, *, token: str | None = 
         return Health(False, f"not answering ({code.name if code else exc})")
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     return Health(status == "SERVING", status)
+
+
+def check_lighthouse(address: str, timeout_s: float = 2.0) -> Health:
+    """GET of the Lighthouse's status page (torchft serves it over HTTP beside its gRPC service, on one port).
+
+    A health check must not take part: a heartbeat would make the Lighthouse wait for a node that never joins,
+    so only the page is read. Healthy when it is torchft's (it names the current quorum id).
+
+    Args:
+        address: ``host:port``, or the ``http://host:port`` of ``TORCHFT_LIGHTHOUSE``.
+        timeout_s: deadline of the request, in seconds.
+    """
+    address = address.split("://", 1)[-1].rstrip("/")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local or named: never proxied
+    try:
+        with opener.open(f"http://{address}/status", timeout=timeout_s) as response:
+            page = response.read(1 << 16).decode(errors="replace")
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        return Health(False, f"{address} not answering ({reason})")
+    quorum = re.search(r"quorum_id:\s*(-?\d+)", page)
+    if quorum is None:
+        return Health(False, f"{address} answers, but not as torchft's Lighthouse (no quorum id on /status)")
+    beating = re.search(r"(\d+) heartbeating", page)
+    return Health(True, f"quorum {quorum.group(1)}, {beating.group(1) if beating else '?'} node(s) heartbeating")
 
 
 def check_redis(hosts: Sequence[dict[str, Any]], cluster: bool, password: str | None = None,

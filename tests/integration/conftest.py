@@ -123,7 +123,7 @@ class Deployment:
 
 
 def _recorded_pids(info: ServicesInfo) -> list[int]:
-    pids = [info.pids.get("autotune"), *(info.pids.get("redis") or [])]
+    pids = [info.pids.get("autotune"), info.pids.get("lighthouse"), *(info.pids.get("redis") or [])]
     return [int(p) for p in pids if p is not None]
 
 

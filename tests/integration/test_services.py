@@ -131,7 +131,7 @@ def test_down_leaves_no_process(services: Deployment) -> None:
     assert services.processes(exited_too=True) == []
     if services.kind == "native":
         assert recorded is not None
-        pids = [recorded.pids["autotune"], *recorded.pids["redis"]]
+        pids = [recorded.pids["autotune"], recorded.pids["lighthouse"], *recorded.pids["redis"]]
         assert not [p for p in pids if processes.pid_alive(int(p))], "a process outlived `down`"
         assert services.recorded() is None, "`down` must remove the services file"
         assert all(bindable(p) for p in services.ports()), "a port is still taken after `down`"

@@ -105,7 +105,8 @@ def test_single_redis_up_status_down(state: Path) -> None:
 
     status = _cli("status", "--json")
     assert status.returncode == 0, status.stderr
-    assert {k: v["healthy"] for k, v in json.loads(status.stdout).items()} == {"autotune": True, "redis": True}
+    assert {k: v["healthy"] for k, v in json.loads(status.stdout).items()} == {"autotune": True, "lighthouse": True,
+                                                                                "redis": True}
 
     pids = _recorded_pids(info)
     assert deploy.down() == sorted(pids)

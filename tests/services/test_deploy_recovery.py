@@ -72,7 +72,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[
                 "--timeout", "120"]
         result = _cli("up", *args)
         assert result.returncode == 0, result.stderr
-        assert result.stdout.count(": started (pid") == 7, result.stdout
+        assert result.stdout.count(": started (pid") == 8, result.stdout  # 6 nodes, autotune, lighthouse
         info = read_services_file()
         assert info is not None
         first = info.redis_hosts[0]
@@ -120,7 +120,7 @@ def test_up_after_the_autotune_service_was_killed_restarts_only_it(
 
     result = _cli("up", *args)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count(": kept (pid") == 6 and "autotune service" in result.stdout
+    assert result.stdout.count(": kept (pid") == 7 and "autotune service" in result.stdout  # 6 nodes, lighthouse
     assert "restarted (pid " in result.stdout and f"was: process {before.pids['autotune']} is gone" in result.stdout
 
     after = read_services_file()
@@ -145,7 +145,7 @@ def test_up_after_a_master_was_killed_restarts_only_that_node(
 
     result = _cli("up", *args)  # at once: `up` waits for the replica to take over before restarting the node
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count(": kept (pid") == 6, result.stdout
+    assert result.stdout.count(": kept (pid") == 7, result.stdout  # 5 nodes, autotune, lighthouse
     assert f"redis node 127.0.0.1:{victim}: restarted" in result.stdout
 
     after = read_services_file()
@@ -210,7 +210,7 @@ def test_up_fresh_starts_over(deployment: tuple[list[str], dict[str, bytes]]) ->
     old = _secrets(before)
     result = _cli("up", *args, "--fresh")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count(": started (pid") == 7 and "kept" not in result.stdout
+    assert result.stdout.count(": started (pid") == 8 and "kept" not in result.stdout
     after = read_services_file()
     assert after is not None and after.deployment != before.deployment
     assert _secrets(after)["redis_password"] != old["redis_password"]
@@ -229,4 +229,5 @@ def test_partly_running_services_with_other_settings_are_not_restarted(tmp_path:
         lines: list[str] = []
         again = deploy.up(deploy.UpConfig(single=True, maxmemory=32 * 1024**2), report=lines.append)  # no ports
         assert again.autotune == info.autotune and again.redis_hosts == info.redis_hosts
-        assert [ln.split(" (")[0].rsplit(": ", 1)[1] for ln in lines] == ["kept", "restarted"], lines
+        # the Redis node, the autotune service, the lighthouse
+        assert [ln.split(" (")[0].rsplit(": ", 1)[1] for ln in lines] == ["kept", "restarted", "kept"], lines

@@ -77,7 +77,8 @@ def test_no_port_named_takes_another_free_block_when_the_first_is_taken() -> Non
         assert second.autotune_port and second.redis_port
         ports = [p for _, p in deployment_ports(second, second.autotune_port, second.redis_port)]
         assert taken_bus not in ports and first.autotune_port not in ports
-        assert len(ports) == 1 + 6 * 3  # the autotune port; per node: client, bus, read port
+        assert len(ports) == 2 + 6 * 3  # the autotune and lighthouse ports; per node: client, bus, read port
+        assert second.lighthouse_port in ports and len(set(ports)) == len(ports)
         assert second.redis_port + 6 - 1 + 10000 <= 65535
 
 
@@ -111,7 +112,7 @@ def test_up_after_everything_died_with_a_port_taken_says_which_then_fresh_starts
     before = read_services_file(services)
     assert before is not None
     try:
-        pids = [before.pids["autotune"], *before.pids["redis"]]
+        pids = [before.pids["autotune"], before.pids["lighthouse"], *before.pids["redis"]]
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         wait_until(lambda: not any(procs.pid_alive(p) for p in pids), 30, "the killed services")
@@ -131,7 +132,7 @@ def test_up_after_everything_died_with_a_port_taken_says_which_then_fresh_starts
             assert read_services_file(services) == before  # nothing changed: it can still come back
             again = cli(env, "up", "--single", "--maxmemory", "32mb", "--fresh")
         assert again.returncode == 0, again.stderr
-        assert again.stdout.count(": started (pid") == 2 and "kept" not in again.stdout
+        assert again.stdout.count(": started (pid") == 3 and "kept" not in again.stdout  # redis, autotune, lighthouse
         after = read_services_file(services)
         assert after is not None and after.deployment != before.deployment
         assert after.redis_hosts[0]["port"] != before.redis_hosts[0]["port"]
@@ -228,8 +229,8 @@ def test_down_stops_everything_and_reports_every_record(env: dict[str, str]) -> 
     down = cli(env, "down")
     print(f"down of 6 Redis nodes and the autotune service: {time.monotonic() - started:.2f} s")  # measured only
     assert down.returncode == 0, down.stderr
-    pids = [info.pids["autotune"], *info.pids["redis"]]
-    assert f"stopped 7 process(es): {' '.join(map(str, sorted(pids)))}" in down.stdout
+    pids = [info.pids["autotune"], info.pids["lighthouse"], *info.pids["redis"]]
+    assert f"stopped 8 process(es): {' '.join(map(str, sorted(pids)))}" in down.stdout
     assert f"removed {env['BAGUA_LIGHTNING_SERVICES_FILE']} (deployment" in down.stdout
     assert "removed the Redis deployment's folder" in down.stdout and "3 secret file(s)" in down.stdout
     assert not any(procs.pid_alive(p) for p in pids)
@@ -325,7 +326,7 @@ def test_down_stops_a_deployment_whose_state_folder_was_deleted(env: dict[str, s
     services = Path(env["BAGUA_LIGHTNING_SERVICES_FILE"])
     info = read_services_file(services)
     assert info is not None
-    pids = [info.pids["autotune"], *info.pids["redis"]]
+    pids = [info.pids["autotune"], info.pids["lighthouse"], *info.pids["redis"]]
     try:
         shutil.rmtree(Path(env["XDG_STATE_HOME"]) / "bagua-lightning")  # the state folder, records and all
         services.unlink()

@@ -53,7 +53,7 @@ def test_kill_9_of_everything_then_up_brings_the_same_deployment_back(tmp_path: 
             assert job.read(0, N) == _pass(0, N)
             assert job.read(0, N) == _pass(N, 0)
 
-            pids = [before.pids["autotune"], *_redis_pids(before).values()]
+            pids = [before.pids["autotune"], before.pids["lighthouse"], *_redis_pids(before).values()]
             for pid in pids:  # as a reboot does: every process at once, none told
                 _kill(pid)
             down = job.read(0, N)  # the job goes on from the source
@@ -61,7 +61,7 @@ def test_kill_9_of_everything_then_up_brings_the_same_deployment_back(tmp_path: 
 
             result = _cli("up", *args)
             assert result.returncode == 0, result.stdout + result.stderr
-            assert result.stdout.count(": restarted (pid") == 7, result.stdout
+            assert result.stdout.count(": restarted (pid") == 8, result.stdout  # 6 nodes, autotune, lighthouse
             after = read_services_file()
             assert after is not None and after.tls is not None
             assert after.deployment == before.deployment and after.redis_node_ids == before.redis_node_ids
