@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from .parameters import trainable_parameters
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticBatchSampler", "ElasticSteps", "check_algorithm", "fault_tolerance_refusal", "load_node_state", "node_state",
+__all__ = ["Commit", "ElasticBatchSampler", "ElasticSteps", "check_algorithm", "fault_tolerance_refusal", "load_node_state", "node_state",
            "zero_backward"]
 
 
@@ -59,6 +60,15 @@ def check_algorithm(algorithm: type[Algorithm]) -> None:
     refusal = fault_tolerance_refusal(algorithm)
     if refusal is not None:
         raise ConfigurationError(refusal)
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """A committed step: this rank's indices, the whole step's (every node and rank), and its nodes."""
+
+    indices: list[int]
+    step_indices: list[int]
+    membership: Membership
 
 
 class ElasticSteps:
@@ -85,6 +95,7 @@ class ElasticSteps:
         self.steps_redone = 0
         self.membership: Membership | None = None  # the open step's (None between steps)
         self.indices: list[int] = []
+        self.last_commit: Commit | None = None  # the latest committed step's
         self.session = ElasticSession(config, state=state, load_state=load_state)
 
     @property
@@ -144,6 +155,7 @@ class ElasticSteps:
             log.warning("fault tolerance: step %d did not commit on every node; redoing it", membership.step)
             return False
         step()
+        self.last_commit = Commit(self.indices, self.sampler.step_indices(membership, self.local_size), membership)
         if self.on_commit is not None:
             self.on_commit(self.indices, membership)
         self.sampler.advance(membership, self.local_size)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -53,7 +53,10 @@ from ..engine.autotune.advice import algorithm_advice
 from ..engine.autotune.selection import Selection
 from ..engine.comm import CommContext
 from ..engine.ddp import BaguaDistributedDataParallel
+from ..engine.elastic_step import ElasticSteps
+from ..engine.fault_tolerance import FaultTolerance
 from ..proto.plan import DEFAULT_BUCKET_SIZE, BucketPlan, StepTimings
+from .fault_tolerant import ElasticLightning
 from .logged_metrics import cached_datasets, training_metrics
 from .settings import BaguaSettings
 
@@ -85,6 +88,11 @@ class BaguaStrategy(DDPStrategy):
         **bagua_kwargs: the algorithm's keyword arguments (e.g. ``hierarchical``, ``average``,
             ``peer_selection_mode``, ``sync_interval_ms``); unknown ones raise ``ConfigurationError`` listing
             the accepted ones.
+        fault_tolerance: train on while nodes fail and rejoin (docs/fault_tolerance.md): a
+            :class:`~bagua_lightning.engine.fault_tolerance.FaultTolerance`, or True for one read from the
+            environment (``TORCHFT_LIGHTHOUSE``, ``BAGUA_LIGHTNING_NODE_ID``); each node is its own launch.
+            Algorithms that cannot train so are refused here, with the reason
+            (:mod:`bagua_lightning.strategy.fault_tolerant`).
     """
 
     strategy_name = "bagua"
@@ -113,6 +121,7 @@ class BaguaStrategy(DDPStrategy):
         auto_warmup_steps: int = 3,
         auto_trial_steps: int = 10,
         auto_max_runoffs: int = 3,
+        fault_tolerance: FaultTolerance | bool | None = None,
         **bagua_kwargs: Any,
     ) -> None:
         self.settings = BaguaSettings(
@@ -132,6 +141,7 @@ class BaguaStrategy(DDPStrategy):
         # the strategy's setup): loaded into the algorithm once configure_ddp has set it up.
         self._pending_algorithm_state: dict[str, Any] | None = None
         self._auto_reported = False
+        self._elastic = ElasticLightning.of(fault_tolerance, self.settings)  # None: the job ends with a rank
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -180,6 +190,8 @@ class BaguaStrategy(DDPStrategy):
                 raise MisconfigurationException(
                     f"Bagua {cls.name} does not support precision={precision!r} ({refused})."
                 )
+        if self._elastic is not None:
+            self._elastic.check_trainer(trainer)
         super().setup(trainer)
         wrapper = self.bagua_module
         if self._alone is not None and trainer.state.fn == TrainerFn.FITTING:
@@ -209,7 +221,7 @@ class BaguaStrategy(DDPStrategy):
             raise RuntimeError("BaguaStrategy: the process group is not set up; setup_environment must run first")
         algorithm: Algorithm = self.settings.algorithm_class.from_kwargs(**self.settings.bagua_kwargs)
         self._alone = None
-        if self.world_size == 1 and algorithm.spec.optimizer_arg is None:
+        if self.world_size == 1 and algorithm.spec.optimizer_arg is None and self._elastic is None:
             # One rank, nothing to communicate: the module trains as under Lightning's single-device strategy
             # (no wrapper, no hooks, no per-step measurement); ``auto`` has chosen at step 0. An algorithm with
             # an optimizer of its own (qadam) keeps its engine: that optimizer's step needs it.
@@ -219,12 +231,20 @@ class BaguaStrategy(DDPStrategy):
         if self.settings.auto is not None:  # the one ``auto``: the registered engine algorithm
             algorithm = self._auto_algorithm = AutoAlgorithm.of(self.settings.auto, self.settings.bagua_kwargs)
             self._auto_reported = False
+        if self._elastic is not None:  # join the other nodes; each bucket is then averaged across them
+            self._elastic.start(self, algorithm)
         self.model = BaguaDistributedDataParallel(
             self.model, algorithm, self._comm, flatten=self.flatten, bucket_size=self.bucket_size
         )
         pending, self._pending_algorithm_state = self._pending_algorithm_state, None
         if pending is not None and pending.get("algorithm") == self.algorithm_name:
             algorithm.load_state_dict(pending["state"])
+
+    @property
+    def fault_tolerance_steps(self) -> ElasticSteps | None:
+        """Under ``fault_tolerance``, this node's steps during a fit (its sampler, ``last_commit``,
+        ``steps_redone``); None otherwise."""
+        return self._elastic.steps if self._elastic is not None else None
 
     @property
     def bagua_module(self) -> BaguaDistributedDataParallel | None:
@@ -348,6 +368,39 @@ class BaguaStrategy(DDPStrategy):
         self._log_training_metrics(trainer)
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._elastic is not None:
+            self._elastic.on_train_start(self.lightning_module.trainer)  # type: ignore[union-attr]
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        if self._elastic is None:
+            return dataloader
+        module = self.lightning_module
+        return self._elastic.process_dataloader(dataloader, module._trainer if module is not None else None)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._elastic is None:
+            return super().training_step(*args, **kwargs)
+        return self._elastic.training_step(args, kwargs, super().training_step)
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self._elastic is not None:
+            self._elastic.pre_backward()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        parent = super().optimizer_step
+        if self._elastic is None:
+            return parent(optimizer, closure, model, **kwargs)
+        return self._elastic.optimizer_step(closure, lambda c: parent(optimizer, c, model, **kwargs))
+
+    @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
         if self._autotune is not None:
@@ -431,6 +484,8 @@ class BaguaStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._stop_autotune()
+        if self._elastic is not None:
+            self._elastic.close()
         module = self.bagua_module
         if module is not None:
             module.teardown()
