@@ -139,8 +139,9 @@ class ClusterNodes(Nodes):
 
     def _send(self, node: Any, packed: bytes, sealed: bool) -> Sent:
         """Send the GETs ``packed`` to master ``node``: to its read port with ``sealed`` where it has one that
-        answers, else to its client port."""
-        reader = self.reads.client(node.host, node.port) if sealed else None
+        answers, else to its client port (always while the master is down: only its client port proves it is back,
+        see :mod:`.nodes`)."""
+        reader = self.reads.client(node.host, node.port) if sealed and node.name not in self.breakers.down else None
         if reader is not None:
             try:
                 return reader, self.held.send(reader, packed, NO_RETRY), [], node.name

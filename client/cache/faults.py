@@ -10,7 +10,11 @@ Two breakers share one back-off policy:
   (a user's :class:`~.store.Store`): one back-off for the whole store.
 
 Each process backs off on its own (a DataLoader worker too), but an outage is reported once for a training
-process and its DataLoader workers together (:class:`SharedReport`): not once per worker and epoch.
+process and its DataLoader workers together (:class:`SharedReport`): not once per worker and epoch. Only what
+proves a node ends its outage: its client port answering, never its read port (:mod:`.nodes`), so a process
+squatting a dead node's read port cannot make one outage look like many. How often calls failed meanwhile is
+counted, not logged: the loader's :class:`~.loader.CacheStats` (``errors``, ``write_errors``) and ``outages``
+here.
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ plus the deployment's offset (:attr:`~.options.RedisOptions.read_port_offset`): 
 password-less reader (:mod:`bagua_lightning.core.read_plane`) may only read. The ``GET``\\s of sealed entries
 (``fetch(keys, sealed=True)``) go there, never a secret. A read port that refuses, does not answer or breaks
 off mid-read is the read port's failure, not its node's: it is left alone for :data:`RETRY_S` (one warning
-while it keeps failing), and its keys are read again through the node's client port.
+while it keeps failing), and its keys are read again through the node's client port. The converse holds too: a
+read port's answer is not its node's. A node that is down (backing off) is tried again through its client port
+only, which proves the node (TLS, the password), so whatever answers on a dead node's read port (a squatter
+that takes every read and answers nil) can neither end the node's outage nor start a new one at every try.
 """
 
 from __future__ import annotations
@@ -240,7 +243,7 @@ class ServerNodes(Nodes):
             client, name = self.clients[node], self.names[node]
             packed = pack_gets([keys[j] for j in idx])
             host, port = self.hosts[node]
-            reader = self.reads.client(host, port) if sealed else None
+            reader = self.reads.client(host, port) if sealed and name not in self.breakers.down else None
             try:
                 if reader is not None:
                     try:
