@@ -23,9 +23,12 @@ from torch import nn
 from ..core.errors import ConfigurationError
 from ..engine.buckets import IGNORE_ATTRIBUTE, default_plan, trainable_parameters
 from ..engine.ddp import AlgorithmDriver
+from ..engine.elastic_step import ElasticBatchSampler, ElasticSteps
+from ..engine.fault_tolerance import FaultTolerance
 from . import env
 from .algorithms.base import Algorithm, AlgorithmImpl, EngineAlgorithmImpl, HookedAlgorithm
 from .bucket import BaguaBucket
+from .fault_tolerance import ElasticModule
 
 if TYPE_CHECKING:  # pragma: no cover
     from .process_group import BaguaProcessGroup
@@ -61,6 +64,7 @@ class BaguaModule:
         algorithm: Algorithm,
         process_group: BaguaProcessGroup | None = None,
         do_flatten: bool = True,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> Any:
         """Enable distributed data-parallel training of this module with ``algorithm``.
 
@@ -73,11 +77,36 @@ class BaguaModule:
                 become views of flat communication buffers, as in Bagua. Values are unchanged; an
                 optimizer fused before wrapping (``fuse_optimizer``) then finds its parameters moved and
                 steps them one by one.
+            fault_tolerance: train on while nodes fail and rejoin (docs/fault_tolerance.md): each node is
+                one launch on the default group; take batches from :meth:`bagua_batch_sampler`, and
+                ``optimizer.step()`` steps only when every node finished the step
+                (:mod:`bagua_lightning.torch_api.fault_tolerance`). Algorithms that cannot are refused with
+                the reason.
 
         Returns:
             This module, with Bagua's attributes set.
         """
-        return BaguaModule._bagua_wrap(self, optimizers, algorithm, process_group, do_flatten, broadcast_state=True)
+        return BaguaModule._bagua_wrap(self, optimizers, algorithm, process_group, do_flatten, broadcast_state=True,
+                                       fault_tolerance=fault_tolerance)
+
+    def bagua_batch_sampler(self: Any, num_samples: int, batch_size: int, *, seed: int = 0,
+                            shuffle: bool = True) -> ElasticBatchSampler:
+        """Under ``with_bagua(fault_tolerance=...)``: the ``DataLoader(batch_sampler=...)`` that deals
+        ``num_samples`` indices, ``batch_size`` per rank and step, over the nodes alive at each step.
+
+        Use it with ``num_workers=0`` (workers would fetch before the step's nodes are known); ``len()`` is
+        an upper bound. The same ``seed`` on every node.
+        """
+        elastic = getattr(self, "_bagua_elastic", None)
+        if elastic is None:
+            raise ConfigurationError("bagua_batch_sampler() needs with_bagua(..., fault_tolerance=FaultTolerance())")
+        return elastic.batch_sampler(num_samples, batch_size, seed=seed, shuffle=shuffle)
+
+    @property
+    def bagua_fault_tolerance(self: Any) -> ElasticSteps | None:
+        """This node's fault-tolerant steps (``last_commit``, ``steps_redone``, the sampler), or None."""
+        elastic = getattr(self, "_bagua_elastic", None)
+        return elastic.steps if elastic is not None else None
 
     def _bagua_wrap(
         self: Any,
@@ -87,6 +116,7 @@ class BaguaModule:
         do_flatten: bool,
         *,
         broadcast_state: bool,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> Any:
         """:meth:`with_bagua`; ``broadcast_state=False`` re-wraps without broadcasting (weights are in use)."""
         if not isinstance(algorithm, Algorithm):
@@ -98,6 +128,9 @@ class BaguaModule:
         for opt in optimizers:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizers must be torch optimizers, got {type(opt).__name__}")
+        if fault_tolerance is not None and process_group is not None:
+            raise ConfigurationError("with_bagua(fault_tolerance=...) trains on the node's default group (each node "
+                                     "is one launch); leave process_group=None")
         if process_group is None:
             from .communication import _get_default_group
 
@@ -113,6 +146,12 @@ class BaguaModule:
         if not isinstance(impl, AlgorithmImpl):
             raise TypeError(f"{type(algorithm).__name__}.reify must return an AlgorithmImpl, got {type(impl).__name__}")
         self.bagua_algorithm = impl
+        elastic: ElasticModule | None = None
+        if fault_tolerance is not None:  # before the engine is set up: it then averages buckets across nodes
+            if not isinstance(impl, EngineAlgorithmImpl):
+                raise ConfigurationError(f"with_bagua(fault_tolerance=...) runs the builtin algorithms; "
+                                         f"{type(impl).__name__} is a custom AlgorithmImpl")
+            elastic = ElasticModule(self, optimizers, impl.engine, fault_tolerance)
         self.bagua_buckets: list[BaguaBucket] = []
         driver: AlgorithmDriver | None = None
         hooked: HookedAlgorithm | None = None
@@ -143,6 +182,9 @@ class BaguaModule:
                 driver.after_forward(out)
 
         self._bagua_driver = driver
+        if elastic is not None and driver is not None:
+            elastic.bind(driver)
+        self._bagua_elastic = elastic
         self._bagua_forward_hooks = [self.register_forward_pre_hook(pre_forward),
                                      self.register_forward_hook(post_forward)]
         return self
@@ -156,6 +198,10 @@ class BaguaModule:
         if driver is not None:
             driver.teardown()
         self._bagua_driver = None
+        elastic = getattr(self, "_bagua_elastic", None)
+        if elastic is not None:
+            elastic.close()
+        self._bagua_elastic = None
 
     def no_sync(self: Any) -> Any:
         """Backward passes of forwards run inside accumulate gradients locally, without communicating."""
@@ -207,6 +253,8 @@ def _patch_module() -> None:
     nn.Module.bagua_module_name = None  # type: ignore[attr-defined]
     nn.Module.bagua_build_params = BaguaModule.bagua_build_params  # type: ignore[attr-defined]
     nn.Module.with_bagua = BaguaModule.with_bagua  # type: ignore[attr-defined]
+    nn.Module.bagua_batch_sampler = BaguaModule.bagua_batch_sampler  # type: ignore[attr-defined]
+    nn.Module.bagua_fault_tolerance = BaguaModule.bagua_fault_tolerance  # type: ignore[attr-defined]
     nn.Module._bagua_teardown = BaguaModule._bagua_teardown  # type: ignore[attr-defined]
     nn.Module._bagua_wrap = BaguaModule._bagua_wrap  # type: ignore[attr-defined]
 
