@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.errors import BaguaLightningError, ConfigurationError
+from ..core.services_file import ENV_LIGHTHOUSE, recorded_lighthouse_url
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ __all__ = [
 ]
 
 #: The environment variables a node reads its settings from (a launcher's way to pass them).
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+LIGHTHOUSE_ENV = ENV_LIGHTHOUSE  # torchft's own variable
 NODE_ID_ENV = "BAGUA_LIGHTNING_NODE_ID"
 
 
@@ -102,12 +103,14 @@ class FaultTolerance:
             )
 
     def resolved(self) -> FaultTolerance:
-        """These settings with the lighthouse and node id taken from the environment where not given."""
-        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        """These settings with the lighthouse and node id taken from the environment where not given (the
+        lighthouse: ``$TORCHFT_LIGHTHOUSE``, else the one ``bagua-lightning up`` recorded in the services file)."""
+        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV) or recorded_lighthouse_url()
         if not lighthouse:
             raise ConfigurationError(
                 f"fault tolerance needs the coordinator's address: pass FaultTolerance(lighthouse=...) or set "
-                f"{LIGHTHOUSE_ENV} (e.g. http://127.0.0.1:29510; `bagua-lightning lighthouse` starts one)"
+                f"{LIGHTHOUSE_ENV} (e.g. http://127.0.0.1:29510; `bagua-lightning up` or `bagua-lightning "
+                "lighthouse` starts one)"
             )
         node_id = self.node_id or os.environ.get(NODE_ID_ENV)
         if not node_id:
@@ -247,6 +250,11 @@ class ElasticSession:
         self._transport = PeerCheckpointTransport(config.host, timeout)
         self._members: tuple[str, ...] = ()
         self._seen: set[str] = set()
+        self._listeners: list[Callable[[Membership | None, Membership], None]] = []
+        self._last: Membership | None = None
+        self._state, self._load_state = state, load_state
+        self._group_rank, self._group_size = group_rank, group_size
+        self._initial_sync = False  # set per quorum by _QuorumRecorder
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=load_state,
@@ -279,12 +287,56 @@ class ElasticSession:
                 f"{self.config.quorum_timeout_s:g} s (coordinator {self.config.lighthouse}); this node {me} is "
                 f"alive, lost: {lost} (the last quorum had {list(self._members)}): {type(e).__name__}: {e}"
             ) from e
+        if self._initial_sync and self._group_size > 1:
+            self._sync_node()
         index = self.manager.participating_rank()
         count = self.manager.num_participants()
         if count > (self.config.max_nodes or count):
             log.warning("fault tolerance: %d nodes joined, more than max_nodes=%d", count, self.config.max_nodes)
-        return Membership(index=index if index is not None else 0, count=count, step=self.manager.current_step(),
-                          nodes=self._members)
+        membership = Membership(index=index if index is not None else 0, count=count,
+                                step=self.manager.current_step(), nodes=self._members)
+        old, self._last = self._last, membership
+        if old is None or (old.nodes, old.count) != (membership.nodes, membership.count):
+            for listener in self._listeners:
+                listener(old, membership)
+        return membership
+
+    def _sync_node(self) -> None:
+        """Give every rank of this node its local rank 0's state, after a quorum that synced the initial state.
+
+        At step 0 torchft heals every node but one from a *primary* node, and it picks that primary per
+        local rank (``local rank % nodes``): local rank 0 of every node takes node A's state, local rank 1
+        node B's, so the ranks of one node end up holding different initial weights (and stay apart, since
+        each applies the same averaged gradient to its own weights). Local rank 0's source is the same node
+        for every node, so after this every rank of the job holds that node's state. Only after a quorum
+        at step 0 with more than one node: that condition comes from the quorum itself, the same on every
+        rank of the node, so they all take part. The state travels as one ``torch.save`` buffer and is
+        loaded with ``weights_only=True``, as a healing transfer is.
+        """
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        if self._group_rank == 0:
+            buffer = io.BytesIO()
+            torch.save(_to_cpu(self._state()), buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
+            size.fill_(payload.numel())
+        dist.broadcast(size, src=0)
+        if self._group_rank != 0:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.broadcast(payload, src=0)
+        if self._group_rank != 0:
+            self._load_state(torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=True))
+        log.info("fault tolerance: step 0: the node's ranks took local rank 0's state (torchft's initial sync "
+                 "chooses a source node per local rank)")
+
+    def add_membership_listener(self, listener: Callable[[Membership | None, Membership], None]) -> None:
+        """Call ``listener(old, new)`` from :meth:`begin_step` when the step's nodes differ from the previous
+        step's (and at the first step, with ``old`` None), after healing and before the step runs.
+
+        Every rank of every node of the quorum calls it at the same step, so a listener may run collectives
+        inside the node. What it raises ends :meth:`begin_step` with that error.
+        """
+        self._listeners.append(listener)
 
     def allreduce(self, tensor: torch.Tensor) -> Any:
         """Average ``tensor`` in place across the quorum's nodes; returns a work to wait on (never raises:
@@ -323,6 +375,8 @@ class _QuorumRecorder:
             log.info("fault tolerance: nodes now %s (were %s)", list(names), list(session._members))
         session._members = names
         session._seen.update(names)
+        # torchft's init_sync at step 0 may heal a node's ranks from different nodes (ElasticSession._sync_node)
+        session._initial_sync = result.max_step == 0 and len(result.replica_ids) > 1
         return result
 
     def __getattr__(self, name: str) -> Any:

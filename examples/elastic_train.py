@@ -37,6 +37,21 @@ def _data(n: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ w / dim**0.5 + 0.1 * torch.randn(n, 1, generator=g)
 
 
+def _check_ranks(model: nn.Module, node: str, step: int) -> None:
+    """Raise on every rank whose weights differ from its node's local rank 0's (a collective of the node)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
+    first = mine.clone()
+    dist.broadcast(first, src=0)
+    differs = torch.tensor([0 if torch.equal(mine, first) else 1])
+    dist.all_reduce(differs)
+    if int(differs):
+        raise RuntimeError(f"{node}: {int(differs)} rank(s) hold weights that differ from local rank 0's after "
+                           f"step {step} (this rank {dist.get_rank()}: max difference "
+                           f"{float((mine - first).abs().max()):.3g})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
@@ -50,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--quorum-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check-ranks", action="store_true",
+                   help="after every committed step, fail loudly unless the node's ranks hold equal weights")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("bagua_lightning").setLevel(logging.INFO)  # membership changes, healing
@@ -71,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     losses: list[float] = []
 
     def committed(indices: list[int], m: Membership) -> None:
+        if args.check_ranks:
+            _check_ranks(model, node, m.step)
         with record.open("a") as f:
             f.write(json.dumps({"step": m.step, "count": m.count, "nodes": list(m.nodes), "indices": indices,
                                 "step_indices": sampler.step_indices(m, world),
