@@ -5,7 +5,8 @@
 * :mod:`.jobstate`: the job id the ranks agree on and the state a checkpoint keeps;
 * :mod:`.plansync`: one broadcast of rank 0's decision and the cross-rank agreement check;
 * :mod:`.worker`: the background thread that talks to the service;
-* :mod:`.controller`: the protocol that ties them to the training loop (see there).
+* :mod:`.controller`: the protocol that ties them to the training loop (see there);
+* :mod:`.elastic`: the controller of a fault-tolerant job, whose shape follows its nodes.
 """
 
 from .controller import (
