@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed + rank + 1000 * int(node[-1]))  # different on purpose: healing makes them equal
     x, y = _data(args.samples, 16, args.seed)
     data = TensorDataset(x, y)
-    model = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
+    model: Any = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))  # with_bagua
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     config = FaultTolerance(min_nodes=args.min_nodes, timeout_s=args.timeout, quorum_timeout_s=args.quorum_timeout)
     model = model.with_bagua([optimizer], gradient_allreduce.GradientAllReduceAlgorithm(), fault_tolerance=config)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from lightning.pytorch.trainer.states import RunningStage
@@ -52,12 +52,39 @@ from ..engine.fault_tolerance import ElasticSampler, FaultTolerance
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
+    from ..engine.ddp import BaguaDistributedDataParallel
     from .settings import BaguaSettings
-    from .strategy import BaguaStrategy
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EMPTY_SHARE", "ElasticLightning", "ElasticLoader", "EmptyShare"]
+
+
+class _Strategy(Protocol):
+    """What this module uses of ``BaguaStrategy`` (which imports this module, not the other way round)."""
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def optimizers(self) -> list[Any]: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def lightning_module(self) -> pl.LightningModule | None: ...
+
+    @property
+    def bagua_module(self) -> BaguaDistributedDataParallel | None: ...
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any: ...
+
+    @staticmethod
+    def _unwrap(optimizer: Any) -> torch.optim.Optimizer: ...
 
 
 class EmptyShare:
@@ -128,7 +155,7 @@ class ElasticLightning:
         self.config = config
         self.steps: ElasticSteps | None = None
         self.loader: ElasticLoader | None = None
-        self._strategy: BaguaStrategy | None = None
+        self._strategy: _Strategy | None = None
         self._redo: Any = None  # the re-dealt batch of a step begun again inside optimizer_step
         self._in_step = False
 
@@ -164,7 +191,7 @@ class ElasticLightning:
                 "BaguaStrategy(fault_tolerance=...) needs automatic optimization (a failed step is redone by "
                 "running training_step again): set self.automatic_optimization = True.")
 
-    def start(self, strategy: BaguaStrategy, algorithm: Algorithm) -> None:
+    def start(self, strategy: _Strategy, algorithm: Algorithm) -> None:
         """Join the job's nodes and make ``algorithm`` (not set up yet) average its buckets across them."""
         self.close()
         self._strategy = strategy
@@ -201,7 +228,7 @@ class ElasticLightning:
     def on_train_start(self, trainer: pl.Trainer) -> None:
         # The epoch ends at its last index, before the loader's length (an upper bound): validate there.
         if isinstance(trainer.val_check_interval, float) and trainer.val_check_interval == 1.0:
-            trainer.val_check_batch = float("inf")  # type: ignore[assignment]
+            trainer.val_check_batch = float("inf")
 
     # ------------------------------------------------------------------ the step
 
@@ -229,7 +256,11 @@ class ElasticLightning:
         try:
             while True:
                 result = closure()
-                if steps.end(lambda r=result: step(lambda: r)):
+
+                def commit(done: Any = result) -> None:
+                    step(lambda: done)
+
+                if steps.end(commit):
                     break
                 self._redo = self._to_device(loader.next_share())  # the step again, over the nodes alive now
         finally:
