@@ -101,9 +101,8 @@ def test_a_killed_node_reshapes_the_job_on_the_service(tmp_path: Path, start_ser
                 wait_until(joint_retuned, 240, "node1's steps together with node0 on a re-tuned plan")
                 _kill(nodes[1])
                 at_kill = len(_records(out, "node0-0.jsonl"))
-                wait_until(lambda: any(r["plan"] == seed.fingerprint() and r["count"] == 1
-                                       for r in _records(out, "node0-0.jsonl")[at_kill:]), 180,
-                           "node0 training alone on the shape's shared plan")
+                wait_until(lambda: sum(1 for r in _records(out, "node0-0.jsonl")[at_kill:] if r["count"] == 1) >= 15,
+                           180, "node0 training alone")
                 # node1 comes back: it heals from node0 (the plan and the tuner's state with it), a third shape.
                 before = len(_records(out, "node1-0.jsonl"))
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
@@ -132,12 +131,20 @@ def test_a_killed_node_reshapes_the_job_on_the_service(tmp_path: Path, start_ser
         assert alone[0] and alone[0] == alone[1]
 
         described = client.describe_model(MODEL, JOB)
-        assert [(s.world_size, s.nproc_per_node) for s in described.shapes] == [(4, 2), (2, 2), (4, 2)]
-        assert described.shapes[1].started_from == "shared" and described.summary.reshapes == 2
+        # node0 may have trained a few steps alone before node1 first joined: one more shape at the start.
+        shapes = [(s.world_size, s.nproc_per_node) for s in described.shapes]
+        assert shapes[-3:] == [(4, 2), (2, 2), (4, 2)] and shapes[:-3] in ([], [(2, 2)]), shapes
+        assert described.shapes[-2].started_from == "shared" and described.summary.reshapes == len(shapes) - 1
+        # After the kill node0 ran on the plan the 1-node shape started from: the seed's, unless node0's own
+        # first steps alone shared a better one for that shape.
+        alone_after = [r for r in _records(out, "node0-0.jsonl")[at_kill:] if r["count"] == 1]
+        assert any(r["version"] == described.shapes[-2].plan_version for r in alone_after), alone_after
+        if len(shapes) == 3:
+            assert any(r["plan"] == seed.fingerprint() for r in alone_after)
         env = {k: v for k, v in os.environ.items() if not k.startswith("BAGUA_LIGHTNING_")}
         show = subprocess.run([sys.executable, "-m", "bagua_lightning.cli", "autotune", "show", MODEL, "--job", JOB,
                                "--target", target], capture_output=True, text=True, timeout=120, env=env)
         assert show.returncode == 0, show.stderr
-        assert "shapes: 2 reshape(s)" in show.stdout, show.stdout
+        assert f"shapes: {len(shapes) - 1} reshape(s)" in show.stdout, show.stdout
         assert "world size    4 (2 per node, 2 node(s))" in show.stdout, show.stdout
         assert "world size    2 (2 per node, 1 node(s))" in show.stdout and "(shared plan " in show.stdout
