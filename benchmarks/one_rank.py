@@ -106,6 +106,7 @@ def fit(name: str, state: dict[str, torch.Tensor], batches: list[Any], args: arg
             ends.append(time.perf_counter())
 
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, strategy=_strategy(name),
+                        benchmark=args.cudnn_benchmark or None,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[Clock()])
     loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)  # type: ignore[arg-type]
@@ -122,6 +123,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4, help="steps of each fit not timed")
     p.add_argument("--batch", type=int, default=0, help="batch size (0: 64 on CUDA, 32 on CPU)")
     p.add_argument("--image", type=int, default=0, help="image side in pixels (0: 224 on CUDA, 32 on CPU)")
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="every variant's Trainer(benchmark=True): cuDNN times its algorithms in each fit's warm-up "
+                        "instead of picking them by heuristics (which may pick differently from fit to fit)")
+    p.add_argument("--batches-on-device", action="store_true",
+                   help="CUDA: the batches made on the GPU (no host-to-device copy of each batch in the step: a "
+                        "pageable 38 MB copy whose speed differs from fit to fit)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     cuda = args.device == "cuda"
@@ -145,6 +152,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(args.batch, 3, args.image, args.image, generator=g),
                 torch.randint(0, 1000, (args.batch,), generator=g)) for _ in range(8)]
+    if cuda and args.batches_on_device:
+        batches = [(x.cuda(), y.cuda()) for x, y in batches]
     batches = [batches[i % len(batches)] for i in range(args.steps)]
     rounds: dict[str, list[float]] = {n: [] for n in names}  # each round's median step time, per variant
     started = time.perf_counter()
