@@ -125,10 +125,10 @@ def main() -> None:
     p.add_argument("--image", type=int, default=0, help="image side in pixels (0: 224 on CUDA, 32 on CPU)")
     p.add_argument("--cudnn-benchmark", action="store_true",
                    help="every variant's Trainer(benchmark=True): cuDNN times its algorithms in each fit's warm-up "
-                        "instead of picking them by heuristics (which may pick differently from fit to fit)")
+                        "instead of picking them by heuristics")
     p.add_argument("--batches-on-device", action="store_true",
-                   help="CUDA: the batches made on the GPU (no host-to-device copy of each batch in the step: a "
-                        "pageable 38 MB copy whose speed differs from fit to fit)")
+                   help="CUDA: the batches made on the GPU, so that no step copies its batch (38 MB at the "
+                        "defaults) from pageable host memory: the step is the model's and the strategy's alone")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     cuda = args.device == "cuda"
