@@ -1,6 +1,6 @@
 #!/bin/sh
-# Makes docker-compose.yml's certificates (its one-shot `certs` service runs this script as root in the
-# services image): a CA of this deployment, one certificate per Redis node, one for the autotune service,
+# Makes docker-compose.yml's certificates (its one-shot `certs` service runs this script as root, with
+# CAP_CHOWN and CAP_DAC_OVERRIDE only, in the services image): a CA of this deployment, one certificate per Redis node, one for the autotune service,
 # and one client certificate for the trainers on the host. The CA's key lives only in a temporary folder
 # and is deleted once everything is signed, so nobody can certify another node or client later.
 # POSIX sh and the openssl command line (3.0 or later), as services/redis_tls.py: ECDSA P-256, SHA-256,
@@ -15,6 +15,8 @@
 #   BAGUA_LIGHTNING_TLS_HOSTS       addresses the nodes and the service are reached at (subjectAltName;
 #                                   default "127.0.0.1"; localhost is always added)
 #   BAGUA_LIGHTNING_TLS_OWNER       uid:gid of the services' user (default 10001:10001)
+#   BAGUA_LIGHTNING_DATA_DIR        optional: a folder (the nodes' data volume) that gets node-<port> for
+#                                   each port, 0700, handed to OWNER (made when missing, kept otherwise)
 #
 # Idempotent: when every file is there, nothing changes (running nodes trust only the CA they started
 # with). Otherwise everything is made anew.
@@ -35,6 +37,13 @@ all_there() {
   for f in $client_files; do [ -s "$client/$f" ] || return 1; done
   cmp -s "$dir/ca.crt" "$client/ca.crt"
 }
+
+data=${BAGUA_LIGHTNING_DATA_DIR:-}
+if [ -n "$data" ]; then
+  for p in $ports; do
+    [ -d "$data/node-$p" ] || { mkdir -m 0700 "$data/node-$p" && chown "$owner" "$data/node-$p"; }
+  done
+fi
 
 if all_there; then
   echo "compose-certs: certificates already in $dir and $client"
@@ -78,8 +87,9 @@ cp "$work/ca.crt" "$dir/ca.crt"
 cp "$work/ca.crt" "$client/ca.crt"
 
 # shellcheck disable=SC2086  # lists of file names on purpose
-(cd "$dir" && chown "$owner" $server_files && chmod 0600 $server_files)
+# chmod before chown: once a file is another user's, changing its mode would need CAP_FOWNER too.
+(cd "$dir" && chmod 0600 $server_files && chown "$owner" $server_files)
 client_owner=$(stat -c '%u:%g' "$client")
 # shellcheck disable=SC2086
-(cd "$client" && chown "$client_owner" $client_files && chmod 0600 $client_files)
+(cd "$client" && chmod 0600 $client_files && chown "$client_owner" $client_files)
 echo "compose-certs: made a CA (its key deleted), node, service and client certificates"

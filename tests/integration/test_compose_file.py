@@ -25,8 +25,9 @@ import pytest
 from bagua_lightning.cli import build_parser
 from bagua_lightning.core.read_plane import READ_PORT_OFFSET_ENV, READER_USER, reader_acl_rules
 from bagua_lightning.core.redis_server import DEFAULT_NODE_TIMEOUT_MS, NodeTLS
-from bagua_lightning.core.services_file import DEFAULT_AUTOTUNE_ADDRESS
+from bagua_lightning.core.services_file import DEFAULT_AUTOTUNE_ADDRESS, DEFAULT_LIGHTHOUSE_ADDRESS
 from bagua_lightning.services import deploy, deploy_cli
+from bagua_lightning.services.deploy_config import lighthouse_args
 from bagua_lightning.services.redis_cluster import DEFAULT_EVICTION_POLICY, NodeConfig
 from tests.integration.compose import (
     COMPOSE_FILE,
@@ -47,12 +48,15 @@ MASTER_PORTS = [7000, 7001, 7002]
 REPLICA_PORTS = [7003, 7004, 7005]
 READ_PORT_OFFSET = 1000  # each node's plaintext read port (the reader's, docs/deployment.md "Open reads"): 8000-8005
 DEFAULT_AUTOTUNE_PORT = int(DEFAULT_AUTOTUNE_ADDRESS.rpartition(":")[2])
+DEFAULT_LIGHTHOUSE_PORT = int(DEFAULT_LIGHTHOUSE_ADDRESS.rpartition(":")[2])
 # Variables a user may set, with their defaults; each must be documented in the file and in the docs.
 SETTINGS = {
     "BAGUA_LIGHTNING_BIND_IP": "127.0.0.1",
     "BAGUA_LIGHTNING_ANNOUNCE_IP": "127.0.0.1",
     "BAGUA_LIGHTNING_AUTOTUNE_PORT": str(DEFAULT_AUTOTUNE_PORT),
+    "BAGUA_LIGHTNING_LIGHTHOUSE_PORT": str(DEFAULT_LIGHTHOUSE_PORT),
     "BAGUA_LIGHTNING_REDIS_MAXMEMORY": "1gb",
+    "BAGUA_LIGHTNING_REDIS_MEM_LIMIT": "2g",
     "BAGUA_LIGHTNING_REDIS_IMAGE": "redis:7.2-alpine",
     "BAGUA_LIGHTNING_PYTHON_IMAGE": "python:3.11.14-slim-trixie",
     "BAGUA_LIGHTNING_CLIENT_TLS_DIR": "./compose-tls",
@@ -71,7 +75,9 @@ CUSTOM_ENV = {
     "BAGUA_LIGHTNING_BIND_IP": "0.0.0.0",
     "BAGUA_LIGHTNING_ANNOUNCE_IP": "10.1.2.3",
     "BAGUA_LIGHTNING_AUTOTUNE_PORT": "29777",
+    "BAGUA_LIGHTNING_LIGHTHOUSE_PORT": "29515",
     "BAGUA_LIGHTNING_REDIS_MAXMEMORY": "256mb",
+    "BAGUA_LIGHTNING_REDIS_MEM_LIMIT": "512m",
     "BAGUA_LIGHTNING_REDIS_PASSWORD": "s3cret",
 }
 # redis-server settings that differ in a container on purpose (see the comment in docker-compose.yml).
@@ -163,9 +169,13 @@ def test_custom_settings_reach_every_use(services: dict[str, dict[str, Any]]) ->
     assert (None, 29777, 29777) in [(None, pub, tgt) for _, pub, tgt in ports]
     assert custom["autotune"]["command"][custom["autotune"]["command"].index("--port") + 1] == "29777"
     assert "127.0.0.1:29777" in custom["autotune"]["healthcheck"]["test"][1]
+    assert (None, 29515, 29515) in [(None, pub, tgt) for _, pub, tgt in ports]
+    assert custom["lighthouse"]["command"] == lighthouse_args(host="0.0.0.0", port=29515)
+    assert custom["lighthouse"]["healthcheck"]["test"][-1] == "127.0.0.1:29515"
     for name in _redis_nodes(custom):
         d = redis_directives(custom[name]["command"])
         assert (d["maxmemory"], d["cluster-announce-ip"]) == ("256mb", "10.1.2.3")
+        assert custom[name]["mem_limit"] == "512m"
     assert "10.1.2.3" in custom["certs"]["environment"]["BAGUA_LIGHTNING_TLS_HOSTS"].split()
 
 
@@ -220,12 +230,13 @@ def test_the_password_reaches_redis_on_stdin_never_on_a_command_line(services: d
 
 
 def test_expected_services(services: dict[str, dict[str, Any]]) -> None:
-    assert set(services) == {"net", "autotune", "certs", "redis-init", *(f"redis-{i}" for i in range(6))}
+    assert set(services) == {"net", "autotune", "lighthouse", "certs", "redis-init", *(f"redis-{i}" for i in range(6))}
     # Replicas by default, as `bagua-lightning up`: no profile to forget.
     assert not any("profiles" in svc for svc in services.values())
 
 
-@pytest.mark.parametrize("name", ["net", "autotune", "certs", "redis-init", *(f"redis-{i}" for i in range(6))])
+@pytest.mark.parametrize("name", ["net", "autotune", "lighthouse", "certs", "redis-init",
+                                  *(f"redis-{i}" for i in range(6))])
 def test_every_service_has_a_working_healthcheck(services: dict[str, dict[str, Any]], name: str) -> None:
     check = services[name].get("healthcheck")
     assert check, f"service {name} has no healthcheck"
@@ -293,8 +304,7 @@ def _assert_acyclic(services: dict[str, dict[str, Any]]) -> None:
 def test_published_ports_match_client_defaults(services: dict[str, dict[str, Any]]) -> None:
     published = {pub: (ip, tgt) for spec in services["net"]["ports"] for ip, pub, tgt in parse_port(spec)}
     assert len(published) == sum(len(parse_port(s)) for s in services["net"]["ports"]), "a port is published twice"
-    for port in [DEFAULT_AUTOTUNE_PORT, *MASTER_PORTS, *REPLICA_PORTS,
-]:
+    for port in [DEFAULT_AUTOTUNE_PORT, DEFAULT_LIGHTHOUSE_PORT, *MASTER_PORTS, *REPLICA_PORTS]:
         assert port in published, f"port {port} is not published"
         ip, target = published[port]
         assert ip == "127.0.0.1", f"port {port} must be published on loopback by default, not {ip}"
@@ -383,15 +393,20 @@ def test_autotune_command_is_the_native_launchers(services: dict[str, dict[str, 
              f"&ssl_keyfile={TLS_DIR}/service.key")
     expected = deploy.autotune_service_args(host="0.0.0.0", port=DEFAULT_AUTOTUNE_PORT,
                                             state=deploy.redis_state_url("127.0.0.1", MASTER_PORTS[0]),
-                                            log_dir=samples)
+                                            log_dir=samples, token_file="/run/bagua-lightning/autotune-token")
     expected[expected.index("--state") + 1] = state
     assert svc["command"] == [*expected, "--tls-cert", f"{TLS_DIR}/service.crt", "--tls-key", f"{TLS_DIR}/service.key"]
     # What `bagua-lightning up` runs differs only in the bind address (loopback) and the log folder.
     native = deploy.autotune_service_args(host="127.0.0.1", port=DEFAULT_AUTOTUNE_PORT,
                                           state=deploy.redis_state_url("127.0.0.1", MASTER_PORTS[0]),
-                                          log_dir="/home/me/.local/state/bagua-lightning/autotune-samples")
+                                          log_dir="/home/me/.local/state/bagua-lightning/autotune-samples",
+                                          token_file="/home/me/.local/state/bagua-lightning/secrets/autotune-token")
     assert [a for a in native if not a.startswith(("127.0.0.1", "/home", "redis://"))] == \
-        [a for a in expected if a not in ("0.0.0.0", samples, state)]
+        [a for a in expected if a not in ("0.0.0.0", samples, state, "/run/bagua-lightning/autotune-token")]
+    # Its secrets as file paths (0600 copies in a private tmpfs), never values in its environment.
+    assert svc["environment"]["BAGUA_LIGHTNING_REDIS_PASSWORD_FILE"] == "/run/bagua-lightning/redis-password"
+    assert "BAGUA_LIGHTNING_AUTOTUNE_TOKEN" not in svc["environment"]
+    assert svc["tmpfs"] == ["/run/bagua-lightning:uid=10001,gid=10001,mode=0700"]
     # The samples folder is a named volume, created in the image for the service's user.
     assert svc["volumes"] == [{"type": "volume", "source": "autotune-samples", "target": samples},
                               {"type": "volume", "source": "tls", "target": TLS_DIR, "read_only": True}]
@@ -410,7 +425,7 @@ def test_autotune_command_is_the_native_launchers(services: dict[str, dict[str, 
 def test_autotune_healthcheck_is_the_status_command(services: dict[str, dict[str, Any]]) -> None:
     kind, shell = services["autotune"]["healthcheck"]["test"]
     token, command = shell.split(" bagua-lightning ", 1)
-    assert kind == "CMD-SHELL" and token == "BAGUA_LIGHTNING_AUTOTUNE_TOKEN=$(cat /run/secrets/autotune_token)"
+    assert kind == "CMD-SHELL" and token == "BAGUA_LIGHTNING_AUTOTUNE_TOKEN_FILE=/run/bagua-lightning/autotune-token"
     args = build_parser().parse_args(command.split())
     assert args.func is deploy_cli._cmd_status and args.autotune == f"127.0.0.1:{DEFAULT_AUTOTUNE_PORT}"
     assert str(args.tls_ca) == f"{TLS_DIR}/ca.crt"
@@ -425,9 +440,9 @@ def test_redis_node_settings_are_the_native_launchers(services: dict[str, dict[s
     assert compose["port"] == str(port + READ_PORT_OFFSET)
     tls = NodeTLS(cert_file=Path(f"{TLS_DIR}/node-{port}.crt"), key_file=Path(f"{TLS_DIR}/node-{port}.key"),
                   ca_file=Path(f"{TLS_DIR}/ca.crt"), clients=True)
-    node = NodeConfig(port=port, data_dir=Path("/data"), cluster=True, deployment="d", tls=tls,
+    node = NodeConfig(port=port, data_dir=Path(f"/data/node-{port}"), cluster=True, deployment="d", tls=tls,
                       maxmemory=deploy.DEFAULT_MAXMEMORY, announce_ip="127.0.0.1", password="pw",
-                      read_port=port + READ_PORT_OFFSET)
+                      read_port=port + READ_PORT_OFFSET, persist=True)
     native = config_directives(node.config_text())
     assert native["user"] == compose["user"] and native["port"] == compose["port"]
     assert node.node_timeout_ms == DEFAULT_NODE_TIMEOUT_MS
@@ -438,7 +453,12 @@ def test_redis_node_settings_are_the_native_launchers(services: dict[str, dict[s
     shared = {k: v for k, v in compose.items() if k not in CONTAINER_ONLY}
     assert shared == {k: v for k, v in native.items() if k not in CONTAINER_ONLY}
     assert compose["maxmemory-policy"] == DEFAULT_EVICTION_POLICY
-    assert compose["protected-mode"] == "no" and compose["bind"] == "0.0.0.0"  # reached only via BIND_IP
+    # Persistence as `up`'s: an append-only file, fsynced every second, in the node's own folder of redis-data.
+    assert (compose["appendonly"], compose["appendfsync"], compose["save"]) == ("yes", "everysec", "")
+    assert compose["dir"] == f"/data/node-{port}"
+    # Every interface of the shared namespace (reached from the host only through the published ports), with
+    # protected mode on: were the default user ever without its password, only loopback clients get in.
+    assert compose["protected-mode"] == "yes" and compose["bind"] == "0.0.0.0"
     assert compose["cluster-announce-ip"] == "127.0.0.1"
 
 
@@ -454,11 +474,15 @@ def test_certificates_service_makes_what_the_nodes_use(services: dict[str, dict[
     assert mounts[TLS_DIR] == {"type": "volume", "source": "tls", "target": TLS_DIR}
     assert mounts["/bagua/compose-certs.sh"]["source"] == "./services/compose-certs.sh"
     assert mounts[env["BAGUA_LIGHTNING_CLIENT_TLS_DIR"]]["source"] == SETTINGS["BAGUA_LIGHTNING_CLIENT_TLS_DIR"]
-    assert "tls" in raw_compose()["volumes"]
+    assert "tls" in raw_compose()["volumes"] and "redis-data" in raw_compose()["volumes"]
+    # It makes each node's data folder in the shared volume (the nodes run as 10001 and cannot).
+    assert mounts[env["BAGUA_LIGHTNING_DATA_DIR"]] == {"type": "volume", "source": "redis-data",
+                                                      "target": env["BAGUA_LIGHTNING_DATA_DIR"]}
     for name in _redis_nodes(services):
         node = services[name]
         assert node["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
-        assert node["volumes"] == [{"type": "volume", "source": "tls", "target": TLS_DIR, "read_only": True}]
+        assert node["volumes"] == [{"type": "volume", "source": "tls", "target": TLS_DIR, "read_only": True},
+                                   {"type": "volume", "source": "redis-data", "target": "/data"}]
         # The nodes run as the image's user, who owns the 0600 keys.
         assert node["user"].split(":")[0] == "10001"
     dockerfile = DOCKERFILE.read_text()
@@ -467,17 +491,21 @@ def test_certificates_service_makes_what_the_nodes_use(services: dict[str, dict[
 
 
 def test_certificates_script_makes_what_each_side_needs(tmp_path: Path) -> None:
-    server, client = tmp_path / "server", tmp_path / "client"
+    server, client, data = tmp_path / "server", tmp_path / "client", tmp_path / "data"
     client.mkdir()
+    data.mkdir()
     env = {"PATH": "/usr/bin:/bin", "BAGUA_LIGHTNING_TLS_DIR": str(server), "BAGUA_LIGHTNING_CLIENT_TLS_DIR": str(client),
            "BAGUA_LIGHTNING_REDIS_PORTS": "7000 7001", "BAGUA_LIGHTNING_TLS_HOSTS": "127.0.0.1 10.1.2.3",
-           "BAGUA_LIGHTNING_TLS_OWNER": f"{os.getuid()}:{os.getgid()}"}
+           "BAGUA_LIGHTNING_TLS_OWNER": f"{os.getuid()}:{os.getgid()}", "BAGUA_LIGHTNING_DATA_DIR": str(data)}
     script = str(ROOT / "services" / "compose-certs.sh")
     made = subprocess.run(["sh", script], env=env, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     assert sorted(p.name for p in server.iterdir()) == ["ca.crt", "node-7000.crt", "node-7000.key", "node-7001.crt",
                                                        "node-7001.key", "service.crt", "service.key"]  # no CA key
     assert sorted(p.name for p in client.iterdir()) == ["ca.crt", "client.crt", "client.key"]
+    assert sorted(p.name for p in data.iterdir()) == ["node-7000", "node-7001"]  # the nodes' data folders
+    assert all(oct(d.stat().st_mode & 0o777) == "0o700" and d.stat().st_uid == os.getuid() for d in data.iterdir())
+    (data / "node-7000" / "appendonly.aof").write_text("kept")
     for folder in (server, client):
         assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in folder.iterdir())
     for cert in (server / "node-7000.crt", server / "service.crt", client / "client.crt"):
@@ -490,6 +518,7 @@ def test_certificates_script_makes_what_each_side_needs(tmp_path: Path) -> None:
     before = (server / "ca.crt").read_bytes()
     assert subprocess.run(["sh", script], env=env, capture_output=True, timeout=120).returncode == 0
     assert (server / "ca.crt").read_bytes() == before  # complete certificates are kept
+    assert (data / "node-7000" / "appendonly.aof").read_text() == "kept"  # and the data folders
     (client / "client.key").unlink()  # incomplete: everything anew, one CA again on both sides
     assert subprocess.run(["sh", script], env=env, capture_output=True, timeout=120).returncode == 0
     assert (server / "ca.crt").read_bytes() == (client / "ca.crt").read_bytes() != before
@@ -529,9 +558,59 @@ def test_cluster_init_service(services: dict[str, dict[str, Any]]) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_the_lighthouse_is_the_native_launchers_with_no_secret(services: dict[str, dict[str, Any]]) -> None:
+    svc = services["lighthouse"]
+    # What `bagua-lightning up` runs, bound to the shared namespace instead of loopback.
+    assert svc["command"] == lighthouse_args(host="0.0.0.0", port=DEFAULT_LIGHTHOUSE_PORT)
+    native = lighthouse_args(host="127.0.0.1", port=DEFAULT_LIGHTHOUSE_PORT)
+    assert [a for a in native if a != "127.0.0.1"] == [a for a in svc["command"] if a != "0.0.0.0"]
+    args = build_parser().parse_args(svc["command"])
+    assert callable(args.func) and args.port == DEFAULT_LIGHTHOUSE_PORT
+    assert svc["image"] == services["autotune"]["image"] and svc["build"] == services["autotune"]["build"]
+    assert svc["network_mode"] == "service:net" and "secrets" not in svc  # it has none to check (torchft 0.2.0)
+    kind, *check = svc["healthcheck"]["test"]
+    status = build_parser().parse_args(check[1:])
+    assert kind == "CMD" and check[0] == "bagua-lightning" and status.func is deploy_cli._cmd_status
+    assert status.lighthouse == f"127.0.0.1:{DEFAULT_LIGHTHOUSE_PORT}"
+    # The image holds torchft's wheel (no dependencies, pinned by hash) and loads its extension at build time.
+    dockerfile = DOCKERFILE.read_text()
+    assert "--no-deps -r /tmp/lighthouse.lock" in dockerfile and "torchft_extension()" in dockerfile
+    lock = (ROOT / "services" / "lighthouse.lock").read_text()
+    assert re.search(r"^torchft==0\.2\.0 \\\n    --hash=sha256:[0-9a-f]{64}$", lock, re.M), lock
+    assert importlib.metadata.version("torchft") == "0.2.0"  # what the lock pins is what the tests ran
+
+
+# What each service may keep of root's powers: certs hands the trainers' files to the host folder's owner.
+CAPABILITIES = {"certs": ["CHOWN", "DAC_OVERRIDE"]}
+
+
+@pytest.mark.parametrize("name", ["net", "autotune", "lighthouse", "certs", "redis-init",
+                                  *(f"redis-{i}" for i in range(6))])
+def test_every_service_is_locked_down(services: dict[str, dict[str, Any]], name: str) -> None:
+    svc = services[name]
+    assert svc["cap_drop"] == ["ALL"] and svc.get("cap_add", []) == CAPABILITIES.get(name, [])
+    assert "no-new-privileges:true" in svc["security_opt"]
+    assert "privileged" not in svc and svc.get("network_mode") != "host"
+    assert svc["mem_limit"] and float(svc["cpus"]) > 0 and 0 < int(svc["pids_limit"]) <= 256
+    if name == "certs":
+        # Root for a second, without a network: chown to the host folder's owner needs root's CAP_CHOWN.
+        assert svc["user"] == "0:0" and svc["network_mode"] == "none"
+    else:
+        assert svc["user"] == "10001:10001"
+    # A read-only root wherever Compose allows one: it writes environment-sourced secrets into the container.
+    assert svc.get("read_only", False) is not bool(svc.get("secrets")), name
+
+
+def test_redis_nodes_memory_limit_is_above_their_maxmemory(services: dict[str, dict[str, Any]]) -> None:
+    for name in _redis_nodes(services):
+        limit = services[name]["mem_limit"]
+        maxmemory = deploy.parse_bytes(redis_directives(services[name]["command"])["maxmemory"])
+        assert deploy.parse_bytes(limit + "b") >= 2 * maxmemory  # an AOF rewrite's fork may copy every page
+
+
 def test_same_redis_image_everywhere(compose: dict[str, Any]) -> None:
     raw = raw_compose()
-    images = {s.get("image") for n, s in compose["services"].items() if n not in ("autotune", "certs")}
+    images = {s.get("image") for n, s in compose["services"].items() if n not in ("autotune", "certs", "lighthouse")}
     assert images == {SETTINGS["BAGUA_LIGHTNING_REDIS_IMAGE"]}
     assert raw["name"] == "bagua-lightning"
 
@@ -563,7 +642,9 @@ def test_dockerfile_builds_a_small_torch_free_image() -> None:
     assert "pip install --no-deps --no-build-isolation ." in runs
     # dependencies: the [service] extra, locked (tests/test_package.py checks the lock covers it)
     assert "pip install --require-hashes --only-binary=:all: --no-deps -r /tmp/requirements.lock" in runs
-    assert "torch" not in re.sub(r"'torch must not[^']*'|find_spec\('torch'\)", "", runs)
+    # torch itself never (torchft's wheel comes without its dependencies, for the Lighthouse alone)
+    assert not re.search(r"\btorch\b", re.sub(r"'torch must not[^']*'|find_spec\('torch'\)", "", runs))
+    assert "--no-deps -r /tmp/lighthouse.lock" in runs
     env = " ".join(rest for op, rest in steps if op == "ENV")
     assert "BAGUA_LIGHTNING_NO_STRATEGY" not in env
     assert ("ENTRYPOINT", '["bagua-lightning"]') in steps

@@ -1,5 +1,7 @@
-"""docker-compose.yml on a real Docker engine, unmodified, under pytest-docker: up, two training jobs, a killed
-master, a restarted service, the killed node back empty and rejoined by `up`, down without the secrets.
+"""docker-compose.yml on a real Docker engine, unmodified, under pytest-docker: up (hardened: no capabilities,
+read-only roots where Compose allows them, limits), the Lighthouse, two training jobs, a killed master, a
+restarted service, the killed node back from its own files, the whole stack down and up with its cached
+samples kept, down without the secrets.
 
 The engine is the one that answers, else a private ``dockerd`` started here (root on Linux; see
 docker_engine.py), with stand-in base images when the registry's cannot be pulled; without either the
@@ -33,7 +35,7 @@ from tests.procs import wait_until
 from tests.ranks import run_ranks
 
 JOB = str(Path(__file__).with_name("compose_job.py"))
-PORTS = [*range(7000, 7006), *range(17000, 17006), *range(8000, 8006), 29600]  # TLS, bus, read ports
+PORTS = [*range(7000, 7006), *range(17000, 17006), *range(8000, 8006), 29600, 29510]  # TLS, bus, read ports
 SECRET_NAMES = ("BAGUA_LIGHTNING_REDIS_PASSWORD", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN")
 PER_RANK = 128  # compose_job.SAMPLES over 2 ranks
 TLS_ENV = "BAGUA_LIGHTNING_TLS_CA"
@@ -180,7 +182,7 @@ def test_the_stack_comes_up_with_tls_only(stack: Stack) -> None:
     import redis
 
     running = set(stack.compose("ps", "--services", "--status", "running").stdout.split())
-    assert running == {"net", "autotune", *(f"redis-{i}" for i in range(6))}, running
+    assert running == {"net", "autotune", "lighthouse", *(f"redis-{i}" for i in range(6))}, running
     # Clients on TLS only: the plain protocol gets nothing, TLS without a client certificate is refused.
     with pytest.raises(redis.ConnectionError):
         redis.Redis(host=stack.address, port=7000, socket_timeout=5, password="x").ping()
@@ -197,6 +199,34 @@ def test_the_stack_comes_up_with_tls_only(stack: Stack) -> None:
     # No secret in any container's configuration.
     inspected = stack.docker("inspect", *stack.compose("ps", "-aq").stdout.split()).stdout
     assert not any(stack.env[name] in inspected for name in SECRET_NAMES)
+    # Hardened as the file says, on the engine: no capability (certs: two), no root but certs, read-only roots
+    # where no Compose secret is written, memory limits; protected mode on in every node.
+    for container in json.loads(inspected):
+        service = container["Config"]["Labels"]["com.docker.compose.service"]
+        host = container["HostConfig"]
+        caps = {kind: sorted(c.removeprefix("CAP_") for c in host[kind] or []) for kind in ("CapDrop", "CapAdd")}
+        assert caps == {"CapDrop": ["ALL"], "CapAdd": ["CHOWN", "DAC_OVERRIDE"] if service == "certs" else []}, service
+        assert host["ReadonlyRootfs"] is (service in ("net", "certs", "lighthouse")), service
+        assert host["Memory"] > 0 and host["PidsLimit"] > 0, service
+        assert container["Config"]["User"] == ("0:0" if service == "certs" else "10001:10001"), service
+    with stack.redis(7000) as client:
+        assert client.config_get("protected-mode") == {"protected-mode": "yes"}
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+
+
+def test_the_lighthouse_serves_quorums_on_its_published_port(stack: Stack) -> None:
+    from datetime import timedelta
+
+    from bagua_lightning.lighthouse import torchft_extension
+    from bagua_lightning.services.health import check_lighthouse
+
+    address = f"{stack.address}:29510"
+    assert check_lighthouse(address, timeout_s=5.0).healthy
+    client = torchft_extension().LighthouseClient(f"http://{address}", timedelta(seconds=10))
+    quorum = client.quorum(replica_id="probe0", timeout=timedelta(seconds=20), world_size=1)
+    assert [member.replica_id for member in quorum.participants] == ["probe0"]
+    logs = stack.compose("logs", "--no-color", "lighthouse", secrets_too=False).stdout
+    assert "no credentials and no TLS" in logs  # it says what it exposes, in one line
 
 
 def test_two_jobs_share_the_cache_survive_a_killed_master_and_a_restarted_service(stack: Stack) -> None:
@@ -257,9 +287,9 @@ def test_two_jobs_share_the_cache_survive_a_killed_master_and_a_restarted_servic
         assert rank["steps"] == PER_RANK // 16, rank
         assert (rank["hits"], rank["misses"]) == (PER_RANK, 0), rank
 
-    # The killed node's container starts again, with a new tmpfs (a crash under `restart: unless-stopped` or a
-    # `compose restart` does the same): the node is alone, without its nodes.conf. The operator's next
-    # `compose up` brings it back as a replica, and nothing cached is lost.
+    # The killed node's container starts again, from its own nodes.conf and append-only file in redis-data (a
+    # crash under `restart: unless-stopped` or a `compose restart` does the same): it rejoins as the replica
+    # of the replica that took over. The operator's next `compose up` checks the cluster; nothing is lost.
     t = time.monotonic()
     started = stack.docker("start", f"{stack.project}-redis-0-1")
     assert started.returncode == 0, started.stderr
@@ -273,6 +303,18 @@ def test_two_jobs_share_the_cache_survive_a_killed_master_and_a_restarted_servic
     table = table.decode() if isinstance(table, bytes) else str(table)
     assert len(table.strip().splitlines()) == 6 and "fail" not in table and "noaddr" not in table, table
     for rank in _run_job(stack, "job4", dataset):
+        assert rank["wrong"] == 0 and (rank["hits"], rank["misses"]) == (PER_RANK, 0), rank
+
+    # The whole stack goes (containers removed, volumes kept: as a reboot leaves it) and comes back: every
+    # node from its own files, the same CA; the next job reads every sample from the cache.
+    t = time.monotonic()
+    down = stack.compose("down")
+    assert down.returncode == 0, down.stderr
+    up = stack.compose("up", "-d", "--wait")
+    assert up.returncode == 0, up.stdout + up.stderr
+    TIMINGS["down and up, data kept"] = time.monotonic() - t
+    assert all(_cluster_ok(stack, port) for port in range(7000, 7006))
+    for rank in _run_job(stack, "job5", dataset):
         assert rank["wrong"] == 0 and (rank["hits"], rank["misses"]) == (PER_RANK, 0), rank
 
 
