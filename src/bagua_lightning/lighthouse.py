@@ -23,8 +23,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from .core.addresses import format_address
-from .core.errors import ConfigurationError
+from bagua_lightning.core.addresses import format_address
+from bagua_lightning.core.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ _EXTENSION = "torchft._torchft"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``lighthouse`` to the ``bagua-lightning`` command line."""
-    from .core.args import bind_port_arg, positive_int_arg
+    from bagua_lightning.core.args import bind_port_arg, positive_int_arg
 
     p = subparsers.add_parser(
         "lighthouse", help="run the fault-tolerance coordinator (torchft's Lighthouse) in the foreground",
@@ -78,8 +78,8 @@ def torchft_extension() -> ModuleType:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .core.addresses import check_host
-    from .services.deploy_config import lighthouse_warning
+    from bagua_lightning.core.addresses import check_host
+    from bagua_lightning.services.deploy_config import lighthouse_warning
 
     host = check_host(args.host, "--host")
     server = torchft_extension().LighthouseServer(
