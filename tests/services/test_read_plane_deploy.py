@@ -217,7 +217,7 @@ def test_no_secret_is_in_any_process_environment_or_command_line(
     info = _info()
     secrets = _secrets(info)
     records = [r for rs in info.processes.values() for r in rs]
-    assert len(records) == 7 and all(procs.is_running(r) for r in records)
+    assert len(records) == 8 and all(procs.is_running(r) for r in records)  # 6 nodes, autotune, lighthouse
     for rec in records:
         proc = psutil.Process(rec.pid)
         shown = " ".join([*proc.cmdline(), *proc.environ().values()])
