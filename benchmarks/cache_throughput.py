@@ -363,7 +363,7 @@ def main() -> None:
                         if name in batch_all_cpu:
                             batch_all_cpu[name].append(time.process_time() - all_cpu)
         profiles = profile_reads([(name, reader) for name, reader in readers if name in ("c", "k")], batches,
-                                 args.profile) if args.profile else []
+                                 args.profile) if args.profile else {}
         r_b, r_c, r_k, r_d, r_dp, r_h = best["b"], best["c"], best["k"], best["d"], best["dp"], best["h"]
         stats = ds.stats
         paired = 1 + bool(run & {"k", "t", "t1"})
