@@ -6,7 +6,9 @@ both. A file another local user can write (or a folder where they can replace it
 own listeners and CA, and collect the secrets. So, before any of them is used:
 
 * the file must be owned by this user or by root, and writable by neither group nor others;
-* a secret file (or a private key) must not be readable by them either;
+* a secret file (or a private key) must not be readable by them either, with one exception: a file of root's
+  that root made readable to a group of this (non-root) process and to nobody else, as the kubelet mounts a
+  Secret volume for a pod with ``fsGroup`` (``root:<fsGroup>``, mode 0440): only root chose who may read it;
 * every folder above it must be owned by this user or by root, and not writable by group or others unless
   it is sticky (``/tmp``: others may add entries there, but may not rename or delete ours).
 
@@ -61,11 +63,23 @@ def check_stat(path: str | Path, st: os.stat_result, what: str, *, secret: bool 
         raise UntrustedFileError(
             f"{where}: only files of {_me()} or root are trusted, as another user could have planted it; "
             f"remove it (`rm -r {path}`, as root where need be) and run `bagua-lightning up` again.")
+    if secret and _group_readable_by_roots_choice(st):
+        return
     if mode & (_OTHERS_ANY if secret else _OTHERS_WRITE):
         fix = f"chmod go-rwx {path}" if secret else f"chmod go-w {path}"
         kind = "read or written" if secret else "written"
         raise UntrustedFileError(f"{where}: it can be {kind} by other users, so it is not trusted; "
                                  f"run `{fix}` if its content is yours, else remove it.")
+
+
+def _group_readable_by_roots_choice(st: os.stat_result) -> bool:
+    """A secret of root's, readable (only read) by its group and that group one of this process's, which is not
+    root's: how Kubernetes gives a non-root pod a Secret volume (files ``root:<fsGroup>``, mode 0440;
+    ``defaultMode`` 0400 becomes 0440 there). Nobody but root could have made it so, and root reads every file
+    anyway; root's own process is refused as before (its file: it can ``chmod go-rwx``)."""
+    mode = stat.S_IMODE(st.st_mode)
+    return (st.st_uid == 0 and os.geteuid() != 0 and mode & _OTHERS_ANY == stat.S_IRGRP
+            and (st.st_gid == os.getegid() or st.st_gid in os.getgroups()))
 
 
 def check_folders(path: str | Path, what: str) -> None:

@@ -150,15 +150,19 @@ def test_autotune_speaks_tls_probes_follow_the_health_split_and_its_command_pars
                          "ssl_keyfile": f"{client_dir}/tls.key"}
     assert volumes[mounts[client_dir]]["secret"]["secretName"] == "bagua-lightning-tls"
     assert env["BAGUA_LIGHTNING_TLS_CA"] == f"{client_dir}/ca.crt"
-    assert env["BAGUA_LIGHTNING_REDIS_PASSWORD"] == {"secretKeyRef": {"name": SECRET, "key": "redis-password"}}
-    assert mounts[str(Path(args.token_file).parent)] == "secrets"  # the token comes from the Secret
+    # The token and the plan store's password are files of the Secret volume, never environment variables.
+    password_file = Path(env["BAGUA_LIGHTNING_REDIS_PASSWORD_FILE"])
+    assert mounts[str(Path(args.token_file).parent)] == mounts[str(password_file.parent)] == "secrets"
+    items = {i["key"]: i["path"] for i in volumes["secrets"]["secret"]["items"]}
+    assert items == {"autotune-token": Path(args.token_file).name, "redis-password": password_file.name}
+    assert volumes["secrets"]["secret"]["secretName"] == SECRET and "BAGUA_LIGHTNING_REDIS_PASSWORD" not in env
     assert mounts[args.log_dir] == "samples"
     assert container["image"].endswith(f":{bagua_lightning.__version__}")
-    # The public Service carries gRPC only; metrics have their own Service (and NetworkPolicy).
+    # The Service carries gRPC only; the metrics (no authentication) listen on the pod's loopback, unexposed.
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": args.port, "metrics": args.metrics_port}
+    assert ports == {"grpc": args.port} and args.metrics_host == "127.0.0.1" and args.metrics_port == 9464
     assert [p["port"] for p in _one("Service", "bagua-autotune")["spec"]["ports"]] == [args.port]
-    assert [p["port"] for p in _one("Service", "bagua-autotune-metrics")["spec"]["ports"]] == [args.metrics_port]
+    assert not [d for _, d in DOCS if d["kind"] == "Service" and d["metadata"]["name"] == "bagua-autotune-metrics"]
 
 
 def test_references_between_the_manifests_resolve() -> None:
@@ -239,14 +243,11 @@ def test_network_policies_deny_by_default_and_admit_only_the_expected_pods_to_ev
         ("Deployment", "bagua-autotune"), ("StatefulSet", "bagua-redis"), ("Job", "bagua-redis-init")))
     for peer in (autotune, redis_pods, init):  # the policies select by name only
         peer["podSelector"]["matchLabels"].pop("app.kubernetes.io/part-of")
-    prometheus = {"namespaceSelector": {"matchLabels": {"bagua-lightning/metrics-scraper": "true"}},
-                  "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
     expected = {
         ("StatefulSet", "bagua-redis", 6379): [trainer, autotune, init, redis_pods],  # clients and replication
         ("StatefulSet", "bagua-redis", 16379): [redis_pods],  # the cluster bus
         ("StatefulSet", "bagua-redis", 7379): [trainer],  # the read port: open reads by trainers alone
         ("Deployment", "bagua-autotune", 29600): [trainer],
-        ("Deployment", "bagua-autotune", 9464): [prometheus],
     }
     workloads = [(d["kind"], d["metadata"]["name"]) for _, d in DOCS if d["kind"] in ("Deployment", "StatefulSet", "Job")]
     seen = set()
@@ -261,6 +262,7 @@ def test_network_policies_deny_by_default_and_admit_only_the_expected_pods_to_ev
                 seen.add((kind, name, port["containerPort"]))
                 assert _admitted(labels, port["containerPort"]) == expected[(kind, name, port["containerPort"])]
         assert _admitted(labels, 1) == [], (kind, name)  # any other port: nobody
+        assert _admitted(labels, 9464) == [], (kind, name)  # the autotune metrics: the pod's loopback only
     assert seen == set(expected)
     # A trainer reaches the services; the example trainer carries the label the policies name.
     assert TRAINER.items() <= yaml.safe_load(TRAINER_EXAMPLE.read_text())["spec"]["template"]["metadata"]["labels"].items()
@@ -309,7 +311,7 @@ def test_tls_is_on_for_redis_clients_replication_bus_and_the_trainers() -> None:
     assert "tls-port $port" in config["start-node.sh"] and 'tls-cert-file "$REDIS_TLS_CERT"' in config["start-node.sh"]
     for script in ("start-node.sh", "ping-node.sh", "form-cluster.sh"):
         assert '. "$(dirname "$0")/tls.sh"' in config[script], script
-    assert "redis-cli $TLS_ARGS --cluster create" in config["form-cluster.sh"]
+    assert "redis-cli --askpass $TLS_ARGS --cluster create" in config["form-cluster.sh"]
     (node,) = _one("StatefulSet", "bagua-redis")["spec"]["template"]["spec"]["containers"]
     assert _env(node)["REDIS_TLS_CERT"] == "/etc/bagua-redis/tls/$(POD_NAME).crt"
     for probe in ("readinessProbe", "livenessProbe"):
@@ -321,8 +323,8 @@ def test_tls_is_on_for_redis_clients_replication_bus_and_the_trainers() -> None:
         "BAGUA_LIGHTNING_TLS_CA": "/etc/bagua-lightning/tls/ca.crt",
         "BAGUA_LIGHTNING_TLS_CERT": "/etc/bagua-lightning/tls/tls.crt",
         "BAGUA_LIGHTNING_TLS_KEY": "/etc/bagua-lightning/tls/tls.key"}
-    (trainer,) = _one("Job", "bagua-trainer-example")["spec"]["template"]["spec"]["volumes"]
-    assert trainer["secret"]["secretName"] == "bagua-lightning-tls"
+    volumes = {v["name"]: v for v in _one("Job", "bagua-trainer-example")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "bagua-lightning-tls"
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt install shellcheck)")
@@ -358,6 +360,10 @@ def test_redis_cluster_has_a_replica_per_master_and_announces_no_loopback() -> N
     assert node_env["ANNOUNCE_HOSTNAME"] == "$(POD_NAME).bagua-redis.$(POD_NAMESPACE).svc.cluster.local"
     assert _one("Service", "bagua-redis")["spec"]["clusterIP"] == "None"
     text = "\n".join(path.read_text() for path in K8S.glob("*.yaml"))
+    # The one loopback address: where the autotune metrics (no authentication) listen, inside the pod.
+    metrics_host = "- --metrics-host  # the pod's loopback only: the endpoint has no authentication\n            - 127.0.0.1\n"
+    assert text.count(metrics_host) == 1
+    text = text.replace(metrics_host, "")
     assert not re.search(r"127\.0\.0\.\d|localhost|::1\b", text)
     config = _one("ConfigMap", "bagua-redis")["data"]
     assert "cluster-preferred-endpoint-type hostname" in config["redis.conf"]
