@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent.parent
 SBATCH = ROOT / "deploy" / "slurm" / "train.sbatch"
 SCRIPTS = [SBATCH, ROOT / "deploy" / "k8s" / "make-secret.sh"]
+READ_SECRETS = ("from bagua_lightning.core.services_file import env_secret\n"
+                "for name in ('REDIS_PASSWORD', 'AUTOTUNE_TOKEN', 'CACHE_KEY'):\n"
+                "    print(env_secret('BAGUA_LIGHTNING_' + name))\n")
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -72,10 +76,18 @@ def test_ranks_start_with_srun_and_find_the_services_and_secrets(tmp_path: Path)
                                     "--nodes", "2", "--devices", "8", "--job", "slurm-4242", "--out",
                                     "bagua-lightning-demo/4242"]
     env = set(record.splitlines())
-    assert {"BAGUA_LIGHTNING_REDIS_PASSWORD=pw-1", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN=tok-2",
-            "BAGUA_LIGHTNING_CACHE_KEY=key-3", "BAGUA_LIGHTNING_AUTOTUNE_SERVICE=10.0.0.5:29600",
-            "MASTER_ADDR=gpu-07", "MASTER_PORT=24242"} <= env
-    assert not any("pw-1" in c or "tok-2" in c for c in calls)  # secrets never on a command line
+    assert {f"BAGUA_LIGHTNING_REDIS_PASSWORD_FILE={secrets / 'redis-password'}",
+            f"BAGUA_LIGHTNING_AUTOTUNE_TOKEN_FILE={secrets / 'autotune-token'}",
+            f"BAGUA_LIGHTNING_CACHE_KEY_FILE={secrets / 'cache-key'}",
+            "BAGUA_LIGHTNING_AUTOTUNE_SERVICE=10.0.0.5:29600", "MASTER_ADDR=gpu-07", "MASTER_PORT=24242"} <= env
+    # The secrets are files: never a value in the ranks' environment, nor on a command line.
+    assert not any(value in record for value in ("pw-1", "tok-2", "key-3")), record
+    # What a rank reads from them, with the environment srun handed it.
+    ranks = dict(line.split("=", 1) for line in env if line.startswith("BAGUA_LIGHTNING_") and "=" in line)
+    read = subprocess.run([sys.executable, "-c", READ_SECRETS], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"], **ranks})
+    assert read.returncode == 0, read.stderr
+    assert read.stdout.split() == ["pw-1", "tok-2", "key-3"]
 
 
 def test_a_given_program_replaces_the_demo(tmp_path: Path) -> None:
@@ -90,7 +102,7 @@ def test_a_given_program_replaces_the_demo(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("env", "message"), [
     ({}, "set BAGUA_LIGHTNING_AUTOTUNE_SERVICE=host:port"),
     ({"BAGUA_LIGHTNING_AUTOTUNE_SERVICE": "h:1"}, "set BAGUA_LIGHTNING_REDIS_HOSTS=host:port"),
-    (SERVICES, "set BAGUA_LIGHTNING_REDIS_PASSWORD or write it into"),
+    (SERVICES, "set BAGUA_LIGHTNING_REDIS_PASSWORD_FILE or write BAGUA_LIGHTNING_REDIS_PASSWORD's value into"),
 ])
 def test_missing_services_or_secrets_stop_before_srun(tmp_path: Path, env: dict[str, str], message: str) -> None:
     result, record = _run(tmp_path, **env)
@@ -106,3 +118,16 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path: Path) -> None:
     result, record = _run(tmp_path, **SERVICES, BAGUA_LIGHTNING_SECRETS_DIR=str(secrets))
     assert result.returncode == 2 and "chmod 600" in result.stderr
     assert "srun" not in record
+
+
+def test_secret_variables_given_are_kept_and_no_file_is_needed(tmp_path: Path) -> None:
+    given = tmp_path / "elsewhere"
+    given.write_text("pw-9")
+    given.chmod(0o600)
+    result, record = _run(tmp_path, **SERVICES, BAGUA_LIGHTNING_REDIS_PASSWORD_FILE=str(given),
+                          BAGUA_LIGHTNING_AUTOTUNE_TOKEN="b", BAGUA_LIGHTNING_CACHE_KEY_FILE=str(given))
+    assert result.returncode == 0, result.stderr
+    env = set(record.splitlines())
+    assert {f"BAGUA_LIGHTNING_REDIS_PASSWORD_FILE={given}", "BAGUA_LIGHTNING_AUTOTUNE_TOKEN=b",
+            f"BAGUA_LIGHTNING_CACHE_KEY_FILE={given}"} <= env
+    assert not [line for line in env if line.startswith("BAGUA_LIGHTNING_AUTOTUNE_TOKEN_FILE=")]
