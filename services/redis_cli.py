@@ -21,7 +21,7 @@ from ..core.addresses import check_host, is_loopback
 from ..core.args import non_negative_int_arg, port_arg, positive_float_arg, positive_int_arg, size_arg
 from ..core.errors import ConfigurationError
 from ..core.redis_server import DEFAULT_NODE_TIMEOUT_MS
-from ..core.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD
+from ..core.services_file import ENV_REDIS_HOSTS, ENV_REDIS_PASSWORD, FILE_SUFFIX
 from . import redis_cluster
 
 
@@ -112,7 +112,8 @@ def _up(args: argparse.Namespace) -> int:
     print(f"hosts: {info.hosts_string}")
     print(f"export {ENV_REDIS_HOSTS}={info.hosts_string}")
     if info.password_file:
-        print(f"export {ENV_REDIS_PASSWORD}=\"$(cat {info.password_file})\"  # the password (0600 file)")
+        # The file's path, not its content: a value in the environment reaches /proc/PID/environ and every child.
+        print(f"export {ENV_REDIS_PASSWORD}{FILE_SUFFIX}={info.password_file}  # the password's 0600 file")
     return 0
 
 

@@ -35,6 +35,7 @@ from bagua_lightning.core.services_file import (
     ENV_CACHE_KEY,
     ENV_REDIS_HOSTS,
     ENV_REDIS_PASSWORD,
+    FILE_SUFFIX,
     read_services_file,
     resolve_autotune_address,
     resolve_autotune_token,
@@ -77,7 +78,11 @@ class Endpoints:
         redis_hosts: ``host:port`` of each Redis node.
         cluster: whether the nodes form a Redis Cluster.
         how: ``"started"`` (by this command) or ``"running"`` (found).
-        secrets: the environment variables that hand the jobs the services' secrets (password, token, key).
+        secrets: the services' secrets (password, token, key) by their environment variable, for this process.
+        secret_files: what hands them to the jobs: ``$NAME_FILE`` -> the path of the deployment's 0600 file, for
+            each secret the services file gave (one the user set is in the jobs' inherited environment
+            already). Never the values: an environment is readable in ``/proc/PID/environ`` and goes to every
+            child process.
     """
 
     autotune: str
@@ -85,10 +90,11 @@ class Endpoints:
     cluster: bool
     how: str
     secrets: dict[str, str] = field(default_factory=dict)
+    secret_files: dict[str, str] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
-        """The jobs' environment: the addresses and the secrets (never on a command line)."""
-        return {ENV_AUTOTUNE: self.autotune, ENV_REDIS_HOSTS: ",".join(self.redis_hosts), **self.secrets}
+        """The jobs' environment: the addresses and the secrets' files (never a secret, nor a command line)."""
+        return {ENV_AUTOTUNE: self.autotune, ENV_REDIS_HOSTS: ",".join(self.redis_hosts), **self.secret_files}
 
 
 def _secrets(autotune: str, hosts: list[dict[str, Any]]) -> dict[str, str]:
@@ -98,6 +104,23 @@ def _secrets(autotune: str, hosts: list[dict[str, Any]]) -> dict[str, str]:
     found = {ENV_REDIS_PASSWORD: resolve_redis_password(hosts), ENV_AUTOTUNE_TOKEN: resolve_autotune_token(autotune),
              ENV_CACHE_KEY: key.decode() if key else None}
     return {k: v for k, v in found.items() if v}
+
+
+_RECORDED = {ENV_REDIS_PASSWORD: "redis_password", ENV_AUTOTUNE_TOKEN: "autotune_token", ENV_CACHE_KEY: "cache_key"}
+
+
+def _secret_files(secrets: dict[str, str]) -> dict[str, str]:
+    """``$NAME_FILE`` -> path for each of ``secrets`` that came from the services file's secret files (the jobs
+    read the file themselves); a secret the user set (``$NAME`` or ``$NAME_FILE``) they inherit as it is."""
+    info = read_services_file()
+    out = {}
+    for name in secrets:
+        if os.environ.get(name) or os.environ.get(name + FILE_SUFFIX):
+            continue
+        path = info.secrets.get(_RECORDED[name]) if info is not None else None
+        if path:
+            out[name + FILE_SUFFIX] = path
+    return out
 
 
 def _hostport(h: dict[str, Any]) -> str:
@@ -135,16 +158,16 @@ def find_or_start_services(cfg: Any, timeout_s: float = 2.0) -> Endpoints:
                                    tls=resolve_redis_tls(hosts))}
     if all(h.healthy for h in health.values()):
         return Endpoints(autotune=autotune, redis_hosts=[_hostport(h) for h in hosts], cluster=cluster,
-                         how="running", secrets=secrets)
+                         how="running", secrets=secrets, secret_files=_secret_files(secrets))
     if named:
         bad = "; ".join(f"{k}: {h.detail}" for k, h in health.items() if not h.healthy)
         raise ServiceUnavailableError(
             f"the services named by {ENV_AUTOTUNE}/{ENV_REDIS_HOSTS} do not answer ({bad}); start them "
             f"(`docker compose up -d --wait`), or unset both variables to let the demo start its own")
     info = deploy.ensure_up(cfg)
+    secrets = _secrets(str(info.autotune), info.redis_hosts)
     return Endpoints(autotune=str(info.autotune), redis_hosts=[_hostport(h) for h in info.redis_hosts],
-                     cluster=info.redis_cluster, how="started",
-                     secrets=_secrets(str(info.autotune), info.redis_hosts))
+                     cluster=info.redis_cluster, how="started", secrets=secrets, secret_files=_secret_files(secrets))
 
 
 def clear_demo_cache(endpoints: Endpoints, dataset_name: str) -> int:
