@@ -18,6 +18,8 @@ other on the same machine (different launchers cannot share a process: ../shared
 Reported per failure: the time lost (wall time of the failed run minus its uninterrupted one), the steps
 redone, and the final loss (MSE of the final weights on the whole data set) against the uninterrupted run.
 One run of each: the wall times carry the machine's drift (a few seconds on a shared 2-core VM).
+The per-step cost of fault tolerance when nothing fails is measured interleaved, in the same processes, by
+``benchmarks/ft_step_cost.py``.
 """
 
 from __future__ import annotations
