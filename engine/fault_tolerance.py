@@ -251,6 +251,7 @@ class ElasticSession:
         self._members: tuple[str, ...] = ()
         self._seen: set[str] = set()
         self._listeners: list[Callable[[Membership | None, Membership], None]] = []
+        self._commit_listeners: list[Callable[[bool], None]] = []
         self._last: Membership | None = None
         self._state, self._load_state = state, load_state
         self._group_rank, self._group_size = group_rank, group_size
@@ -343,9 +344,17 @@ class ElasticSession:
         a failure makes :meth:`commit` say False)."""
         return self.manager.allreduce(tensor)
 
+    def add_commit_listener(self, listener: Callable[[bool], None]) -> None:
+        """Call ``listener(committed)`` from :meth:`commit`, once the nodes have decided and before the
+        optimizer steps (an algorithm that stages weights applies or drops them there)."""
+        self._commit_listeners.append(listener)
+
     def commit(self) -> bool:
         """True when every node of the quorum finished this step: step the optimizer; False: redo it."""
-        return bool(self.manager.should_commit())
+        committed = bool(self.manager.should_commit())
+        for listener in self._commit_listeners:
+            listener(committed)
+        return committed
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

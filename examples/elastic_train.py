@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(args.step_sleep)
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
                    args.out / f"{node}-{rank}.final.pt")
+        if hasattr(algorithm, "peer_weights"):  # a weight algorithm: the last committed step's average
+            torch.save([t.detach().clone() for t in algorithm.peer_weights], args.out / f"{node}-{rank}.peer.pt")
         print(f"{node}/{rank}: done at step {training.model.driver.step}, redone {training.steps_redone}", flush=True)
     finally:
         training.close()

@@ -85,6 +85,11 @@ class AsyncModelAverageAlgorithm(Algorithm):
     """
 
     keeps_replicas_identical: ClassVar[bool] = False
+    fault_tolerance_refusal: ClassVar[str | None] = (
+        "it averages weights in a background thread, between the step boundaries at which the nodes agree on "
+        "a quorum and commit: an average in flight when a node is lost cannot be undone or redone; use "
+        "decentralized (weights averaged across the nodes each step, applied on commit) or gradient_allreduce"
+    )
 
     def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0) -> None:
         if peer_selection_mode != "all":

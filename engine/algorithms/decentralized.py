@@ -24,12 +24,18 @@ Checkpoints: Lightning writes the checkpoint from global rank 0, so it holds ran
 0's weights. The algorithm keeps no state of its own between steps (the peer of a
 step is a function of the step number), so resuming loads rank 0's weights on every
 rank and continues from there, which is a valid starting point for D-PSGD.
+
+Fault tolerance (``ElasticTraining``, ``BaguaStrategy(fault_tolerance=...)``): the exchange above runs
+inside the node; the node's averaged weights are then averaged across the nodes of the step's quorum
+(``cross_node``: torchft's fault-tolerant allreduce, so across nodes the mode is ``"all"``). The result is
+staged, not copied in: it replaces the weights only when every node committed the step, just before the
+optimizer steps, so a step a node died in leaves the weights as they were (never half-applied).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,6 +72,14 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+class CrossNodeWeights(Protocol):
+    """The fault-tolerant exchange among nodes, as the weight algorithms use it (``ElasticSession``)."""
+
+    def allreduce(self, tensor: torch.Tensor) -> Any: ...
+
+    def add_commit_listener(self, listener: Any) -> None: ...
+
+
 @dataclass
 class _PendingAverage:
     """Averaging launched at ``on_forward_start`` of ``step``, finished at ``on_backward_end``."""
@@ -95,6 +109,10 @@ class DecentralizedAlgorithm(Algorithm):
     """
 
     keeps_replicas_identical: ClassVar[bool] = False
+    fault_tolerance_refusal: ClassVar[str | None] = None
+    #: Set by fault tolerance before setup: the node's averaged weights are then averaged across the nodes
+    #: and applied on commit.
+    cross_node: CrossNodeWeights | None = None
 
     def __init__(
         self,
@@ -111,6 +129,9 @@ class DecentralizedAlgorithm(Algorithm):
         #: The averaged weights of the latest communicating step, one flat tensor per weight bucket
         #: (Bagua's ``peer_weight``), in bucket order.
         self.peer_weights: list[torch.Tensor] = []
+        #: Under fault tolerance: this step's averaged weights, applied when the step commits.
+        self._staged: list[torch.Tensor] | None = None
+        self._listening = False
 
     def setup(self, module: nn.Module, comm: CommContext, plan: BucketPlan) -> None:
         self._module = module
@@ -120,6 +141,10 @@ class DecentralizedAlgorithm(Algorithm):
             check_shift_one_world_size(self._scope.num_participants, what=what)
         self._buckets = WeightBuckets(module, plan)
         self._pending = None
+        self._staged = None
+        if self.cross_node is not None and not self._listening:
+            self.cross_node.add_commit_listener(self._on_commit)
+            self._listening = True
 
     def communicates_at(self, step: int) -> bool:
         """Whether optimizer step ``step`` averages weights."""
@@ -152,11 +177,26 @@ class DecentralizedAlgorithm(Algorithm):
             self._pending = self._launch(step)
         pending, self._pending = self._pending, None
         averaged = self._finish(pending)
+        if self.cross_node is not None:
+            # across the nodes (a failed exchange makes the commit say no), then wait for the commit
+            works = [self.cross_node.allreduce(f) for f in averaged]
+            for work in works:
+                work.wait()
+            self._staged = averaged
+            return
         self.peer_weights = averaged
         self._require_buckets().copy_in(averaged)
 
+    def _on_commit(self, committed: bool) -> None:
+        """Fault tolerance's verdict on the step: apply its averaged weights, or drop them (redone)."""
+        staged, self._staged = self._staged, None
+        if committed and staged is not None and self._buckets is not None:
+            self.peer_weights = staged
+            self._buckets.copy_in(staged)
+
     def apply_plan(self, plan: BucketPlan) -> None:
         self._drain()
+        self._staged = None
         self._buckets = WeightBuckets(self._module, plan)
 
     def teardown(self) -> None:

@@ -146,6 +146,12 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     """
 
     keeps_replicas_identical: ClassVar[bool] = False
+    fault_tolerance_refusal: ClassVar[str | None] = (
+        "each rank keeps compressed replicas of its ring neighbours' weights, moved by every step's compressed "
+        "differences: a step one node did not finish leaves those replicas apart from the weights they stand "
+        "for, and a lost node changes the ring; use decentralized (its average crosses the nodes each step and "
+        "is applied on commit) or gradient_allreduce"
+    )
 
     def __init__(self, hierarchical: bool = True, communication_interval: int = 1) -> None:
         self.hierarchical = check_flag("hierarchical", hierarchical)

@@ -74,7 +74,7 @@ def test_the_sampler_re_deals_the_rest_of_the_epoch_over_the_nodes_left() -> Non
     assert sampler.state_dict() == {"epoch": 1, "position": 0} and not sampler.epoch_done
 
 
-@pytest.mark.parametrize("name", ["qadam", "decentralized", "async"])
+@pytest.mark.parametrize("name", ["qadam", "low_precision_decentralized", "async"])
 def test_algorithms_that_cannot_are_refused_at_construction_with_the_reason(name: str) -> None:
     from bagua_lightning.engine.algorithms.base import get_algorithm_class
     from bagua_lightning.engine.elastic import ElasticTraining
@@ -275,6 +275,35 @@ def test_a_killed_node_leaves_the_others_training_and_heals_from_a_live_peer_whe
     # One set of weights: the healed node's ranks equal the survivor's, and the ranks inside each node equal
     # each other (--check-ranks also checked the latter after every committed step).
     _assert_one_set_of_weights(tmp_path / "out", ["node0-0", "node0-1", "node1-0", "node1-1"])
+
+
+@pytest.mark.slow
+def test_decentralized_trains_on_without_a_killed_node_and_its_averages_cross_the_nodes(tmp_path: Path) -> None:
+    """decentralized under fault tolerance, 2 nodes x 2 ranks: kill -9 node1, node0 trains on, node1 comes back
+    and heals; every index once; the last committed step's averaged weights (applied on commit, before each
+    rank's own optimizer step) are one set on all four ranks, so the average crossed the nodes."""
+    args = ("--samples", "1600", "--step-sleep", "0.15", "--timeout", "5", "--algorithm", "decentralized")
+    with _two_nodes(tmp_path, 2, args, ready=(1, 6)) as (node0, node1, _):
+        node1.signal(signal.SIGKILL)
+        node1.wait(30)
+        at_kill = node0.committed()
+        wait_until(lambda: node0.committed() >= at_kill + 4, 60, "node0 training on without node1")
+        back = _Node(tmp_path, node0.lighthouse, 1, 2, *args)
+        with _nodes(back):
+            assert node0.wait(240) == 0, node0.text()[-4000:]
+            assert back.wait(60) == 0, back.text()[-4000:]
+            assert "healed from a live peer" in back.text()
+    out = tmp_path / "out"
+    assert _trained_indices(out) == list(range(1600))
+    averages = {name: torch.load(out / f"{name}.peer.pt", weights_only=True)
+                for name in ["node0-0", "node0-1", "node1-0", "node1-1"]}
+    first = averages["node0-0"]
+    assert first, "no averaged weights were applied"
+    for name, other in averages.items():
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True)), f"{name}'s average differs"
+    # each rank then applied its own gradient: the final weights are the rank's own, not one set
+    finals = [_final(out, name) for name in averages]
+    assert any(not torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from bagua_lightning.strategy.strategy import BaguaStrategy
 from tests.front_door_nodes import kill_and_heal
 
 
-@pytest.mark.parametrize("name", ["qadam", "decentralized", "low_precision_decentralized", "async"])
+@pytest.mark.parametrize("name", ["qadam", "low_precision_decentralized", "async"])
 def test_algorithms_that_cannot_are_refused_at_construction_with_the_reason(name: str) -> None:
     with pytest.raises(MisconfigurationException, match=f"algorithm '{name}' cannot train fault-tolerantly: "):
         BaguaStrategy(algorithm=name, fault_tolerance=FaultTolerance(node_id="node0"))
