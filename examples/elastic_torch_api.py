@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .. import torch_api as bagua
+import bagua_lightning.torch_api as bagua
+
 from ..torch_api.algorithms import gradient_allreduce
 from ..torch_api.fault_tolerance import FaultTolerance
 from .elastic_train import _data

@@ -37,8 +37,10 @@ REPO = Path(__file__).resolve().parents[2]
 # ---------------------------------------------------------------------------- without processes
 
 
-def test_settings_are_checked_naming_the_value(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_are_checked_naming_the_value(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))  # no deployment's services file names a Lighthouse
+    monkeypatch.delenv("BAGUA_LIGHTNING_SERVICES_FILE", raising=False)
     with pytest.raises(ConfigurationError, match=r"min_nodes=0.*>= 1"):
         FaultTolerance(min_nodes=0)
     with pytest.raises(ConfigurationError, match=r"max_nodes=1.*min_nodes=2"):
