@@ -249,6 +249,11 @@ def test_every_service_has_a_working_healthcheck(services: dict[str, dict[str, A
         if key in check:
             assert _DURATION.match(check[key]), f"{name}.healthcheck.{key}={check[key]!r} is not a duration"
     assert int(check.get("retries", 3)) >= 1
+    # A secret never enters the probe's environment: redis-cli reads the password on stdin (--askpass).
+    command = " ".join(test[1:])
+    assert "REDISCLI_AUTH" not in command, f"{name}: the healthcheck puts the password in an environment"
+    if "redis-cli" in command and "/run/secrets/redis_password" in command:
+        assert "--askpass" in command and "< /run/secrets/redis_password" in command, command
 
 
 def test_references_between_services_resolve(services: dict[str, dict[str, Any]]) -> None:
