@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-
+sys.path.insert(0, str(ROOT / "benchmarks"))  # sibling modules of the benchmarks
+from failover_training import _env, _free_port  # noqa: E402  (the nodes' environment, a free loopback port)
+from interleaved import bootstrap_ratio  # noqa: E402
 
 # ---------------------------------------------------------------------------- the ranks
 
@@ -152,29 +154,6 @@ def worker(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- the driver
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    env.update(extra)
-    return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def bootstrap_speed(base: list[float], other: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """median(base) / median(other) and its 95 % interval (each list resampled ``n`` times)."""
-    rng = random.Random(seed)
-    ratios = sorted(statistics.median(rng.choices(base, k=len(base))) /
-                    statistics.median(rng.choices(other, k=len(other))) for _ in range(n))
-    return statistics.median(base) / statistics.median(other), ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
-
-
 def drive(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -221,7 +200,7 @@ def drive(args: argparse.Namespace) -> int:
             log.close()
         del store
     ft_ms, plain_ms = (statistics.median(times[k]) * 1e3 for k in ("ft", "plain"))
-    speed, low, high = bootstrap_speed(times["plain"], times["ft"])
+    speed, low, high = bootstrap_ratio(times["plain"], times["ft"], seed=0)
     print(f"{args.nodes} nodes x {args.ranks_per_node} rank(s), MLP {args.dim}-{args.hidden}-{args.hidden}-1, "
           f"batch {args.batch_size} per rank, {args.rounds} rounds")
     print(f"plain gradient_allreduce: median {plain_ms:.2f} ms/step")
