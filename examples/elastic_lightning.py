@@ -16,7 +16,6 @@ Each rank appends one JSON line per committed step to ``OUT/<node>-<rank>.jsonl`
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..engine.fault_tolerance import FaultTolerance
 from ..strategy.strategy import BaguaStrategy
-from .elastic_train import _data
+from .elastic_train import _data, node_arguments
 
 
 class Regression(pl.LightningModule):
@@ -79,17 +78,8 @@ class Record(pl.Callback):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--samples", type=int, default=640)
-    p.add_argument("--batch-size", type=int, default=4, help="per rank")
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of simulated compute per step")
+    p = node_arguments(__doc__.splitlines()[0], hidden=32)
     p.add_argument("--algorithm", default="gradient_allreduce")
-    p.add_argument("--min-nodes", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=5.0)
-    p.add_argument("--quorum-timeout", type=float, default=30.0)
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("bagua_lightning").setLevel(logging.INFO)  # membership changes, healing

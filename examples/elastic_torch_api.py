@@ -15,12 +15,10 @@ weights to ``OUT/<node>-<rank>.final.pt``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,20 +30,11 @@ import bagua_lightning.torch_api as bagua
 
 from ..torch_api.algorithms import gradient_allreduce
 from ..torch_api.fault_tolerance import FaultTolerance
-from .elastic_train import _data
+from .elastic_train import _data, node_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--samples", type=int, default=640)
-    p.add_argument("--batch-size", type=int, default=4, help="per rank")
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of simulated compute per step")
-    p.add_argument("--min-nodes", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=5.0)
-    p.add_argument("--quorum-timeout", type=float, default=30.0)
-    p.add_argument("--seed", type=int, default=0)
+    p = node_arguments(__doc__.splitlines()[0], hidden=32)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("bagua_lightning").setLevel(logging.INFO)  # membership changes, healing

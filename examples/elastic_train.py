@@ -52,19 +52,25 @@ def _check_ranks(model: nn.Module, node: str, step: int) -> None:
                            f"{float((mine - first).abs().max()):.3g})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def node_arguments(description: str, *, hidden: int) -> argparse.ArgumentParser:
+    """The options every elastic example's node takes (each example adds its own)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--samples", type=int, default=640)
     p.add_argument("--batch-size", type=int, default=4, help="per rank")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of simulated compute per step")
-    p.add_argument("--algorithm", default="gradient_allreduce")
     p.add_argument("--min-nodes", type=int, default=1)
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--quorum-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=hidden)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = node_arguments(__doc__.splitlines()[0], hidden=64)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--algorithm", default="gradient_allreduce")
     p.add_argument("--check-ranks", action="store_true",
                    help="after every committed step, fail loudly unless the node's ranks hold equal weights")
     args = p.parse_args(argv)
