@@ -89,7 +89,9 @@ def _serve(args: argparse.Namespace) -> int:
     warning = lighthouse_warning(host, port)
     if warning:
         log.warning("%s", warning)
-    print(f"lighthouse listening on http://{format_address(host, port)}", flush=True)
+    # One write, so that torchft's own log lines (the same file, another thread) cannot land inside it.
+    sys.stdout.write(f"lighthouse listening on http://{format_address(host, port)}\n")
+    sys.stdout.flush()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

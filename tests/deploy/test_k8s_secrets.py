@@ -302,8 +302,10 @@ def test_the_autotune_service_runs_from_its_manifest_with_secret_files_and_loopb
                                 start_new_session=True)
     try:
         try:
-            wait_until(lambda: proc.poll() is not None or f"127.0.0.1:{metrics_port}/metrics" in log.read_text(),
-                       60, "the autotune service's metrics line")
+            # The metrics endpoint comes up before the gRPC port: wait for the line that follows the bind.
+            wait_until(lambda: proc.poll() is not None or (f"127.0.0.1:{metrics_port}/metrics" in log.read_text()
+                                                           and f"listening on 127.0.0.1:{port}" in log.read_text()),
+                       60, "the autotune service's metrics and listening lines")
             assert proc.poll() is None
         except (TimeoutError, AssertionError):
             pytest.fail(f"the service did not serve its metrics (exit {proc.poll()}): {log.read_text()}")
