@@ -7,8 +7,9 @@
 #   BAGUA_LIGHTNING_REDIS_MASTERS   ports of the masters (default "7000 7001 7002")
 #   BAGUA_LIGHTNING_REDIS_REPLICAS  ports of the replicas, one per master; used only when the first answers
 #   BAGUA_LIGHTNING_REDIS_INIT_TIMEOUT_S  deadline in seconds (default 60)
-#   REDISCLI_AUTH                   the nodes' password, if any (read by redis-cli itself)
-#   BAGUA_LIGHTNING_REDIS_PASSWORD_FILE  a file holding the password instead (a Compose secret)
+#   BAGUA_LIGHTNING_REDIS_PASSWORD_FILE  a file holding the nodes' password (a Compose secret): redis-cli reads
+#                                   it on its stdin (--askpass), so it is never in any process's environment
+#   REDISCLI_AUTH                   the password itself, if set by the caller instead (read by redis-cli)
 #   BAGUA_LIGHTNING_REDIS_TLS_CA, _CERT, _KEY  PEM files: speak TLS to the nodes with this client certificate
 #
 # Idempotent: a cluster whose nodes all serve every slot is left as it is. A node that forgot the cluster (a
@@ -17,9 +18,10 @@
 # data. Exits 0 once every listed node reports all 16384 slots served and knows exactly the listed nodes,
 # 1 after the deadline.
 set -eu
-if [ -n "${BAGUA_LIGHTNING_REDIS_PASSWORD_FILE:-}" ]; then
-  REDISCLI_AUTH=$(cat "$BAGUA_LIGHTNING_REDIS_PASSWORD_FILE")
-  export REDISCLI_AUTH
+password_file=${BAGUA_LIGHTNING_REDIS_PASSWORD_FILE:-}
+if [ -n "$password_file" ] && [ ! -r "$password_file" ]; then
+  echo "redis-cluster-init: cannot read the password file $password_file (BAGUA_LIGHTNING_REDIS_PASSWORD_FILE)" >&2
+  exit 1
 fi
 [ -n "${REDISCLI_AUTH:-}" ] || unset REDISCLI_AUTH
 tls=""
@@ -33,9 +35,18 @@ replicas=${BAGUA_LIGHTNING_REDIS_REPLICAS:-}
 timeout_s=${BAGUA_LIGHTNING_REDIS_INIT_TIMEOUT_S:-60}
 first=${masters%% *}
 
+rcli() {  # redis-cli with the TLS options, and the password from its file on stdin when there is one
+  if [ -n "$password_file" ]; then
+    # shellcheck disable=SC2086  # $tls is a list of words on purpose
+    redis-cli --askpass $tls "$@" < "$password_file"
+  else
+    # shellcheck disable=SC2086
+    redis-cli $tls "$@"
+  fi
+}
+
 info_field() {  # info_field PORT FIELD: one field of CLUSTER INFO, empty when the node does not answer
-  # shellcheck disable=SC2086  # $tls is a list of words on purpose
-  redis-cli $tls -h "$host" -p "$1" cluster info 2>/dev/null | tr -d '\r' | sed -n "s/^$2://p"
+  rcli -h "$host" -p "$1" cluster info 2>/dev/null | tr -d '\r' | sed -n "s/^$2://p"
 }
 
 serves() {  # serves PORT: the node is a member of a cluster that serves every slot
@@ -53,8 +64,7 @@ served() {  # every listed node serves every slot and knows exactly the listed n
 
 # Replicas count once the first answers (a deployment with them); then every listed node must be served.
 listed_replicas=""
-# shellcheck disable=SC2086
-if [ -n "$replicas" ] && redis-cli $tls -h "$host" -p "${replicas%% *}" ping >/dev/null 2>&1; then
+if [ -n "$replicas" ] && rcli -h "$host" -p "${replicas%% *}" ping >/dev/null 2>&1; then
   listed_replicas=$replicas
 fi
 
@@ -86,11 +96,9 @@ if [ -n "$anchor" ]; then
     fi
     tries=0
     forced=""
-    # shellcheck disable=SC2086
-    me=$(redis-cli $tls -h "$host" -p "$p" cluster myid | tr -d '\r')
+    me=$(rcli -h "$host" -p "$p" cluster myid | tr -d '\r')
     while :; do
-      # shellcheck disable=SC2086
-      table=$(redis-cli $tls -h "$host" -p "$anchor" cluster nodes | tr -d '\r')
+      table=$(rcli -h "$host" -p "$anchor" cluster nodes | tr -d '\r')
       # Its old identity: another id at its port, or without an address; and any node flagged failed.
       old=$(echo "$table" | awk -v port=":$p@" -v me="$me" '$1 != me && $3 !~ /myself/ \
                   && (index($2, port) || $3 ~ /noaddr/ || $3 ~ /(^|,)fail(,|$)/)')
@@ -102,8 +110,7 @@ if [ -n "$anchor" ]; then
                   | awk -v m="$id" '$4 == m && $3 ~ /slave/ && $3 !~ /fail/ {split($2, a, "[:@]"); print a[2]; exit}')
         [ -n "$replica" ] || continue
         echo "redis-cluster-init: master $id of port $p is gone with its slots; its replica $replica takes over"
-        # shellcheck disable=SC2086
-        redis-cli $tls -h "$host" -p "$replica" cluster failover takeover >/dev/null || true
+        rcli -h "$host" -p "$replica" cluster failover takeover >/dev/null || true
         forced="$forced $id"
       done
       tries=$((tries + 1))
@@ -116,18 +123,16 @@ if [ -n "$anchor" ]; then
     done
     for id in $(echo "$old" | awk '{print $1}'); do
       for q in $masters $listed_replicas; do
-        # shellcheck disable=SC2086
-        [ "$q" = "$p" ] || redis-cli $tls -h "$host" -p "$q" cluster forget "$id" >/dev/null 2>&1 || true
+        [ "$q" = "$p" ] || rcli -h "$host" -p "$q" cluster forget "$id" >/dev/null 2>&1 || true
       done
     done
     echo "redis-cluster-init: node $p restarted without its cluster state; adding it back as a replica"
-    # shellcheck disable=SC2086
-    redis-cli $tls --cluster add-node "$host:$p" "$host:$anchor" --cluster-slave
+    rcli --cluster add-node "$host:$p" "$host:$anchor" --cluster-slave
   done
 elif [ "$(info_field "$first" cluster_slots_assigned)" = 0 ]; then
   # Nodes that already hold slots cannot be joined again: create only while no slot is assigned.
-  # shellcheck disable=SC2086  # $tls and $nodes are lists of words on purpose
-  redis-cli $tls --cluster create $nodes --cluster-replicas "$per_master" --cluster-yes
+  # shellcheck disable=SC2086  # $nodes is a list of words on purpose
+  rcli --cluster create $nodes --cluster-replicas "$per_master" --cluster-yes
 fi
 
 tries=0

@@ -31,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ...core.addresses import check_host, check_port, format_address, parse_address
+from ...core.file_trust import UntrustedFileError, read_trusted
 from . import wire
 from .aio_server import create_aio_server, set_readiness
 from .config import ServiceConfig
@@ -80,10 +81,17 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 
 def read_token_file(path: str | Path) -> str:
-    """The token in ``path`` (surrounding whitespace removed); ValueError when empty or unreadable."""
+    """The token in ``path`` (surrounding whitespace removed), a file only this user (or root) owns and reads,
+    like every secret file of the deployment (:mod:`bagua_lightning.core.file_trust`).
+
+    Raises:
+        ValueError: empty, unreadable, or another user could read, write or replace it (naming the fix).
+    """
     try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
+        token = read_trusted(path, "autotune token file", secret=True).strip()
+    except UntrustedFileError as exc:
+        raise ValueError(str(exc)) from None
+    except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read the autotune token file {str(path)!r}: {exc}") from exc
     if not token:
         raise ValueError(f"the autotune token file {str(path)!r} is empty; write the token into it")

@@ -28,13 +28,32 @@ PASSWORD = "init-script-test-password"
 pytestmark = pytest.mark.skipif(shutil.which("redis-cli") is None, reason="needs redis-cli (redis-tools)")
 
 
-def run_init(info: ClusterInfo) -> subprocess.CompletedProcess[str]:
+def run_init(info: ClusterInfo, folder: Path) -> subprocess.CompletedProcess[str]:
+    # As compose runs it: the password in a secret file, which the script hands redis-cli on stdin (--askpass).
+    password_file = folder / "init-password"
+    password_file.write_text(PASSWORD + "\n")
+    password_file.chmod(0o600)
     ports = [n.port for n in info.nodes]  # masters first
-    env = {"PATH": os.environ["PATH"], "REDISCLI_AUTH": PASSWORD, "BAGUA_LIGHTNING_REDIS_HOST": "127.0.0.1",
+    env = {"PATH": os.environ["PATH"], "BAGUA_LIGHTNING_REDIS_PASSWORD_FILE": str(password_file),
+           "BAGUA_LIGHTNING_REDIS_HOST": "127.0.0.1",
            "BAGUA_LIGHTNING_REDIS_MASTERS": " ".join(map(str, ports[:3])),
            "BAGUA_LIGHTNING_REDIS_REPLICAS": " ".join(map(str, ports[3:])),
            "BAGUA_LIGHTNING_REDIS_INIT_TIMEOUT_S": "60"}
     return subprocess.run(["sh", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_the_script_never_puts_the_password_in_an_environment() -> None:
+    text = SCRIPT.read_text()
+    assert "export REDISCLI_AUTH" not in text and "REDISCLI_AUTH=" not in text
+    assert "redis-cli --askpass" in text
+
+
+def test_an_unreadable_password_file_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-password"
+    result = subprocess.run(["sh", str(SCRIPT)], env={"PATH": os.environ["PATH"],
+                                                       "BAGUA_LIGHTNING_REDIS_PASSWORD_FILE": str(missing)},
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 1 and str(missing) in result.stderr, result.stderr
 
 
 def node(port: int) -> redis.Redis:
@@ -56,7 +75,7 @@ def serves(port: int) -> bool:
 def test_a_node_restarted_without_its_cluster_state_is_added_back_as_a_replica(tmp_path: Path) -> None:
     spec = ClusterSpec(nodes=3, replicas=1, port=free_port_block(6), state_root=tmp_path, password=PASSWORD)
     with running_cluster(spec) as info:
-        first = run_init(info)
+        first = run_init(info, tmp_path)
         assert first.returncode == 0, first.stdout + first.stderr
         assert "already serves all 16384 slots" in first.stdout
 
@@ -88,7 +107,7 @@ def test_a_node_restarted_without_its_cluster_state_is_added_back_as_a_replica(t
             wait_until(lambda: bool(node(victim.port).ping()), 30, "the restarted node to answer")
             assert cluster_info(victim.port)["cluster_known_nodes"] == "1"
 
-            again = run_init(info)
+            again = run_init(info, tmp_path)
             assert again.returncode == 0, again.stdout + again.stderr
             assert f"node {victim.port} restarted without its cluster state" in again.stdout
 
@@ -110,7 +129,7 @@ def test_a_node_restarted_without_its_cluster_state_is_added_back_as_a_replica(t
             finally:
                 close_cluster(rc)
 
-            third = run_init(info)  # and the next `compose up` finds nothing to do
+            third = run_init(info, tmp_path)  # and the next `compose up` finds nothing to do
             assert third.returncode == 0 and "already serves all 16384 slots" in third.stdout, third.stdout
         finally:
             stop_process(proc)

@@ -79,6 +79,11 @@ def test_metrics_ls_show_and_plot_against_a_real_service(start_service, tmp_path
 def test_token_file_protects_every_call_but_health(start_service, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("tok-123\n")
+    token_file.chmod(0o644)  # readable by others: refused, in one line naming the file and the fix
+    shared = _cli("serve", "--port", str(free_port()), "--token-file", str(token_file))
+    assert shared.returncode != 0 and str(token_file) in shared.stderr and "chmod go-rwx" in shared.stderr
+    assert "Traceback" not in shared.stderr
+    token_file.chmod(0o600)
     with start_service("--token-file", str(token_file), *FAST) as (target, _):
         with no_retry_client(target) as anonymous:
             assert anonymous.health_check() is True
@@ -97,6 +102,7 @@ def test_token_file_protects_every_call_but_health(start_service, tmp_path: Path
 def test_both_server_kinds_serve_refuse_and_check_tokens(start_service, tmp_path: Path, kind: str) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("tok-9")
+    token_file.chmod(0o600)
     with start_service("--server", kind, "--token-file", str(token_file), *FAST) as (target, _):
         with no_retry_client(target) as anonymous:
             assert anonymous.health_check() is True
