@@ -8,6 +8,9 @@ order (../shared/MEASURING.md). Prints the median per sample of each and k/c = m
 tottime per sample). The read path's other half (send, receive, parse) costs keyed and unkeyed reads alike:
 ``benchmarks/cache_throughput.py --variants c,k`` measures the whole.
 
+With the native loop available (client/cache/native_gcm.py), a third variant (kp) opens the same sealed batch
+through cryptography's call per entry, so the loop's gain is measured in the same rounds.
+
     python benchmarks/cache_decode.py [--batch-size 64] [--rounds 400] [--profile]
 """
 
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from bagua_lightning.client.cache import codec
+from bagua_lightning.client.cache import batch_sealed, codec, native_gcm
 from bagua_lightning.client.cache.resp import Replies
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,10 +56,11 @@ def batch(n: int, secret: bytes | None) -> tuple[list[bytes], bytearray, int, in
 
 
 class Reader:
-    """One variant: its batch as received, and a receive buffer it is copied into before each decode."""
+    """One variant: its batch as received, and a receive buffer it is copied into before each decode; with
+    ``per_entry``, sealed entries open through cryptography's call per entry (the native loop turned off)."""
 
-    def __init__(self, n: int, secret: bytes | None) -> None:
-        self.secret = secret
+    def __init__(self, n: int, secret: bytes | None, per_entry: bool = False) -> None:
+        self.secret, self.per_entry = secret, per_entry
         self.keys, self.received, self.first, self.stride, self.size = batch(n, secret)
         self.buf = bytearray(len(self.received))
 
@@ -65,11 +69,20 @@ class Reader:
         mv = memoryview(self.buf)
         at = [self.first + r * self.stride for r in range(len(self.keys))]
         values = Replies([mv[a:a + self.size] for a in at], (self.buf, self.first, self.stride, list(range(len(at)))))
-        t = time.perf_counter()
-        out = codec.decode_many(values, self.keys, False, self.secret)
-        dt = time.perf_counter() - t
+        if self.per_entry:
+            batch_sealed.row_opener = _no_native
+        try:
+            t = time.perf_counter()
+            out = codec.decode_many(values, self.keys, False, self.secret)
+            dt = time.perf_counter() - t
+        finally:
+            batch_sealed.row_opener = native_gcm.row_opener
         assert type(out[0]) is tuple and not any(type(o) is codec.Bad for o in out), out[0]
         return dt
+
+
+def _no_native(key: bytes) -> None:
+    return None
 
 
 def main() -> None:
@@ -80,13 +93,17 @@ def main() -> None:
     args = ap.parse_args()
     n = args.batch_size
     readers = {"c": Reader(n, None), "k": Reader(n, SECRET)}
+    if native_gcm.available():  # the native loop against cryptography's call per entry, interleaved
+        readers["kp"] = Reader(n, SECRET, per_entry=True)
+    else:
+        print("the native loop is not available here (client/cache/native_gcm.py): sealed runs open per entry")
     for r in readers.values():  # warm: decoders compiled, buffers touched
         for _ in range(20):
             r.decode()
     times: dict[str, list[float]] = {name: [] for name in readers}
     pick = random.Random(0)
     for _ in range(args.rounds):
-        for name in pick.sample(list(readers), 2):
+        for name in pick.sample(list(readers), len(readers)):
             times[name].append(readers[name].decode())
     print(f"decode_many of {n} entries of {readers['c'].size} / {readers['k'].size} bytes, {args.rounds} rounds; "
           f"{os.cpu_count()} cores; python {sys.version.split()[0]}")
@@ -94,6 +111,11 @@ def main() -> None:
         print(f"({name}) median {1e6 * sorted(ts)[len(ts) // 2] / n:.2f} us per sample")
     mid, low, high = bootstrap_ratio(times["c"], times["k"], paired=True)
     print(f"k/c = {mid:.3f} [{low:.3f}, {high:.3f}] (decode only)")
+    if "kp" in times:
+        mid, low, high = bootstrap_ratio(times["c"], times["kp"], paired=True)
+        print(f"kp/c = {mid:.3f} [{low:.3f}, {high:.3f}] (sealed, one cryptography call per entry)")
+        mid, low, high = bootstrap_ratio(times["kp"], times["k"], paired=True)
+        print(f"speed of k over kp = {mid:.3f} [{low:.3f}, {high:.3f}] (the native loop's gain)")
     if args.profile:
         for name, r in readers.items():
             prof = cProfile.Profile()

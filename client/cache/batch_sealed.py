@@ -20,10 +20,20 @@ and its place in the block is not read.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 from .batches import UNIFORM_MIN, Groups, build_groups, decode_opened_rows, join_group
-from .digests import DIGEST_SEAL, DIGEST_SIZE, NONCE_SIZE, SEAL_TAG_SIZE, opener, raw_opener, seal_cipher
+from .digests import (
+    DIGEST_SEAL,
+    DIGEST_SIZE,
+    NONCE_SIZE,
+    SEAL_TAG_SIZE,
+    opener,
+    raw_opener,
+    seal_cipher,
+    seal_key,
+)
 from .entry import (
     COVERED,
     DIGEST_OFFSET,
@@ -37,6 +47,7 @@ from .entry import (
     decode_opened,
 )
 from .keyring import key_field
+from .native_gcm import row_opener, threads_for
 from .resp import BufferPool
 from .values import ALIGN, CorruptEntryError
 
@@ -213,14 +224,23 @@ def _open_in_place(keys: list[bytes], secret: bytes, run: Any, size: int) -> lis
     except IndexError:
         aads = [_aad_head(len(k)) + k + clear for k in ordered]
     start, ct, pt = first + HEADER_SIZE, size - HEADER_SIZE, size - HEADER_SIZE - SEAL_TAG_SIZE
-    at = start  # the row being opened; those before it are open (no counter in the loop: one AES-GCM call each)
-    try:
-        for at, nb, aad in zip(range(start, start + n * stride, stride), range(0, n * NONCE_SIZE, NONCE_SIZE), aads,
-                               strict=True):
-            into(nonces[nb:nb + NONCE_SIZE], flat[at:at + ct], aad, flat[at:at + pt])
-    except Exception:
-        _put_back(seal_cipher(secret), flat, start, stride, nonces, aads, (at - start) // stride, pt)
-        return None
+    native = row_opener(seal_key(secret))
+    threads = threads_for(n, pt) if native is not None else 0
+    if native is not None and threads:  # every row in one call, or a few runs at once (.native_gcm)
+        failed = native.open_rows(buf, first, stride, n, HEADER_SIZE, pt, nonces, aads, threads)
+        if failed is not None:
+            _put_back(seal_cipher(secret), flat, start, stride, nonces, aads, failed.opened, failed.rows, pt)
+            return None
+    else:
+        at = start  # the row being opened; those before it are open (no counter in the loop: one call each)
+        try:
+            for at, nb, aad in zip(range(start, start + n * stride, stride), range(0, n * NONCE_SIZE, NONCE_SIZE),
+                                   aads, strict=True):
+                into(nonces[nb:nb + NONCE_SIZE], flat[at:at + ct], aad, flat[at:at + pt])
+        except Exception:
+            done = (at - start) // stride
+            _put_back(seal_cipher(secret), flat, start, stride, nonces, aads, range(done), [(done, True)], pt)
+            return None
     rows[:, 4] = OPENED
     built = decode_opened_rows(buf, stride, size - SEAL_TAG_SIZE, n, first)
     out: list[Any] = [None] * n
@@ -232,18 +252,20 @@ def _open_in_place(keys: list[bytes], secret: bytes, run: Any, size: int) -> lis
     return out
 
 
-def _put_back(cipher: Any, flat: memoryview, start: int, stride: int, nonces: bytes, aads: list[bytes], done: int,
-              pt: int) -> None:
-    """Seal again, as received, the ``done`` rows opened in place and row ``done``, which did not open: OpenSSL
-    wrote its unauthenticated plaintext before it checked the tag, and the keystream put back over it gives the
-    ciphertext as received. GCM is deterministic under a nonce, so the opened rows get their tags back; the
-    failed row's new tag goes to scratch, never into the entry (its own stays as received)."""
+def _put_back(cipher: Any, flat: memoryview, start: int, stride: int, nonces: bytes, aads: list[bytes],
+              opened: Iterable[int], failed: Iterable[tuple[int, bool]], pt: int) -> None:
+    """Seal again, as received, the rows ``opened`` in place and each row of ``failed`` (row, written) over which
+    OpenSSL wrote its unauthenticated plaintext before it checked the tag: the keystream put back over it gives
+    the ciphertext as received. GCM is deterministic under a nonce, so the opened rows get their tags back; a
+    failed row's new tag goes to scratch, never into the entry (its own stays as received). A failed row not
+    written (the native loop stopped before it) is as received already."""
     scratch = bytearray(pt + SEAL_TAG_SIZE)
-    for r in range(min(done + 1, len(aads))):
+    for r in opened:
         at, nonce = start + r * stride, nonces[r * NONCE_SIZE:(r + 1) * NONCE_SIZE]
-        if r < done:
-            cipher.encrypt_into(nonce, flat[at:at + pt], aads[r], flat[at:at + pt + SEAL_TAG_SIZE])
-        else:
+        cipher.encrypt_into(nonce, flat[at:at + pt], aads[r], flat[at:at + pt + SEAL_TAG_SIZE])
+    for r, written in failed:
+        if written and r < len(aads):
+            at, nonce = start + r * stride, nonces[r * NONCE_SIZE:(r + 1) * NONCE_SIZE]
             cipher.encrypt_into(nonce, flat[at:at + pt], aads[r], scratch)
             flat[at:at + pt] = memoryview(scratch)[:pt]
 

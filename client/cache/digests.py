@@ -144,6 +144,12 @@ def seal_cipher(secret: bytes) -> Any:
     return _aes_gcm(secret, SEAL_KEY_INFO, "sealed with AES-256-GCM")
 
 
+@functools.lru_cache(maxsize=8)
+def seal_key(secret: bytes) -> bytes:
+    """The AES-256 key (32 bytes) that entries are sealed with, derived from the cache key ``secret``."""
+    return _hkdf_sha256(secret, SEAL_KEY_INFO)
+
+
 def seal_aad(key: bytes, clear: Any) -> bytes:
     """The associated data of a sealed entry stored under ``key`` whose header bytes after the digest field
     (flags, lengths) are ``clear``: ``u64(len(key)) | key | clear``."""

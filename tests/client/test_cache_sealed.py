@@ -5,6 +5,7 @@ the layout docs/cache.md defines, confidentiality, and every kind of tampering a
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from bagua_lightning.client.cache import batch_sealed, codec, digests
+from bagua_lightning.client.cache import batch_sealed, codec, digests, native_gcm
 from bagua_lightning.client.cache.codec import CorruptEntryError, decode, decode_many, encode
 from bagua_lightning.client.cache.entry import HEADER, HEADER_SIZE, OPENED
 from bagua_lightning.client.cache.resp import Replies
@@ -361,7 +362,30 @@ def _in_one_buffer(entries: list[bytes]) -> Replies:
                    (buf, 16, length, order))
 
 
-def test_a_batch_in_one_receive_buffer_is_opened_where_it_lies() -> None:
+@pytest.fixture(params=["native", "native-runs", "per-entry"])
+def in_place_opener(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The batch opened in place by the native loop in one call or in three runs on threads (.native_gcm), or by
+    cryptography's call per entry."""
+    calls: list[int] = []
+    if request.param.startswith("native"):
+        if not native_gcm.available():
+            pytest.skip("the native loop is not available here (no C compiler or libcrypto)")
+        real = native_gcm.RowOpener.open_rows
+
+        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(args[-1] if len(args) > 7 else 1)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(native_gcm.RowOpener, "open_rows", counted)
+        monkeypatch.setattr(batch_sealed, "threads_for", lambda n, size: 3 if request.param == "native-runs" else 1)
+    else:
+        monkeypatch.setattr(batch_sealed, "row_opener", lambda key: None)
+    yield request.param
+    if request.param.startswith("native"):
+        assert calls and set(calls) == {3 if request.param == "native-runs" else 1}, calls
+
+
+def test_a_batch_in_one_receive_buffer_is_opened_where_it_lies(in_place_opener: str) -> None:
     entries, keys, samples = batch(N)
     run = _in_one_buffer(entries)
     got = decode_many(run, keys, secret=SECRET)
@@ -436,7 +460,7 @@ def test_sealed_indices_only_look_at_the_kind_byte() -> None:
 
 
 @pytest.mark.parametrize("bad", [0, N // 2, N - 1])  # the first row, one in the middle, the last
-def test_a_batch_that_does_not_open_in_place_is_left_as_received(bad: int) -> None:
+def test_a_batch_that_does_not_open_in_place_is_left_as_received(bad: int, in_place_opener: str) -> None:
     entries, keys, samples = batch(N)
     entries[bad] = _flip(entries[bad], len(entries[bad]) - 3)  # its tag: the rows before it open, it does not
     run = _in_one_buffer(entries)
