@@ -38,11 +38,12 @@ from interleaved import bootstrap_ratio  # a sibling module of the benchmarks
 SECRET = b"benchmark cache key"
 
 
-def batch(n: int, secret: bytes | None) -> tuple[list[bytes], bytearray, int, int, int]:
+def batch(n: int, secret: bytes | None, shape: tuple[int, ...] = (3, 32, 32)) -> tuple[
+        list[bytes], bytearray, int, int, int]:
     """Keys, the replies of ``n`` entries as received (bulk headers, 16-byte aligned), where the first value
     starts, the stride and the entry's size."""
     keys = [b"bench:n4096:%d" % (1000 + i) for i in range(n)]
-    entries = [bytes(codec.encode((torch.rand(3, 32, 32), i % 10), k, secret=secret)) for i, k in enumerate(keys)]
+    entries = [bytes(codec.encode((torch.rand(*shape), i % 10), k, secret=secret)) for i, k in enumerate(keys)]
     size = len(entries[0])
     head = b"$%d\r\n" % size
     pad = -len(head) % 16
@@ -59,9 +60,10 @@ class Reader:
     """One variant: its batch as received, and a receive buffer it is copied into before each decode; with
     ``per_entry``, sealed entries open through cryptography's call per entry (the native loop turned off)."""
 
-    def __init__(self, n: int, secret: bytes | None, per_entry: bool = False) -> None:
+    def __init__(self, n: int, secret: bytes | None, per_entry: bool = False,
+                 shape: tuple[int, ...] = (3, 32, 32)) -> None:
         self.secret, self.per_entry = secret, per_entry
-        self.keys, self.received, self.first, self.stride, self.size = batch(n, secret)
+        self.keys, self.received, self.first, self.stride, self.size = batch(n, secret, shape)
         self.buf = bytearray(len(self.received))
 
     def decode(self) -> float:
@@ -90,11 +92,16 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=400)
     ap.add_argument("--profile", action="store_true", help="then cProfile each variant over the same rounds")
+    ap.add_argument("--shape", default="3,32,32",
+                    help="each sample's float32 tensor (default 3,32,32: CIFAR, 12 KB; 256 gives a 1 KB entry)")
     args = ap.parse_args()
     n = args.batch_size
-    readers = {"c": Reader(n, None), "k": Reader(n, SECRET)}
+    shape = tuple(int(d) for d in args.shape.split(","))
+    readers = {"c": Reader(n, None, shape=shape), "k": Reader(n, SECRET, shape=shape)}
     if native_gcm.available():  # the native loop against cryptography's call per entry, interleaved
-        readers["kp"] = Reader(n, SECRET, per_entry=True)
+        readers["kp"] = Reader(n, SECRET, per_entry=True, shape=shape)
+        taken = native_gcm.worth_it(readers["k"].size)
+        print(f"the native loop is {'taken' if taken else 'not taken (entries too large)'} for (k) here")
     else:
         print("the native loop is not available here (client/cache/native_gcm.py): sealed runs open per entry")
     for r in readers.values():  # warm: decoders compiled, buffers touched

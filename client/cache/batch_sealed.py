@@ -47,7 +47,7 @@ from .entry import (
     decode_opened,
 )
 from .keyring import key_field
-from .native_gcm import row_opener, threads_for
+from .native_gcm import row_opener, worth_it
 from .resp import BufferPool
 from .values import ALIGN, CorruptEntryError
 
@@ -224,10 +224,9 @@ def _open_in_place(keys: list[bytes], secret: bytes, run: Any, size: int) -> lis
     except IndexError:
         aads = [_aad_head(len(k)) + k + clear for k in ordered]
     start, ct, pt = first + HEADER_SIZE, size - HEADER_SIZE, size - HEADER_SIZE - SEAL_TAG_SIZE
-    native = row_opener(seal_key(secret))
-    threads = threads_for(n, pt) if native is not None else 0
-    if native is not None and threads:  # every row in one call, or a few runs at once (.native_gcm)
-        failed = native.open_rows(buf, first, stride, n, HEADER_SIZE, pt, nonces, aads, threads)
+    native = row_opener(seal_key(secret)) if worth_it(pt) else None
+    if native is not None:  # small entries: every row in one call (.native_gcm)
+        failed = native.open_rows(buf, first, stride, n, HEADER_SIZE, pt, nonces, aads)
         if failed is not None:
             _put_back(seal_cipher(secret), flat, start, stride, nonces, aads, failed.opened, failed.rows, pt)
             return None

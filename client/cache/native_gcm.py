@@ -107,14 +107,13 @@ class RowOpener:
                                           n, header, text_len, nonces, aad, ends))
 
     def open_rows(self, buf: bytearray, first: int, stride: int, n: int, header: int, text_len: int, nonces: bytes,
-                  aads: list[bytes], threads: int = 1) -> Failed | None:
+                  aads: list[bytes]) -> Failed | None:
         """Open ``n`` rows of ``buf`` in place: row ``r`` at ``first + r * stride``, its ciphertext the
         ``text_len`` bytes ``header`` bytes in, then its 16-byte tag; its nonce ``nonces[12 r:12 r + 12]``, its
-        associated data ``aads[r]``. With ``threads`` > 1 the rows are split into that many runs, opened at once
-        (the GIL is released for each; :func:`threads_for` says how many pay off).
+        associated data ``aads[r]``.
 
-        Returns None when every row opened; else a :class:`Failed`, saying which rows are open and which did
-        not open (each run stops at its first row that does not).
+        Returns None when every row opened; else a :class:`Failed`, saying which rows are open (those before the
+        first that did not) and which did not.
 
         Raises:
             ValueError: the rows do not lie inside ``buf``, or the nonces or associated data do not match ``n``.
@@ -127,102 +126,42 @@ class RowOpener:
         if len(nonces) != n * _NONCE or len(aads) != n:
             raise ValueError(f"{n} rows need {n * _NONCE} bytes of nonces and {n} associated data, "
                              f"got {len(nonces)} and {len(aads)}")
-        ends = list(accumulate(map(len, aads)))
-        aad = b"".join(aads)
+        ends = (ctypes.c_long * n)(*accumulate(map(len, aads)))
         holder = (ctypes.c_char * len(buf)).from_buffer(buf)
         try:
-            base = ctypes.addressof(holder)
-            runs = _split(n, max(1, threads))
-            if len(runs) == 1:
-                results = [self._call(base, first, stride, n, header, text_len, nonces, aad, (ctypes.c_long * n)(*ends))]
-            else:
-                def run(start: int, stop: int) -> int:
-                    offset = ends[start - 1] if start else 0
-                    run_ends = (ctypes.c_long * (stop - start))(*(e - offset for e in ends[start:stop]))
-                    return self._call(base, first + start * stride, stride, stop - start, header, text_len,
-                                      nonces[start * _NONCE:stop * _NONCE], aad[offset:], run_ends)
-
-                pool = _pool(len(runs) - 1)
-                later = [pool.submit(run, start, stop) for start, stop in runs[1:]]
-                results = [run(*runs[0])]  # this thread opens the first run meanwhile
-                results += [f.result() for f in later]
+            done = int(self._native.open_rows(ctypes.byref(self._native.evp), self._context().ctx,
+                                              ctypes.addressof(holder), first, stride, n, header, text_len, nonces,
+                                              b"".join(aads), ctypes.addressof(ends)))
         finally:
             del holder
-        if all(done == stop - start for done, (start, stop) in zip(results, runs, strict=True)):
+        if done == n:
             return None
-        failed = Failed([], [])
-        for done, (start, stop) in zip(results, runs, strict=True):
-            if done == -1:
-                raise ValueError("the native opener refused its arguments")
-            if done < -1:
-                failed.opened.extend(range(start, start - 2 - done))
-                failed.rows.append((start - 2 - done, False))
-            else:
-                failed.opened.extend(range(start, start + done))
-                if done < stop - start:
-                    failed.rows.append((start + done, True))
-        return failed
+        if done == -1:
+            raise ValueError("the native opener refused its arguments")
+        if done < -1:
+            return Failed(list(range(-2 - done)), [(-2 - done, False)])
+        return Failed(list(range(done)), [(done, True)])
 
 
 @dataclass
 class Failed:
-    """What a call left when some row did not open: the rows ``opened`` (plaintext now), and each row of
-    ``rows`` that did not, with whether unauthenticated output was written over it (each run of rows stops
-    there: the rows after it in its run are as received)."""
+    """What a call left when a row did not open: the rows ``opened`` (plaintext now), and the row of ``rows``
+    that did not, with whether unauthenticated output was written over it; the rows after it are as received."""
 
     opened: list[int]
     rows: list[tuple[int, bool]]
 
 
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    parts = max(1, min(parts, n))
-    size, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        stop = start + size + (1 if i < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+ONE_RUN_MAX_ENTRY = 6 * 1024
 
 
-_pool_lock = threading.Lock()
-_pools: dict[int, Any] = {}  # pid -> executor: a forked child (a DataLoader worker) makes its own
-
-
-def _pool(workers: int) -> Any:
-    from concurrent.futures import ThreadPoolExecutor
-
-    pid = os.getpid()
-    with _pool_lock:
-        pool = _pools.get(pid)
-        if pool is None or pool._max_workers < workers:
-            _pools.clear()  # any parent's: its threads do not exist in this process
-            pool = _pools[pid] = ThreadPoolExecutor(max_workers=max(workers, MAX_THREADS - 1),
-                                                    thread_name_prefix="bagua-seal-open")
-        return pool
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-MAX_THREADS = 4
-PARALLEL_MIN_BYTES = 256 * 1024  # a batch below this opens in one run: handing runs to threads costs more
-ONE_RUN_MAX_ENTRY = 6 * 1024  # one run beats cryptography's call per entry only below about this entry size
-
-
-def threads_for(n: int, text_len: int) -> int:
-    """How many runs a batch of ``n`` entries of ``text_len`` bytes opens in: up to :data:`MAX_THREADS`, half of
-    this process's cores, where the batch is big enough; 1 where one run is best; 0 where cryptography's call per
-    entry is faster than one run (large entries on one or two cores: the system's OpenSSL may lack the wide-vector
-    AES-GCM that cryptography's own build has)."""
-    threads = min(MAX_THREADS, _cores() // 2)
-    if threads >= 2 and n * text_len >= PARALLEL_MIN_BYTES:
-        return min(threads, max(2, n * text_len // (PARALLEL_MIN_BYTES // 2)))
-    return 1 if text_len <= ONE_RUN_MAX_ENTRY else 0
+def worth_it(text_len: int) -> bool:
+    """Whether a batch of entries of ``text_len`` bytes opens faster in one native run than through
+    cryptography's call per entry: only small entries do. The loop saves the ~1 us fixed cost of each call and the
+    Python around it, but the system's OpenSSL 3.0 decrypts at about 3.7 GB/s where cryptography's own build
+    (wide-vector AES-GCM) reaches about 9: from about 8 KB on the per-entry call wins (docs/benchmarks.md,
+    "The native loop")."""
+    return text_len <= ONE_RUN_MAX_ENTRY
 
 
 _lock = threading.Lock()
@@ -231,13 +170,10 @@ _openers: dict[bytes, RowOpener] = {}
 
 
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker) starts with fresh locks and no pool: a lock another thread of the
-    parent held at the fork (building the loop, say) would be held forever in the child, and the parent's pool
-    threads do not exist there."""
-    global _lock, _pool_lock
+    """A forked child (a DataLoader worker) starts with a fresh lock: one that another thread of the parent held
+    at the fork (building the loop, say) would be held forever in the child."""
+    global _lock
     _lock = threading.Lock()
-    _pool_lock = threading.Lock()
-    _pools.clear()
 
 
 def _cache_dir() -> Path:

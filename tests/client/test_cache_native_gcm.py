@@ -63,53 +63,9 @@ def test_rows_open_to_cryptographys_plaintext(fresh: Path, text_len: int) -> Non
     assert buf[:24] == before[:24]
 
 
-@needs_cc
-@pytest.mark.parametrize("threads", [2, 3, 4, 9, 20])
-def test_runs_on_threads_open_the_same_rows(fresh: Path, threads: int) -> None:
-    key = os.urandom(32)
-    opener = native_gcm.row_opener(key)
-    assert opener is not None
-    header, text_len, n = 52, 3000, 11
-    stride = 3136
-    buf, nonces, aads, plains = _rows(n, text_len, header, stride, key, seed=threads)
-    one, _, _, _ = _rows(n, text_len, header, stride, key, seed=threads)
-    assert opener.open_rows(one, 24, stride, n, header, text_len, nonces, aads) is None
-    assert opener.open_rows(buf, 24, stride, n, header, text_len, nonces, aads, threads=threads) is None
-    assert buf == one
-    for r, plain in enumerate(plains):
-        assert bytes(buf[24 + r * stride + header:24 + r * stride + header + text_len]) == plain
-
-
-@needs_cc
-def test_each_run_stops_at_its_own_row_that_does_not_open(fresh: Path) -> None:
-    key = os.urandom(32)
-    opener = native_gcm.row_opener(key)
-    assert opener is not None
-    header, text_len, n = 52, 500, 12
-    stride = 576
-    buf, nonces, aads, plains = _rows(n, text_len, header, stride, key, seed=5)
-    before = bytes(buf)
-    for bad in (1, 9):  # in the first and the third of three runs (rows 0-3, 4-7, 8-11)
-        buf[24 + bad * stride + header + 2] ^= 1
-    aads[5] = b"not its associated data"  # and one in the second run
-    failed = opener.open_rows(buf, 24, stride, n, header, text_len, nonces, aads, threads=3)
-    assert failed is not None
-    assert sorted(failed.opened) == [0, 4, 8] and sorted(failed.rows) == [(1, True), (5, True), (9, True)]
-    for r in (0, 4, 8):
-        assert bytes(buf[24 + r * stride + header:24 + r * stride + header + text_len]) == plains[r]
-    for r in (2, 3, 6, 7, 10, 11):  # after a run's failed row: as received
-        assert buf[24 + r * stride:24 + (r + 1) * stride] == before[24 + r * stride:24 + (r + 1) * stride]
-
-
-def test_how_many_runs_follow_the_batch_and_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native_gcm, "_cores", lambda: 16)
-    assert native_gcm.threads_for(64, 12_400) == native_gcm.MAX_THREADS  # 790 KB on 16 cores
-    assert native_gcm.threads_for(64, 3_000) == 1  # 192 KB: one run
-    assert native_gcm.threads_for(4, 100_000) == 3  # 400 KB: a run per 128 KB
-    monkeypatch.setattr(native_gcm, "_cores", lambda: 2)
-    assert native_gcm.threads_for(64, 12_400) == 0  # large entries on two cores: cryptography's own build
-    assert native_gcm.threads_for(64, 3_000) == 1  # small entries: one run beats a call per entry
-    assert native_gcm._split(10, 3) == [(0, 4), (4, 7), (7, 10)] and native_gcm._split(2, 5) == [(0, 1), (1, 2)]
+def test_only_small_entries_take_the_native_loop() -> None:
+    assert native_gcm.worth_it(16) and native_gcm.worth_it(native_gcm.ONE_RUN_MAX_ENTRY)
+    assert not native_gcm.worth_it(12_400)  # a CIFAR sample: cryptography's own AES-GCM build is faster
 
 
 @needs_cc
