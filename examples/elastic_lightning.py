@@ -2,9 +2,9 @@
 
     bagua-lightning lighthouse --port 29510 &                     # the coordinator, once per job
     export TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510
-    BAGUA_LIGHTNING_NODE_ID=node0 torchrun --nproc-per-node 2 --master-port 29600 \\
+    BAGUA_LIGHTNING_NODE_ID=node0 torchrun --nproc-per-node 2 --master-port 29620 \\
         -m bagua_lightning.examples.elastic_lightning --out /tmp/ft &
-    BAGUA_LIGHTNING_NODE_ID=node1 torchrun --nproc-per-node 2 --master-port 29601 \\
+    BAGUA_LIGHTNING_NODE_ID=node1 torchrun --nproc-per-node 2 --master-port 29621 \\
         -m bagua_lightning.examples.elastic_lightning --out /tmp/ft &
 
 The one line that makes a Lightning job fault-tolerant is the strategy's
