@@ -136,7 +136,10 @@ def test_the_plan_follows_two_shapes_on_every_node_alike(start_service: Callable
         summing = _TwoNodeSum(fail_at=3)
         nodes = [_Node(target, 0, summing.of(0), "ej"), _Node(target, 1, summing.of(1), None)]
         try:
-            steps = 14
+            # At least 14 steps, and on until the service's second plan has been applied (how soon it comes
+            # depends on the machine's load): node0 decides when to stop, and both nodes stop at the same step.
+            min_steps, max_steps = 14, 400
+            stop = [False]
             errors: list[BaseException] = []
             committed_steps: list[int] = []
             gate = threading.Barrier(2, timeout=60)
@@ -144,7 +147,7 @@ def test_the_plan_follows_two_shapes_on_every_node_alike(start_service: Callable
             def train(node: _Node) -> None:
                 try:
                     step = 0
-                    while step < steps:
+                    while not stop[0]:
                         node.begin(step, both)
                         if step == 0 and node.index == 0:  # bounded: the shape registers in the background
                             wait_until(lambda: node.autotune.worker is not None and node.autotune.worker.registered,
@@ -159,6 +162,10 @@ def test_the_plan_follows_two_shapes_on_every_node_alike(start_service: Callable
                         gate.wait()
                         node.end(committed)
                         step += 1 if committed else 0
+                        gate.wait()
+                        if node.index == 0:
+                            stop[0] = step >= max_steps or (step >= min_steps and len(node.autotune.applied) >= 2)
+                        gate.wait()
                 except BaseException as exc:  # reported by the test
                     errors.append(exc)
                     gate.abort()
@@ -177,7 +184,9 @@ def test_the_plan_follows_two_shapes_on_every_node_alike(start_service: Callable
             assert node1.autotune.worker is not None and not node1.autotune.worker.active
             assert node0.ran == node1.ran
             assert node0.autotune.applied == node1.autotune.applied and len(node0.autotune.applied) >= 2
-            assert len(committed_steps) == steps and len(node0.ran) == steps + 1  # one step redone
+            steps = len(committed_steps)
+            assert min_steps <= steps < max_steps, steps
+            assert len(node0.ran) == steps + 1  # one step redone
             assert node1.autotune.job_id == "ej"  # the leader's job id reached the other node
 
             # node1 is lost: node0 goes on alone; the 1-node shape starts from the plan "seed" shared for it.
