@@ -4,12 +4,35 @@ The implementations live in ``bagua_lightning.engine.contrib`` and ``bagua_light
 (usable with ``BaguaStrategy`` too).
 """
 
-from .cache_loader import CacheLoader
-from .cached_dataset import CachedDataset
+from typing import TYPE_CHECKING, Any
+
 from .fuse.optimizer import fuse_optimizer, fuse_step, is_fused_optimizer
 from .fused_optimizer import FusedOptimizer
 from .load_balancing_data_loader import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
 from .sync_batchnorm import SyncBatchNorm
+
+if TYPE_CHECKING:
+    from .cache_loader import CacheLoader
+    from .cached_dataset import CachedDataset
+
+
+def __getattr__(name: str) -> Any:
+    # The cache (redis-py, and through it OpenTelemetry: ~0.4 s) loads when first asked for, not with every
+    # rank that imports torch_api.
+    if name == "CacheLoader":
+        from .cache_loader import CacheLoader
+
+        return CacheLoader
+    if name == "CachedDataset":
+        from .cached_dataset import CachedDataset
+
+        return CachedDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "CacheLoader", "CachedDataset"})
+
 
 __all__ = [
     "CacheLoader",
