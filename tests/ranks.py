@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.procs import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,6 +168,7 @@ if __name__ == "__main__":
 
 def backend_params(world_size: int) -> list[object]:
     """``gloo`` and a ``gpu``-marked ``nccl`` that skips without ``world_size`` CUDA devices."""
+    import pytest  # here, not at the top: every rank of run_function runs this file as its script
     import torch
 
     enough = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
