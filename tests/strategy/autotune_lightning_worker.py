@@ -12,6 +12,7 @@ import argparse
 import csv
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -70,9 +71,20 @@ class TunedNet(L.LightningModule):
         return DataLoader(Data(64), batch_size=16)
 
 
+class RegisteredFirst(L.Callback):
+    """Rank 0 starts training once its session is registered with the service (which the worker does in the
+    background): a job of a few steps on a loaded machine would otherwise end before its first report."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        worker = getattr(getattr(trainer.strategy, "_autotune", None), "worker", None)
+        deadline = time.monotonic() + 60
+        while worker is not None and not worker.registered and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 def fit(strategy: BaguaStrategy, out: Path, name: str, steps: int) -> tuple[TunedNet, BaguaStrategy]:
     model = TunedNet()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=[RegisteredFirst()],
                         logger=CSVLogger(str(out), name=name, version=0), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, val_check_interval=10,
                         limit_val_batches=2, num_sanity_val_steps=0, deterministic=True)
