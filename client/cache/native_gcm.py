@@ -12,7 +12,8 @@ the file-trust rules accept (:mod:`bagua_lightning.core.file_trust`: this user's
 OpenSSL's functions are looked up in the system's ``libcrypto`` by ctypes. Before first use the loop opens an
 entry sealed by ``cryptography`` and must refuse the same entry with one bit changed; anything missing or
 different (no compiler, no libcrypto, a failed build or check) leaves :func:`row_opener` returning None, and
-the reader keeps ``cryptography``'s call per entry. ``BAGUA_LIGHTNING_NATIVE_GCM=0`` turns it off.
+the reader keeps ``cryptography``'s call per entry; so does every forked child (see
+:func:`_after_fork_in_child`). ``BAGUA_LIGHTNING_NATIVE_GCM=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -170,10 +171,15 @@ _openers: dict[bytes, RowOpener] = {}
 
 
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker) starts with a fresh lock: one that another thread of the parent held
-    at the fork (building the loop, say) would be held forever in the child."""
+    """A forked child (a DataLoader worker under ``fork``) never uses the loop: a thread of the parent that was
+    inside the system's OpenSSL at the fork (the cache writer's TLS, say) leaves its locks held forever in the
+    child, and the loop's first EVP call there would wait on them. The child opens entries through
+    ``cryptography``'s own OpenSSL instead, as without the loop; its lock is fresh too (another thread may have
+    held it, building the loop, at the fork)."""
     global _lock
     _lock = threading.Lock()
+    _loaded[:] = [None]
+    _openers.clear()
 
 
 def _cache_dir() -> Path:

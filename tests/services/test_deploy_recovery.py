@@ -68,7 +68,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[
     """``up`` through the CLI on free ports, and KEYS keys written to (and replicated by) every shard."""
     tmp = tmp_path_factory.mktemp("recovery")
     with private_state(tmp):
-        args = ["--autotune-port", str(free_port()), "--redis-port", str(free_port_block(6, tls=True)), "--maxmemory", "64mb",
+        args = ["--autotune-port", str(free_port()), "--lighthouse-port", str(free_port()), "--redis-port", str(free_port_block(6, tls=True)), "--maxmemory", "64mb",
                 "--timeout", "120"]
         result = _cli("up", *args)
         assert result.returncode == 0, result.stderr

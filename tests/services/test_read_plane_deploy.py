@@ -68,7 +68,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[
     """``up`` (3 masters, 3 replicas, TLS) through the CLI, and KEYS cache-style keys written over TLS."""
     with pytest.MonkeyPatch.context() as mp, private_state(tmp_path_factory.mktemp("read-plane")):
         mp.delenv(READ_PORT_OFFSET_ENV, raising=False)
-        args = ["--autotune-port", str(free_port()), "--redis-port", str(free_port_block(6, tls=True)),
+        args = ["--autotune-port", str(free_port()), "--lighthouse-port", str(free_port()), "--redis-port", str(free_port_block(6, tls=True)),
                 "--maxmemory", "64mb", "--timeout", "120"]
         result = _cli("up", *args)
         assert result.returncode == 0, result.stderr

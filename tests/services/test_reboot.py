@@ -37,7 +37,7 @@ def test_kill_9_of_everything_then_up_brings_the_same_deployment_back(tmp_path: 
     with private_state(tmp_path), pytest.MonkeyPatch.context() as mp:
         mp.delenv("BAGUA_LIGHTNING_CACHE_KEY", raising=False)
         mp.delenv("BAGUA_LIGHTNING_REDIS_READ_PORT_OFFSET", raising=False)
-        args = ["--autotune-port", str(free_port()), "--redis-port", str(free_port_block(6, tls=True)),
+        args = ["--autotune-port", str(free_port()), "--lighthouse-port", str(free_port()), "--redis-port", str(free_port_block(6, tls=True)),
                 "--maxmemory", "64mb", "--timeout", "120"]
         result = _cli("up", *args)
         assert result.returncode == 0, result.stderr
