@@ -20,7 +20,6 @@ and its place in the block is not read.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
 from typing import Any
 
 from .batches import UNIFORM_MIN, Groups, build_groups, decode_opened_rows, join_group
@@ -228,7 +227,7 @@ def _open_in_place(keys: list[bytes], secret: bytes, run: Any, size: int) -> lis
     if native is not None:  # small entries: every row in one call (.native_gcm)
         failed = native.open_rows(buf, first, stride, n, HEADER_SIZE, pt, nonces, aads)
         if failed is not None:
-            _put_back(seal_cipher(secret), flat, start, stride, nonces, aads, failed.opened, failed.rows, pt)
+            _put_back(seal_cipher(secret), flat, start, stride, nonces, aads, failed.row, pt, failed.written)
             return None
     else:
         at = start  # the row being opened; those before it are open (no counter in the loop: one call each)
@@ -237,8 +236,7 @@ def _open_in_place(keys: list[bytes], secret: bytes, run: Any, size: int) -> lis
                                    aads, strict=True):
                 into(nonces[nb:nb + NONCE_SIZE], flat[at:at + ct], aad, flat[at:at + pt])
         except Exception:
-            done = (at - start) // stride
-            _put_back(seal_cipher(secret), flat, start, stride, nonces, aads, range(done), [(done, True)], pt)
+            _put_back(seal_cipher(secret), flat, start, stride, nonces, aads, (at - start) // stride, pt)
             return None
     rows[:, 4] = OPENED
     built = decode_opened_rows(buf, stride, size - SEAL_TAG_SIZE, n, first)
@@ -251,20 +249,19 @@ def _open_in_place(keys: list[bytes], secret: bytes, run: Any, size: int) -> lis
     return out
 
 
-def _put_back(cipher: Any, flat: memoryview, start: int, stride: int, nonces: bytes, aads: list[bytes],
-              opened: Iterable[int], failed: Iterable[tuple[int, bool]], pt: int) -> None:
-    """Seal again, as received, the rows ``opened`` in place and each row of ``failed`` (row, written) over which
-    OpenSSL wrote its unauthenticated plaintext before it checked the tag: the keystream put back over it gives
-    the ciphertext as received. GCM is deterministic under a nonce, so the opened rows get their tags back; a
-    failed row's new tag goes to scratch, never into the entry (its own stays as received). A failed row not
-    written (the native loop stopped before it) is as received already."""
+def _put_back(cipher: Any, flat: memoryview, start: int, stride: int, nonces: bytes, aads: list[bytes], done: int,
+              pt: int, written: bool = True) -> None:
+    """Seal again, as received, the ``done`` rows opened in place and row ``done``, which did not open: OpenSSL
+    wrote its unauthenticated plaintext before it checked the tag (``written``; the native loop says when it
+    failed before that, and the row is as received), and the keystream put back over it gives the ciphertext
+    as received. GCM is deterministic under a nonce, so the opened rows get their tags back; the failed row's
+    new tag goes to scratch, never into the entry (its own stays as received)."""
     scratch = bytearray(pt + SEAL_TAG_SIZE)
-    for r in opened:
+    for r in range(min(done + 1 if written else done, len(aads))):
         at, nonce = start + r * stride, nonces[r * NONCE_SIZE:(r + 1) * NONCE_SIZE]
-        cipher.encrypt_into(nonce, flat[at:at + pt], aads[r], flat[at:at + pt + SEAL_TAG_SIZE])
-    for r, written in failed:
-        if written and r < len(aads):
-            at, nonce = start + r * stride, nonces[r * NONCE_SIZE:(r + 1) * NONCE_SIZE]
+        if r < done:
+            cipher.encrypt_into(nonce, flat[at:at + pt], aads[r], flat[at:at + pt + SEAL_TAG_SIZE])
+        else:
             cipher.encrypt_into(nonce, flat[at:at + pt], aads[r], scratch)
             flat[at:at + pt] = memoryview(scratch)[:pt]
 

@@ -102,19 +102,14 @@ class RowOpener:
             ctx = self._local.ctx = _Context(self._native, self._key)
         return ctx
 
-    def _call(self, target: Any, first: int, stride: int, n: int, header: int, text_len: int, nonces: bytes,
-              aad: bytes, ends: Any) -> int:
-        return int(self._native.open_rows(ctypes.byref(self._native.evp), self._context().ctx, target, first, stride,
-                                          n, header, text_len, nonces, aad, ends))
-
     def open_rows(self, buf: bytearray, first: int, stride: int, n: int, header: int, text_len: int, nonces: bytes,
                   aads: list[bytes]) -> Failed | None:
         """Open ``n`` rows of ``buf`` in place: row ``r`` at ``first + r * stride``, its ciphertext the
         ``text_len`` bytes ``header`` bytes in, then its 16-byte tag; its nonce ``nonces[12 r:12 r + 12]``, its
         associated data ``aads[r]``.
 
-        Returns None when every row opened; else a :class:`Failed`, saying which rows are open (those before the
-        first that did not) and which did not.
+        Returns None when every row opened; else a :class:`Failed`: the first row that did not (those before it
+        are open, those after it as received).
 
         Raises:
             ValueError: the rows do not lie inside ``buf``, or the nonces or associated data do not match ``n``.
@@ -139,18 +134,16 @@ class RowOpener:
             return None
         if done == -1:
             raise ValueError("the native opener refused its arguments")
-        if done < -1:
-            return Failed(list(range(-2 - done)), [(-2 - done, False)])
-        return Failed(list(range(done)), [(done, True)])
+        return Failed(-2 - done, False) if done < -1 else Failed(done, True)
 
 
 @dataclass
 class Failed:
-    """What a call left when a row did not open: the rows ``opened`` (plaintext now), and the row of ``rows``
-    that did not, with whether unauthenticated output was written over it; the rows after it are as received."""
+    """The first ``row`` that did not open, and whether unauthenticated output was ``written`` over it; the rows
+    before it are open (plaintext now), those after it as received."""
 
-    opened: list[int]
-    rows: list[tuple[int, bool]]
+    row: int
+    written: bool
 
 
 ONE_RUN_MAX_ENTRY = 6 * 1024
@@ -258,6 +251,8 @@ def _self_check(native: _Native) -> None:
 
 
 def _native() -> _Native | None:
+    if _loaded:  # tried already: no lock on the read path of every batch
+        return _loaded[0]
     with _lock:
         if not _loaded:
             native = None
